@@ -1,0 +1,6 @@
+"""fusedattn: fused multi-head attention for Flax (linen, NNX) and Equinox."""
+
+from fusedattn import configs, ops
+
+__version__ = "0.1.0"
+__all__ = ["configs", "ops", "__version__"]

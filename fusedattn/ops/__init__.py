@@ -1,0 +1,19 @@
+"""fusedattn.ops: the attention op, its sequence descriptor, enums and backend selection."""
+
+from fusedattn.ops.attention import explain, fused_attn
+from fusedattn.ops.enums import (
+    BackendName,
+    BiasType,
+    MaskType,
+    QKVLayout,
+    SequenceFormat,
+    SoftmaxType,
+)
+from fusedattn.ops.registry import Explanation
+from fusedattn.ops.sequence import SequenceDescriptor
+from fusedattn.ops.spec import AttentionSpec
+
+__all__ = [
+    "AttentionSpec", "BackendName", "BiasType", "Explanation", "MaskType", "QKVLayout",
+    "SequenceDescriptor", "SequenceFormat", "SoftmaxType", "explain", "fused_attn",
+]

@@ -1,0 +1,174 @@
+"""The public op: fused_attn() and explain()."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from fusedattn.ops import layouts, philox, registry
+from fusedattn.ops.backends.base import CallShapes, CanonicalArgs
+from fusedattn.ops.enums import BiasType, SoftmaxType
+from fusedattn.ops.sequence import SequenceDescriptor, dense_token_info
+from fusedattn.ops.spec import AttentionSpec
+
+
+def fused_attn(qkv, *, config, bias=None, softmax_offset=None, sequence=None,
+               dropout_rng=None, is_training=False) -> jax.Array:
+    """Multi-head attention over the layout named by config.qkv_layout.
+
+    Args:
+      qkv: (q, k, v), (q, kv) or (qkv,) matching config.qkv_layout, e.g. for
+        "bshd_bshd_bshd" q [b, sq, h, d], k [b, skv, h_kv, d], v [b, skv, h_kv, dv].
+      config: the attention ConfigDict (fusedattn.configs.attention_config()) or
+        an AttentionSpec.
+      bias: [b|1, h|1, sq, skv] for pre/post-scale bias; [h] ALiBi slopes or None.
+      softmax_offset: float32 [h], required by softmax "learnable".
+      sequence: SequenceDescriptor, required by padding masks and THD layouts.
+      dropout_rng: JAX PRNG key, required when is_training and dropout_rate > 0.
+      is_training: False turns dropout off.
+
+    Returns:
+      The attention output in q's layout: [b, sq, h, dv] (SBHD: [sq, b, h, dv]).
+    """
+    spec = AttentionSpec.from_config(config)
+    qkv = layouts.check_arrays(tuple(jnp.asarray(a) for a in _as_tuple(qkv)), spec.qkv_layout)
+    q, k, v = layouts.to_bshd(qkv, spec.qkv_layout)
+    bias = None if bias is None else jnp.asarray(bias)
+    softmax_offset = None if softmax_offset is None else jnp.asarray(softmax_offset)
+    shapes = _call_shapes(spec, q, k, v, bias, softmax_offset, sequence,
+                          dropout=is_training and spec.dropout_rate > 0)
+    backend = registry.select(spec, shapes, registry.current_platform())
+
+    if shapes.dropout:
+        if dropout_rng is None:
+            raise ValueError(
+                f"dropout_rng: config.dropout_rate is {spec.dropout_rate} and is_training=True, "
+                "so a PRNG key is needed; pass dropout_rng=jax.random.key(...), or "
+                "is_training=False to turn dropout off."
+            )
+        dropout_seed = philox.seed_from_key(dropout_rng)
+    else:
+        dropout_seed = None
+    args = CanonicalArgs(
+        q=q, k=k, v=v,
+        tokens=(sequence.token_info(spec, shapes.seqlen_q, shapes.seqlen_kv) if spec.uses_segments
+                else dense_token_info(spec, shapes.batch, shapes.seqlen_q, shapes.seqlen_kv)),
+        bias=bias,
+        softmax_offset=_softmax_offset(spec, softmax_offset, shapes.num_heads),
+        dropout_seed=dropout_seed,
+    )
+    scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(shapes.head_dim_qk)
+    out = backend.attention(spec, args, scale)
+    return layouts.from_bshd(out, spec.qkv_layout)
+
+
+def explain(qkv, *, config, bias=None, sequence=None, platform=None) -> registry.Explanation:
+    """Which backend fused_attn would use for this call, and every backend's reason.
+
+    qkv may hold arrays or jax.ShapeDtypeStruct; platform defaults to the
+    default device's ("cpu", "cuda" or "rocm"; "gpu" means "cuda").
+    """
+    spec = AttentionSpec.from_config(config)
+    qkv = layouts.check_arrays(_as_tuple(qkv), spec.qkv_layout)
+    structs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in qkv)
+    q, k, v = jax.eval_shape(lambda arrays: layouts.to_bshd(arrays, spec.qkv_layout), structs)
+    offset = jax.ShapeDtypeStruct((q.shape[2],), jnp.float32)
+    shapes = _call_shapes(spec, q, k, v, bias,
+                          offset if spec.softmax == SoftmaxType.LEARNABLE else None, sequence,
+                          dropout=spec.dropout_rate > 0)
+    platform = {"gpu": "cuda"}.get(platform, platform) or registry.current_platform()
+    return registry.explain_spec(spec, shapes, platform)
+
+
+def _as_tuple(qkv) -> tuple:
+    return tuple(qkv) if isinstance(qkv, (tuple, list)) else (qkv,)
+
+
+def _call_shapes(spec: AttentionSpec, q, k, v, bias, softmax_offset, sequence,
+                 dropout: bool) -> CallShapes:
+    """Validates everything but array values; returns the static facts of the call."""
+    layouts.check_canonical(q, k, v)
+    b, sq, h, d = q.shape
+    skv, h_kv = k.shape[1], k.shape[2]
+    _check_bias(spec, bias, b, h, sq, skv)
+    _check_softmax_offset(spec, softmax_offset, h)
+    if spec.uses_segments:
+        if sequence is None:
+            why = ("padding masks" if spec.mask.is_padding else "THD layouts")
+            raise ValueError(
+                f"sequence: config mask {str(spec.mask)!r} with layout {str(spec.qkv_layout)!r} "
+                f"needs a SequenceDescriptor ({why} read lengths from it); pass sequence="
+                "SequenceDescriptor.from_seqlens(...) or another constructor."
+            )
+        if not isinstance(sequence, SequenceDescriptor):
+            raise TypeError(
+                f"sequence: expected a fusedattn.ops.SequenceDescriptor, got "
+                f"{type(sequence).__name__}."
+            )
+        sequence.check(spec, b, sq, skv)
+    return CallShapes(batch=b, seqlen_q=sq, seqlen_kv=skv, num_heads=h, num_kv_heads=h_kv,
+                      head_dim_qk=d, head_dim_v=v.shape[3], dtype=jnp.dtype(q.dtype),
+                      has_bias_array=bias is not None and spec.bias != BiasType.ALIBI,
+                      dropout=dropout)
+
+
+def _check_bias(spec: AttentionSpec, bias, b: int, h: int, sq: int, skv: int) -> None:
+    if spec.bias == BiasType.NO_BIAS:
+        if bias is not None:
+            raise ValueError(
+                "bias: config.bias is 'no_bias' but a bias array was passed; set config.bias to "
+                "'post_scale_bias' or 'pre_scale_bias', or drop the array."
+            )
+        return
+    if spec.bias == BiasType.ALIBI:
+        if bias is not None and tuple(bias.shape) != (h,):
+            raise ValueError(
+                f"bias: with config.bias 'alibi' the bias argument is optional slopes of shape "
+                f"[h] = ({h},), got {tuple(bias.shape)}; pass None for the standard slopes."
+            )
+        return
+    if bias is None:
+        raise ValueError(
+            f"bias: config.bias is {str(spec.bias)!r}, which needs a bias array of shape "
+            f"[b or 1, h or 1, sq, skv] = [{b} or 1, {h} or 1, {sq}, {skv}]."
+        )
+    shape = tuple(bias.shape)
+    if (len(shape) != 4 or shape[0] not in (1, b) or shape[1] not in (1, h)
+            or shape[2:] != (sq, skv)):
+        raise ValueError(
+            f"bias: expected shape [b or 1, h or 1, sq, skv] = [{b} or 1, {h} or 1, {sq}, {skv}], "
+            f"got {shape}."
+        )
+    if not jnp.issubdtype(bias.dtype, jnp.floating):
+        raise TypeError(f"bias: expected a floating-point array, got dtype {bias.dtype}.")
+
+
+def _check_softmax_offset(spec: AttentionSpec, softmax_offset, h: int) -> None:
+    if spec.softmax != SoftmaxType.LEARNABLE:
+        if softmax_offset is not None:
+            raise ValueError(
+                f"softmax_offset: only used with config.softmax 'learnable', but config.softmax "
+                f"is {str(spec.softmax)!r}; drop the argument or set config.softmax='learnable'."
+            )
+        return
+    if softmax_offset is None:
+        raise ValueError(
+            f"softmax_offset: config.softmax 'learnable' needs a float32 array of shape [h] = "
+            f"({h},), e.g. jnp.zeros(({h},), jnp.float32) as the initial value."
+        )
+    if tuple(softmax_offset.shape) != (h,) or not jnp.issubdtype(softmax_offset.dtype,
+                                                                 jnp.floating):
+        raise ValueError(
+            f"softmax_offset: expected a float32 array of shape [h] = ({h},), got "
+            f"{softmax_offset.dtype} {tuple(softmax_offset.shape)}."
+        )
+
+
+def _softmax_offset(spec: AttentionSpec, softmax_offset, h: int):
+    if spec.softmax == SoftmaxType.LEARNABLE:
+        return jnp.asarray(softmax_offset, jnp.float32)
+    if spec.softmax == SoftmaxType.OFF_BY_ONE:
+        return jnp.zeros((h,), jnp.float32)
+    return None

@@ -1,0 +1,1 @@
+"""Attention backends; each says whether it can serve a call (`supports`) and serves it."""

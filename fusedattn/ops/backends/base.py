@@ -1,0 +1,103 @@
+"""What every backend receives: the call in canonical form, and the Backend protocol.
+
+Every QKV layout is reduced to three BSHD arrays, and every mask and sequence
+descriptor to per-token vectors, before a backend sees the call. One mask
+predicate over those vectors (written once here for JAX and once in
+ops_cuda/include/fusedattn/mask.h for the kernels) then serves all six masks,
+windows, padding and packing:
+
+    visible(b, i, j) =  q_seg[b, i] != 0  and  q_seg[b, i] == kv_seg[b, j]
+                        and (not causal or kv_pos[b, j] <= q_pos[b, i] + q_diag[b, i])
+                        and (left  < 0 or kv_pos[b, j] >= q_pos[b, i] + q_diag[b, i] - left)
+                        and (right < 0 or kv_pos[b, j] <= q_pos[b, i] + q_diag[b, i] + right)
+
+seg: segment id (0 = padding), pos: position within the segment, q_diag: how
+far the mask's diagonal is shifted for that query's segment (0 top-left,
+kv_len - q_len bottom-right).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from fusedattn.ops.spec import AttentionSpec
+
+
+class TokenInfo(NamedTuple):
+    """Per-token segment ids, positions and diagonal shifts, all int32.
+
+    q_seg, q_pos, q_diag: [b, sq]; kv_seg, kv_pos: [b, skv].
+    """
+
+    q_seg: jax.Array
+    q_pos: jax.Array
+    q_diag: jax.Array
+    kv_seg: jax.Array
+    kv_pos: jax.Array
+
+
+class CanonicalArgs(NamedTuple):
+    """One attention call, layout-free.
+
+    q: [b, sq, h, d]; k: [b, skv, h_kv, d]; v: [b, skv, h_kv, dv] (one dtype).
+    bias: None, [b|1, h|1, sq, skv] for pre/post-scale bias, or [h] ALiBi slopes.
+    softmax_offset: None, or float32 [h] (learnable; off_by_one passes zeros).
+    dropout_seed: None (no dropout) or uint32 [2], the Philox key.
+    """
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    tokens: TokenInfo
+    bias: jax.Array | None = None
+    softmax_offset: jax.Array | None = None
+    dropout_seed: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CallShapes:
+    """The static facts of a call that backends decide on (no array values)."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_kv: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim_qk: int
+    head_dim_v: int
+    dtype: jnp.dtype
+    has_bias_array: bool
+    dropout: bool
+
+
+class Backend(Protocol):
+    """A backend: says whether it can serve a call, and serves it differentiably."""
+
+    name: str
+
+    def supports(self, spec: AttentionSpec, shapes: CallShapes, platform: str) -> str | None:
+        """None when this backend can serve the call on `platform`, else the reason."""
+
+    def attention(self, spec: AttentionSpec, args: CanonicalArgs, scale: float) -> jax.Array:
+        """Returns the [b, sq, h, dv] output; differentiable in q, k, v, bias, offset."""
+
+
+def visible_mask(spec: AttentionSpec, tokens: TokenInfo) -> jax.Array:
+    """The predicate above as a boolean [b, 1, sq, skv] array (broadcast over heads)."""
+    q_seg = tokens.q_seg[:, :, None]
+    kv_seg = tokens.kv_seg[:, None, :]
+    visible = (q_seg != 0) & (q_seg == kv_seg)
+    diagonal = (tokens.q_pos + tokens.q_diag)[:, :, None]
+    kv_pos = tokens.kv_pos[:, None, :]
+    left, right = spec.window_size
+    if spec.mask.is_causal:
+        visible &= kv_pos <= diagonal
+    if left >= 0:
+        visible &= kv_pos >= diagonal - left
+    if right >= 0:
+        visible &= kv_pos <= diagonal + right
+    return visible[:, None]

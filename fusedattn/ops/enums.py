@@ -1,0 +1,107 @@
+"""The named choices of the attention config, as string enums.
+
+Each enum's values are exactly the strings accepted in the config (API.md), so
+`QKVLayout("bs3hd")` parses a config value and `str(layout)` prints it back.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class _Choice(str, enum.Enum):
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value, key: str):
+        """Returns the member named by `value`, or raises ValueError naming `key`."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            choices = ", ".join(repr(m.value) for m in cls)
+            raise ValueError(
+                f"config.{key}: got {value!r}; expected one of {choices}. "
+                f"Set config.{key} to one of these values."
+            ) from None
+
+
+class QKVLayout(_Choice):
+    BS3HD = "bs3hd"
+    BSHD_BS2HD = "bshd_bs2hd"
+    BSHD_BSHD_BSHD = "bshd_bshd_bshd"
+    SB3HD = "sb3hd"
+    SBHD_SB2HD = "sbhd_sb2hd"
+    SBHD_SBHD_SBHD = "sbhd_sbhd_sbhd"
+    T3HD = "t3hd"
+    THD_T2HD = "thd_t2hd"
+    THD_THD_THD = "thd_thd_thd"
+
+    @property
+    def format(self) -> str:
+        """"bshd", "sbhd" or "thd": how the q array orders its axes."""
+        return {"b": "bshd", "s": "sbhd", "t": "thd"}[self.value[0]]
+
+    @property
+    def num_arrays(self) -> int:
+        """How many arrays the qkv tuple holds: 1 (qkv packed), 2 (q, kv) or 3."""
+        if "3" in self.value:
+            return 1
+        if "2" in self.value:
+            return 2
+        return 3
+
+    @property
+    def is_thd(self) -> bool:
+        return self.format == "thd"
+
+
+class MaskType(_Choice):
+    NO_MASK = "no_mask"
+    PADDING = "padding"
+    CAUSAL = "causal"
+    PADDING_CAUSAL = "padding_causal"
+    CAUSAL_BOTTOM_RIGHT = "causal_bottom_right"
+    PADDING_CAUSAL_BOTTOM_RIGHT = "padding_causal_bottom_right"
+
+    @property
+    def is_padding(self) -> bool:
+        return self.value.startswith("padding")
+
+    @property
+    def is_causal(self) -> bool:
+        return "causal" in self.value
+
+    @property
+    def is_bottom_right(self) -> bool:
+        return self.value.endswith("bottom_right")
+
+
+class BiasType(_Choice):
+    NO_BIAS = "no_bias"
+    PRE_SCALE_BIAS = "pre_scale_bias"
+    POST_SCALE_BIAS = "post_scale_bias"
+    ALIBI = "alibi"
+
+
+class SoftmaxType(_Choice):
+    VANILLA = "vanilla"
+    OFF_BY_ONE = "off_by_one"
+    LEARNABLE = "learnable"
+
+
+class SequenceFormat(_Choice):
+    NONE = "none"
+    SEQLENS = "seqlens"
+    SEQLENS_OFFSETS = "seqlens_offsets"
+    SEGMENT_IDS = "segment_ids"
+
+
+class BackendName(_Choice):
+    AUTO = "auto"
+    XLA = "xla"
+    CUDNN = "cudnn"
+    SMALL_SEQ = "small_seq"
+    FLASH = "flash"

@@ -1,0 +1,73 @@
+"""Backend registry and selection: explicit, ordered, and explained."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from fusedattn.ops.backends import cudnn, flash, small_seq, xla
+from fusedattn.ops.backends.base import Backend, CallShapes
+from fusedattn.ops.enums import BackendName
+from fusedattn.ops.spec import AttentionSpec
+
+# "auto" takes the first of these that supports the call.
+BACKENDS: dict[str, Backend] = {
+    b.name: b for b in (small_seq.BACKEND, cudnn.BACKEND, flash.BACKEND, xla.BACKEND)
+}
+
+
+def current_platform() -> str:
+    """"cpu", "cuda" or "rocm" (or another JAX platform name) of the default device."""
+    device = jax.devices()[0]
+    if device.platform == "gpu":
+        version = device.client.platform_version.lower()
+        return "rocm" if "rocm" in version or "hip" in version else "cuda"
+    return device.platform
+
+
+def verdict(name: str, spec: AttentionSpec, shapes: CallShapes, platform: str) -> str | None:
+    """None when backend `name` would serve the call under this config, else why not."""
+    if (name == BackendName.SMALL_SEQ and spec.backend == BackendName.AUTO
+            and not spec.small_seq_enabled):
+        return ("small_seq: not opted in; set config.small_seq.enabled = True (with "
+                "config.sequence.max_seqlen_q = 1 and max_seqlen_kv <= 16) to use it under 'auto'")
+    return BACKENDS[name].supports(spec, shapes, platform)
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """Which backend a call gets, and every backend's verdict (None = can serve)."""
+
+    backend: str | None
+    verdicts: dict[str, str | None]
+    requested: str
+
+    def __str__(self) -> str:
+        width = max(map(len, self.verdicts))
+        lines = [f"requested backend: {self.requested}; chosen: {self.backend or 'none'}"]
+        for name, reason in self.verdicts.items():
+            mark = "->" if name == self.backend else "  "
+            lines.append(f"{mark} {name:<{width}}  {'ok' if reason is None else reason}")
+        return "\n".join(lines)
+
+
+def explain_spec(spec: AttentionSpec, shapes: CallShapes, platform: str) -> Explanation:
+    verdicts = {name: verdict(name, spec, shapes, platform) for name in BACKENDS}
+    if spec.backend == BackendName.AUTO:
+        chosen = next((name for name, reason in verdicts.items() if reason is None), None)
+    else:
+        chosen = str(spec.backend) if verdicts[str(spec.backend)] is None else None
+    return Explanation(backend=chosen, verdicts=verdicts, requested=str(spec.backend))
+
+
+def select(spec: AttentionSpec, shapes: CallShapes, platform: str) -> Backend:
+    """The backend that serves the call; ValueError with the reason when none can."""
+    explanation = explain_spec(spec, shapes, platform)
+    if explanation.backend is None:
+        raise ValueError(
+            f"config.backend={str(spec.backend)!r} cannot serve this call: "
+            f"{explanation.verdicts.get(str(spec.backend)) or explanation}. "
+            "Use backend='auto' (or 'xla', which serves every call), or change the call."
+        )
+    return BACKENDS[explanation.backend]

@@ -1,0 +1,162 @@
+"""AttentionSpec: the validated, frozen (hashable, static) form of the config."""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any, Mapping
+
+from fusedattn.ops.enums import (
+    BackendName,
+    BiasType,
+    MaskType,
+    QKVLayout,
+    SequenceFormat,
+    SoftmaxType,
+)
+
+_TOP_KEYS = (
+    "backend", "qkv_layout", "mask", "bias", "softmax", "dropout_rate", "scale",
+    "window_size", "deterministic_backward", "sequence", "small_seq",
+)
+_SEQUENCE_KEYS = ("format", "max_segments_per_seq", "max_seqlen_q", "max_seqlen_kv")
+_SMALL_SEQ_KEYS = ("enabled",)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """Everything static about an attention call; made by `AttentionSpec.from_config`."""
+
+    backend: BackendName = BackendName.AUTO
+    qkv_layout: QKVLayout = QKVLayout.BSHD_BSHD_BSHD
+    mask: MaskType = MaskType.CAUSAL
+    bias: BiasType = BiasType.NO_BIAS
+    softmax: SoftmaxType = SoftmaxType.VANILLA
+    dropout_rate: float = 0.0
+    scale: float | None = None
+    window_size: tuple[int, int] = (-1, -1)
+    deterministic_backward: bool = False
+    sequence_format: SequenceFormat = SequenceFormat.NONE
+    max_segments_per_seq: int = 1
+    max_seqlen_q: int | None = None
+    max_seqlen_kv: int | None = None
+    small_seq_enabled: bool = False
+
+    @classmethod
+    def from_config(cls, config: Any) -> "AttentionSpec":
+        """Validates an attention ConfigDict (or plain mapping) into a spec.
+
+        Raises ValueError naming the key, the bad value and what is accepted.
+        """
+        if isinstance(config, AttentionSpec):
+            return config
+        top = _as_mapping(config, "config")
+        _check_keys(top, _TOP_KEYS, "config")
+        sequence = _as_mapping(top.get("sequence", {}), "config.sequence")
+        _check_keys(sequence, _SEQUENCE_KEYS, "config.sequence")
+        small_seq = _as_mapping(top.get("small_seq", {}), "config.small_seq")
+        _check_keys(small_seq, _SMALL_SEQ_KEYS, "config.small_seq")
+
+        defaults = cls()
+        spec = cls(
+            backend=BackendName.parse(top.get("backend", defaults.backend), "backend"),
+            qkv_layout=QKVLayout.parse(top.get("qkv_layout", defaults.qkv_layout), "qkv_layout"),
+            mask=MaskType.parse(top.get("mask", defaults.mask), "mask"),
+            bias=BiasType.parse(top.get("bias", defaults.bias), "bias"),
+            softmax=SoftmaxType.parse(top.get("softmax", defaults.softmax), "softmax"),
+            dropout_rate=_dropout_rate(top.get("dropout_rate", 0.0)),
+            scale=_scale(top.get("scale", None)),
+            window_size=_window(top.get("window_size", (-1, -1))),
+            deterministic_backward=_bool(top.get("deterministic_backward", False),
+                                         "deterministic_backward"),
+            sequence_format=SequenceFormat.parse(sequence.get("format", "none"), "sequence.format"),
+            max_segments_per_seq=_positive_int(sequence.get("max_segments_per_seq", 1),
+                                               "sequence.max_segments_per_seq"),
+            max_seqlen_q=_optional_positive_int(sequence.get("max_seqlen_q"), "sequence.max_seqlen_q"),
+            max_seqlen_kv=_optional_positive_int(sequence.get("max_seqlen_kv"),
+                                                 "sequence.max_seqlen_kv"),
+            small_seq_enabled=_bool(small_seq.get("enabled", False), "small_seq.enabled"),
+        )
+        return spec
+
+    def replace(self, **changes) -> "AttentionSpec":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def uses_segments(self) -> bool:
+        """Whether the call needs a SequenceDescriptor (padding mask or THD layout)."""
+        return self.mask.is_padding or self.qkv_layout.is_thd
+
+
+def _as_mapping(value: Any, name: str) -> Mapping[str, Any]:
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    if isinstance(value, Mapping):
+        return value
+    raise TypeError(
+        f"{name}: expected an ml_collections.ConfigDict (from fusedattn.configs.attention_config()) "
+        f"or an AttentionSpec, got {type(value).__name__}."
+    )
+
+
+def _check_keys(mapping: Mapping[str, Any], valid: tuple[str, ...], name: str) -> None:
+    unknown = sorted(set(mapping) - set(valid))
+    if unknown:
+        raise ValueError(
+            f"{name}: unknown key(s) {', '.join(map(repr, unknown))}; valid keys are "
+            f"{', '.join(valid)}. Start from fusedattn.configs.attention_config()."
+        )
+
+
+def _bool(value: Any, key: str) -> bool:
+    if not isinstance(value, (bool, int)) or value not in (0, 1):
+        raise ValueError(f"config.{key}: got {value!r}; expected True or False.")
+    return bool(value)
+
+
+def _dropout_rate(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value < 1.0:
+        raise ValueError(
+            f"config.dropout_rate: got {value!r}; expected a number in [0, 1). "
+            "Use 0.0 to turn dropout off."
+        )
+    return float(value)
+
+
+def _scale(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise ValueError(
+            f"config.scale: got {value!r}; expected a positive number, or None for "
+            "1/sqrt(head_dim)."
+        )
+    return float(value)
+
+
+def _window(value: Any) -> tuple[int, int]:
+    try:
+        left, right = value
+    except (TypeError, ValueError):
+        left = right = None
+    for side in (left, right):
+        if isinstance(side, bool) or not isinstance(side, numbers.Integral) or side < -1:
+            raise ValueError(
+                f"config.window_size: got {value!r}; expected a pair (left, right) of ints, "
+                "each >= 0 or -1 for unbounded, e.g. (-1, -1) for no window."
+            )
+    return int(left), int(right)
+
+
+def _positive_int(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"config.{key}: got {value!r}; expected an int >= 1.")
+    return int(value)
+
+
+def _optional_positive_int(value: Any, key: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"config.{key}: got {value!r}; expected None (no bound) or an int >= 1.")
+    return int(value)
