@@ -33,8 +33,8 @@ def fused_attn(qkv, *, config, bias=None, softmax_offset=None, sequence=None,
       The attention output in q's layout: [b, sq, h, dv] (SBHD: [sq, b, h, dv]).
     """
     spec = AttentionSpec.from_config(config)
-    qkv = layouts.check_arrays(tuple(jnp.asarray(a) for a in _as_tuple(qkv)), spec.qkv_layout)
-    q, k, v = layouts.to_bshd(qkv, spec.qkv_layout)
+    qkv = layouts.check_arrays(_as_tuple(qkv), spec.qkv_layout)
+    q, k, v = layouts.to_bshd(tuple(jnp.asarray(a) for a in qkv), spec.qkv_layout)
     bias = None if bias is None else jnp.asarray(bias)
     softmax_offset = None if softmax_offset is None else jnp.asarray(softmax_offset)
     shapes = _call_shapes(spec, q, k, v, bias, softmax_offset, sequence,

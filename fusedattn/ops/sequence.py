@@ -25,8 +25,8 @@ class SequenceDescriptor:
     seqlens:     q_seqlens/kv_seqlens [b] (one sequence per row, left-aligned),
                  or [b, m] with offsets [b, m + 1] (THD packing; unused slots -1).
     segment_ids: q_segment_ids [b, sq], kv_segment_ids [b, skv]; ids >= 1 name
-                 segments, 0 is padding; segment_pos defaults to 0..len-1 within
-                 each contiguous run of one id.
+                 segments, 0 is padding; segment_pos defaults to 0..len-1 over
+                 each segment's tokens in row order.
     """
 
     q_seqlens: jax.Array | None = None
@@ -124,8 +124,8 @@ class SequenceDescriptor:
         """Per-token segment ids, positions and diagonal shifts (see base.TokenInfo)."""
         if self.format == SequenceFormat.SEGMENT_IDS:
             q_seg, kv_seg = self.q_segment_ids, self.kv_segment_ids
-            q_pos = _run_positions(q_seg) if self.q_segment_pos is None else self.q_segment_pos
-            kv_pos = _run_positions(kv_seg) if self.kv_segment_pos is None else self.kv_segment_pos
+            q_pos = _positions_within_segments(q_seg) if self.q_segment_pos is None else self.q_segment_pos
+            kv_pos = _positions_within_segments(kv_seg) if self.kv_segment_pos is None else self.kv_segment_pos
             q_diag = (_tokens_in_own_segment(q_seg, kv_seg) - _tokens_in_own_segment(q_seg, q_seg)
                       if spec.mask.is_bottom_right else jnp.zeros_like(q_seg))
             return _int32_tokens(q_seg, q_pos, q_diag, kv_seg, kv_pos)
@@ -172,13 +172,14 @@ def _segments_from_offsets(seqlens, offsets, seqlen):
     return segment, position, own_length
 
 
-def _run_positions(segment_ids):
-    """0, 1, 2, ... within each contiguous run of one id, per row: [b, s]."""
-    index = jnp.arange(segment_ids.shape[1])
-    run_start = jnp.concatenate(
-        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-    start_index = jax.lax.cummax(jnp.where(run_start, index, 0), axis=1)
-    return index - start_index
+def _positions_within_segments(segment_ids):
+    """0, 1, 2, ... over the tokens of each segment id in row order, per row: [b, s]."""
+    def per_row(ids):
+        order = jnp.argsort(ids, stable=True)
+        ordered = ids[order]
+        rank = jnp.arange(ids.shape[0]) - jnp.searchsorted(ordered, ordered, side="left")
+        return jnp.zeros_like(ids).at[order].set(rank)
+    return jax.vmap(per_row)(segment_ids)
 
 
 def _tokens_in_own_segment(ids, pool):

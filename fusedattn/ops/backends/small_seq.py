@@ -1,19 +1,192 @@
-"""The small-sequence backend (one query per segment, <= 16 keys): registered, not built yet."""
+"""The small-sequence backend: one query token per segment, at most 16 keys.
+
+The case of recommendation and retrieval models cross-attending to a short
+history with a huge batch (ROCm TransformerEngine's small-sequence backend).
+Kernels: ops_cuda/cuda/small_seq.cu (CUDA and HIP), ops_cuda/host/small_seq_host.cc
+(platform "cpu"); contract in ops_cuda/include/fusedattn/small_seq.h:
+
+    fusedattn_small_seq_fwd(q, k, v, kv_start, kv_len, seed) -> o
+    fusedattn_small_seq_bwd(q, k, v, kv_start, kv_len, seed, o, do) -> (dq, dk, dv)
+    attributes: scale f32, dropout_rate f64, max_keys i64
+
+Eligibility is static: the query bound (the tighter of
+config.sequence.max_seqlen_q and the q extent) must be 1 and the key bound
+(max_seqlen_kv vs the kv extent) at most 16. The data must honour the declared
+bounds; the guard below checks it on the device, without a host sync:
+
+- each query token's key range is computed from the per-token segment vectors;
+  a segment with more keys than the bound, more than one query token, or keys
+  that are not contiguous marks its query "broken" (kv_len = -1);
+- the kernels write NaN (never plausible numbers) to a broken query's output
+  and dq;
+- the call raises ValueError naming the bound when its values are concrete
+  (eager use), and reports the same message through
+  jax.experimental.checkify when the caller wraps the function with
+  checkify.checkify (under jit without checkify, the NaN marks remain).
+
+The forward saves only its output: with at most 16 keys the backward
+recomputes the scores from q and k, which it reads anyway for dq and dk.
+"""
 
 from __future__ import annotations
 
-from fusedattn.ops.backends.base import CallShapes, CanonicalArgs
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
+
+from fusedattn.ops import _library
+from fusedattn.ops.backends.base import CallShapes, CanonicalArgs, TokenInfo
+from fusedattn.ops.enums import BiasType, MaskType, SoftmaxType
 from fusedattn.ops.spec import AttentionSpec
+
+MAX_KEYS = 16
+HEAD_DIMS = (64, 128, 256, 512)
+MAX_HEADS_PER_KV_HEAD = 64
+FWD_TARGET = "fusedattn_small_seq_fwd"
+BWD_TARGET = "fusedattn_small_seq_bwd"
+
+
+def key_bound(spec: AttentionSpec, seqlen_kv: int) -> int:
+    """The static bound on any segment's key count: declared bound vs array extent."""
+    return min(spec.max_seqlen_kv or seqlen_kv, seqlen_kv)
+
+
+def query_bound(spec: AttentionSpec, seqlen_q: int) -> int:
+    return min(spec.max_seqlen_q or seqlen_q, seqlen_q)
 
 
 class SmallSeqBackend:
     name = "small_seq"
 
     def supports(self, spec: AttentionSpec, shapes: CallShapes, platform: str) -> str | None:
-        return "small_seq: the small-sequence kernels are not built yet in this version"
+        if spec.mask not in (MaskType.NO_MASK, MaskType.PADDING):
+            return (f"small_seq: serves masks 'no_mask' and 'padding' only (one query per segment), "
+                    f"got {str(spec.mask)!r}")
+        if spec.bias != BiasType.NO_BIAS:
+            return f"small_seq: no bias support, got config.bias {str(spec.bias)!r}"
+        if spec.softmax != SoftmaxType.VANILLA:
+            return f"small_seq: vanilla softmax only, got config.softmax {str(spec.softmax)!r}"
+        if spec.window_size != (-1, -1):
+            return f"small_seq: no sliding window, got config.window_size {spec.window_size}"
+        q_bound = query_bound(spec, shapes.seqlen_q)
+        if q_bound != 1:
+            return (f"small_seq: needs one query token per segment, but the query bound is "
+                    f"{q_bound} (config.sequence.max_seqlen_q={spec.max_seqlen_q}, q length "
+                    f"{shapes.seqlen_q}); declare config.sequence.max_seqlen_q = 1")
+        kv_bound = key_bound(spec, shapes.seqlen_kv)
+        if kv_bound > MAX_KEYS:
+            return (f"small_seq: needs at most {MAX_KEYS} keys per segment, but the key bound is "
+                    f"{kv_bound} (config.sequence.max_seqlen_kv={spec.max_seqlen_kv}, kv length "
+                    f"{shapes.seqlen_kv}); declare config.sequence.max_seqlen_kv <= {MAX_KEYS}")
+        if shapes.head_dim_qk != shapes.head_dim_v or shapes.head_dim_qk not in HEAD_DIMS:
+            return (f"small_seq: head dims must be equal and one of {HEAD_DIMS}, got "
+                    f"q/k {shapes.head_dim_qk} and v {shapes.head_dim_v}")
+        group = shapes.num_heads // shapes.num_kv_heads
+        if group > MAX_HEADS_PER_KV_HEAD:
+            return (f"small_seq: at most {MAX_HEADS_PER_KV_HEAD} query heads per K/V head, "
+                    f"got {group}")
+        unavailable = _library.available(platform)
+        if unavailable is not None:
+            return f"small_seq: {unavailable}"
+        return None
 
-    def attention(self, spec: AttentionSpec, args: CanonicalArgs, scale: float):
-        raise NotImplementedError(self.supports(spec, None, "cpu"))
+    def attention(self, spec: AttentionSpec, args: CanonicalArgs, scale: float) -> jax.Array:
+        max_keys = key_bound(spec, args.k.shape[1])
+        kv_start, kv_len = key_ranges(args.tokens, max_keys)
+        _guard(kv_len, spec, max_keys)
+        rate = spec.dropout_rate if args.dropout_seed is not None else 0.0
+        seed = (jnp.zeros((2,), jnp.uint32) if args.dropout_seed is None
+                else args.dropout_seed.astype(jnp.uint32))
+        return _small_seq(args.q, args.k, args.v, kv_start, kv_len, seed,
+                          float(scale), float(rate), int(max_keys))
 
+
+def key_ranges(tokens: TokenInfo, max_keys: int) -> tuple[jax.Array, jax.Array]:
+    """Each query token's keys as (kv_start, kv_len), int32 [b, sq].
+
+    kv_len is 0 for a padding query and -1 for a query whose segment breaks the
+    bounds (more than max_keys keys, more than one query token, keys not
+    contiguous in the row).
+    """
+    q_seg, kv_seg = tokens.q_seg, tokens.kv_seg
+    kv_count, kv_first, kv_last = jax.vmap(_occurrences)(q_seg, kv_seg)
+    q_count, _, _ = jax.vmap(_occurrences)(q_seg, q_seg)
+    is_query = q_seg != 0
+    contiguous = (kv_count == 0) | (kv_last - kv_first + 1 == kv_count)
+    broken = is_query & ((kv_count > max_keys) | (q_count > 1) | ~contiguous)
+    kv_len = jnp.where(broken, -1, jnp.where(is_query, kv_count, 0))
+    return jnp.where(is_query, kv_first, 0).astype(jnp.int32), kv_len.astype(jnp.int32)
+
+
+def _occurrences(ids: jax.Array, pool: jax.Array):
+    """For each id of one row: how often it occurs in `pool`, first and last index.
+
+    A [sq, skv] comparison when the row has one query token (the common case,
+    cheapest); otherwise a stable sort of the pool and binary searches.
+    """
+    if ids.shape[0] == 1:
+        same = pool[None, :] == ids[:, None]
+        count = jnp.sum(same, axis=-1)
+        first = jnp.argmax(same, axis=-1)
+        last = pool.shape[0] - 1 - jnp.argmax(same[:, ::-1], axis=-1)
+        return count, first, last
+    order = jnp.argsort(pool, stable=True)
+    ordered = pool[order]
+    left = jnp.searchsorted(ordered, ids, side="left")
+    right = jnp.searchsorted(ordered, ids, side="right")
+    top = pool.shape[0] - 1
+    return right - left, order[jnp.clip(left, 0, top)], order[jnp.clip(right - 1, 0, top)]
+
+
+def _guard_message(spec: AttentionSpec, max_keys: int) -> str:
+    return (f"small_seq: the data breaks the declared sequence bounds: a segment has more than "
+            f"{max_keys} keys (config.sequence.max_seqlen_kv={spec.max_seqlen_kv}), more than "
+            f"one query token (config.sequence.max_seqlen_q={spec.max_seqlen_q}), or keys that "
+            "are not contiguous in their row. Its outputs are NaN. Raise the bounds to fit the "
+            "data, or use backend='xla'.")
+
+
+def _guard(kv_len: jax.Array, spec: AttentionSpec, max_keys: int) -> None:
+    broken = jnp.any(kv_len < 0)
+    if not isinstance(broken, jax.core.Tracer):
+        if bool(broken):
+            raise ValueError(_guard_message(spec, max_keys))
+        return
+    checkify.debug_check(jnp.logical_not(broken), _guard_message(spec, max_keys))
+
+
+def _forward_call(q, k, v, kv_start, kv_len, seed, scale, rate, max_keys):
+    return jax.ffi.ffi_call(FWD_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype),
+                            vmap_method="broadcast_all")(
+        q, k, v, kv_start, kv_len, seed,
+        scale=np.float32(scale), dropout_rate=np.float64(rate), max_keys=np.int64(max_keys))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _small_seq(q, k, v, kv_start, kv_len, seed, scale, rate, max_keys):
+    return _forward_call(q, k, v, kv_start, kv_len, seed, scale, rate, max_keys)
+
+
+def _small_seq_fwd(q, k, v, kv_start, kv_len, seed, scale, rate, max_keys):
+    o = _forward_call(q, k, v, kv_start, kv_len, seed, scale, rate, max_keys)
+    return o, (q, k, v, kv_start, kv_len, seed, o)
+
+
+def _small_seq_bwd(scale, rate, max_keys, residuals, do):
+    q, k, v, kv_start, kv_len, seed, o = residuals
+    dq, dk, dv = jax.ffi.ffi_call(
+        BWD_TARGET,
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+         jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        vmap_method="broadcast_all")(
+        q, k, v, kv_start, kv_len, seed, o, do.astype(o.dtype),
+        scale=np.float32(scale), dropout_rate=np.float64(rate), max_keys=np.int64(max_keys))
+    return dq, dk, dv, None, None, None
+
+
+_small_seq.defvjp(_small_seq_fwd, _small_seq_bwd)
 
 BACKEND = SmallSeqBackend()

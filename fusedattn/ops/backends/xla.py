@@ -76,7 +76,8 @@ def attention_weights(spec: AttentionSpec, args: CanonicalArgs, scale: float) ->
         scores = scores + _alibi_bias(spec, args, h)
 
     visible = visible_mask(spec, args.tokens)
-    row_max = jnp.max(jnp.where(visible, scores, -jnp.inf), axis=-1, keepdims=True)
+    row_max = jnp.max(jnp.where(visible, scores, -jnp.inf), axis=-1, keepdims=True,
+                      initial=-jnp.inf)
     sink = None
     if spec.softmax != SoftmaxType.VANILLA:
         offset = (jnp.zeros((h,), jnp.float32) if args.softmax_offset is None
@@ -105,6 +106,10 @@ class XlaBackend:
         return None
 
     def attention(self, spec: AttentionSpec, args: CanonicalArgs, scale: float) -> jax.Array:
+        # Padding tokens never take part: zeroing them keeps garbage there (even NaN)
+        # out of every output and gradient, as kernels that never read them behave.
+        real_key = (args.tokens.kv_seg != 0)[:, :, None, None]
+        args = args._replace(k=jnp.where(real_key, args.k, 0), v=jnp.where(real_key, args.v, 0))
         return _weighted_values(attention_weights(spec, args, scale), args.v)
 
 

@@ -1,0 +1,60 @@
+"""Shared benchmark plumbing: timing, device facts, the result file."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+H200_HBM_BYTES_PER_S = 4.8e12
+H200_MEASURED_MATMUL_FLOPS = 790e12  # a large bf16 matmul measured on the H200 (ANCHORS.md)
+
+
+def parse_args(default_out: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=default_out, help="where to write the JSON results")
+    parser.add_argument("--repeats", type=int, default=7, help="timed repeats (median reported)")
+    parser.add_argument("--iters", type=int, default=10, help="calls per timed repeat")
+    parser.add_argument("--quick", action="store_true", help="a few shapes only")
+    return parser.parse_args()
+
+
+def median_ms(fn, *args, repeats: int = 7, iters: int = 10) -> float:
+    """Median over `repeats` of the mean time of `iters` back-to-back calls, after warm-up."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / iters * 1e3)
+    return statistics.median(times)
+
+
+def environment() -> dict:
+    device = jax.devices()[0]
+    versions = {"jax": jax.__version__, "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__")
+                else __import__("jaxlib").__version__, "numpy": np.__version__}
+    try:
+        versions["platform"] = device.client.platform_version
+    except AttributeError:
+        pass
+    return {"device": getattr(device, "device_kind", str(device)), "versions": versions,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def write_results(path: str, rows: list[dict], **extra) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({**environment(), **extra, "rows": rows}, indent=1) + "\n")
+
+
+def random_normal(key, shape, dtype):
+    return jax.random.normal(key, shape, jax.numpy.float32).astype(dtype)

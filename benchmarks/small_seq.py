@@ -1,0 +1,135 @@
+"""Small-sequence cross-attention: ours against jax.nn.dot_product_attention.
+
+One query token per batch row, s_kv keys, padding mask from key lengths (all
+full here so every implementation reads every byte), bf16. Impls:
+"small_seq" (fusedattn, backend small_seq), "xla" and "cudnn"
+(jax.nn.dot_product_attention implementation=...; cuDNN has no backward for
+s_q = 1). Passes "fwd" and "fwd+bwd" (the VJP with a random cotangent).
+
+The floor is bytes over the H200's 4.8 TB/s: forward reads q, k, v and writes
+o; the backward also reads q, k, v, o, dO and writes dq, dk, dv.
+
+    python benchmarks/small_seq.py --out benchmarks/results/small_seq.json
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import fusedattn
+from fusedattn.ops import SequenceDescriptor, fused_attn
+
+from common import H200_HBM_BYTES_PER_S, median_ms, parse_args, random_normal, write_results
+
+HEADS = 16
+S_KV = (2, 4, 6, 8, 12, 16)
+
+
+def ours(q, k, v, kv_len):
+    config = fusedattn.configs.attention_config()
+    config.backend = "small_seq"
+    config.mask = "padding"
+    config.sequence.max_seqlen_q = 1
+    config.sequence.max_seqlen_kv = k.shape[1]
+    q_len = jnp.ones_like(kv_len)
+    return fused_attn((q, k, v), config=config,
+                      sequence=SequenceDescriptor.from_seqlens(q_len, kv_len))
+
+
+def jax_attention(implementation):
+    def attend(q, k, v, kv_len):
+        return jax.nn.dot_product_attention(q, k, v, query_seq_lengths=jnp.ones_like(kv_len),
+                                            key_value_seq_lengths=kv_len,
+                                            implementation=implementation)
+    return attend
+
+
+IMPLS = {"small_seq": ours, "xla": jax_attention("xla"), "cudnn": jax_attention("cudnn")}
+
+
+def passes(attend):
+    forward = jax.jit(attend)
+
+    @jax.jit
+    def forward_backward(q, k, v, kv_len, do):
+        out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, kv_len), q, k, v)
+        return out, vjp(do)
+
+    return {"fwd": lambda q, k, v, kv_len, do: forward(q, k, v, kv_len),
+            "fwd+bwd": forward_backward}
+
+
+def floor_bytes(b, s_kv, d, itemsize, pass_name):
+    q = o = b * HEADS * d * itemsize
+    kv = 2 * b * s_kv * HEADS * d * itemsize
+    forward = q + kv + o
+    return forward if pass_name == "fwd" else forward + (q + kv + o + o) + (q + kv)
+
+
+def main():
+    args = parse_args("benchmarks/results/small_seq.json")
+    shapes = [(30720, 128), (4000, 128), (30720, 256)]
+    if args.quick:
+        shapes = shapes[:1]
+    rows = []
+    for b, d in shapes:
+        for s_kv in S_KV:
+            keys = jax.random.split(jax.random.key(s_kv * 1000 + d), 4)
+            q = random_normal(keys[0], (b, 1, HEADS, d), jnp.bfloat16)
+            k = random_normal(keys[1], (b, s_kv, HEADS, d), jnp.bfloat16)
+            v = random_normal(keys[2], (b, s_kv, HEADS, d), jnp.bfloat16)
+            do = random_normal(keys[3], (b, 1, HEADS, d), jnp.bfloat16)
+            kv_len = jnp.full((b,), s_kv, jnp.int32)
+            shape = {"b": b, "h": HEADS, "d": d, "s_kv": s_kv, "s_q": 1}
+            for impl, attend in IMPLS.items():
+                for pass_name, fn in passes(attend).items():
+                    row = {"name": f"b{b}_d{d}_skv{s_kv}", "shape": shape, "impl": impl,
+                           "pass": pass_name}
+                    floor_ms = floor_bytes(b, s_kv, d, 2, pass_name) / H200_HBM_BYTES_PER_S * 1e3
+                    try:
+                        ms = median_ms(fn, q, k, v, kv_len, do, repeats=args.repeats,
+                                       iters=args.iters)
+                    except Exception as error:  # cuDNN rejects s_q = 1 in the backward
+                        row.update(ms=None, unsupported=str(error).splitlines()[0][:200])
+                    else:
+                        row.update(ms=round(ms, 4), floor_ms=round(floor_ms, 4),
+                                   fraction_of_floor=round(floor_ms / ms, 3))
+                    rows.append(row)
+                    print(row, flush=True)
+    summary = summarize(rows)
+    write_results(args.out, rows, summary=summary,
+                  floor="bytes / 4.8 TB/s (H200 HBM3e peak)")
+    print_table(rows, summary)
+
+
+def summarize(rows):
+    times = {(r["name"], r["impl"], r["pass"]): r["ms"] for r in rows}
+    out = []
+    for r in rows:
+        if r["impl"] != "small_seq" or r["ms"] is None:
+            continue
+        entry = {"name": r["name"], "pass": r["pass"], "ms": r["ms"],
+                 "fraction_of_floor": r["fraction_of_floor"]}
+        for peer in ("xla", "cudnn"):
+            peer_ms = times.get((r["name"], peer, r["pass"]))
+            entry[f"speedup_vs_{peer}"] = None if not peer_ms else round(peer_ms / r["ms"], 2)
+        out.append(entry)
+    return out
+
+
+def print_table(rows, summary):
+    print(f"\n{'shape':<22}{'pass':<9}{'ours ms':>9}{'xla ms':>9}{'cudnn ms':>10}"
+          f"{'vs xla':>8}{'vs cudnn':>9}{'floor%':>8}")
+    times = {(r["name"], r["impl"], r["pass"]): r["ms"] for r in rows}
+    for s in summary:
+        xla_ms = times.get((s["name"], "xla", s["pass"]))
+        cudnn_ms = times.get((s["name"], "cudnn", s["pass"]))
+        fmt = lambda x: "n/a" if x is None else f"{x:.3f}"
+        print(f"{s['name']:<22}{s['pass']:<9}{s['ms']:>9.3f}{fmt(xla_ms):>9}{fmt(cudnn_ms):>10}"
+              f"{fmt(s['speedup_vs_xla']):>8}{fmt(s['speedup_vs_cudnn']):>9}"
+              f"{100 * s['fraction_of_floor']:>7.0f}%")
+
+
+if __name__ == "__main__":
+    main()

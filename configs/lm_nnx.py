@@ -1,0 +1,119 @@
+"""Decoder-only LM on the generated grammar corpus (examples/lm), Flax NNX model.
+
+    python examples/lm/main.py --workdir=/tmp/lm --config=configs/lm_nnx.py
+    python examples/lm/main.py --workdir=/tmp/lm --config=configs/lm_nnx.py \
+        --config.model.attention.backend=xla --config.data.packing=False
+
+The config argument after ':' is a comma-separated list of variants:
+  gpu                 ~12 layers, d_model 1024, seq 2048, bf16, remat (H100/H200 class)
+  xla, cudnn, flash   take config.model.attention from configs/attention/<name>.py
+e.g. --config=configs/lm_nnx.py:gpu,cudnn.
+
+config.model.attention is a fusedattn.configs.attention_config(); with packing
+(config.data.packing, the default) documents are packed into rows and separated
+by the mask "padding_causal" with sequence.format "segment_ids"; with packing
+off the trainer switches to plain "causal" (one document per row).
+"""
+
+import importlib.util
+import pathlib
+
+import ml_collections
+from fusedattn.configs import attention_config
+
+_PRESETS = ("xla", "cudnn", "flash")
+
+
+def _attention_preset(name: str) -> ml_collections.ConfigDict:
+    path = pathlib.Path(__file__).resolve().parent / "attention" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_attention_preset_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def get_config(arg: str = ""):
+    variants = [v for v in (arg or "").split(",") if v]
+    unknown = set(variants) - {"gpu", *_PRESETS}
+    if unknown:
+        raise ValueError(f"config variant(s) {sorted(unknown)}: expected 'gpu' and/or one of "
+                         f"{_PRESETS}, comma-separated, e.g. configs/lm_nnx.py:gpu,cudnn")
+    gpu = "gpu" in variants
+    config = ml_collections.ConfigDict()
+    config.seed = 0
+
+    config.data = ml_collections.ConfigDict()
+    config.data.seed = 0                # batches are a function of (seed, step)
+    config.data.grammar_seed = 0        # fixes the Markov chain of the sentences
+    config.data.batch_size = 16
+    config.data.seq_len = 128
+    config.data.packing = True
+    config.data.num_keys = 16
+    config.data.min_pairs = 2
+    config.data.max_pairs = 6
+    config.data.max_sentence_len = 40
+    config.data.end_prob = 0.05
+    config.data.dirichlet_alpha = 0.1
+
+    config.model = ml_collections.ConfigDict()
+    config.model.framework = "nnx"      # "nnx" | "equinox"
+    config.model.vocab_size = 128       # bytes (ASCII)
+    config.model.num_layers = 2
+    config.model.d_model = 128
+    config.model.num_heads = 4
+    config.model.num_kv_heads = 2       # grouped-query attention
+    config.model.mlp_dim = 512
+    config.model.max_len = config.data.get_ref("seq_len")
+    config.model.dtype = "float32"      # compute dtype; parameters stay float32
+    config.model.remat = False
+    attention = attention_config()
+    for name in variants:
+        if name in _PRESETS:
+            attention = _attention_preset(name)
+    attention.mask = "padding_causal"
+    attention.sequence.format = "segment_ids"
+    config.model.attention = attention
+
+    config.optim = ml_collections.ConfigDict()
+    config.optim.learning_rate = 3e-3
+    config.optim.warmup_steps = 50
+    config.optim.end_lr_ratio = 0.05
+    config.optim.weight_decay = 0.05
+    config.optim.b1 = 0.9
+    config.optim.b2 = 0.98
+    config.optim.eps = 1e-8
+    config.optim.grad_clip = 1.0
+
+    config.trainer = ml_collections.ConfigDict()
+    config.trainer.num_steps = 400
+    config.trainer.log_every = 10
+    config.trainer.eval_every = 100
+    config.trainer.eval_batches = 8
+    config.trainer.checkpoint_every = 200
+    config.trainer.keep_checkpoints = 2
+    config.trainer.progress = True
+    config.trainer.prefetch = 2
+    config.trainer.peak_flops = 989e12  # dense bf16 peak of an H100/H200 SXM, for MFU
+    config.trainer.halt_after_step = -1  # >= 0: stop there without a final checkpoint
+                                         # (simulates a killed run; for tests)
+
+    if gpu:
+        config.data.batch_size = 16
+        config.data.seq_len = 2048
+        config.data.num_keys = 26
+        config.data.max_pairs = 12
+        config.model.num_layers = 12
+        config.model.d_model = 1024
+        config.model.num_heads = 16
+        config.model.num_kv_heads = 16
+        config.model.mlp_dim = 4096
+        config.model.dtype = "bfloat16"
+        config.model.remat = True
+        config.optim.learning_rate = 3e-4
+        config.optim.warmup_steps = 200
+        config.optim.weight_decay = 0.1
+        config.trainer.num_steps = 2000
+        config.trainer.log_every = 20
+        config.trainer.eval_every = 500
+        config.trainer.checkpoint_every = 500
+    return config

@@ -1,0 +1,426 @@
+"""A small, complete training loop shared by the example trainers.
+
+A trainer builds a `Task` (its model's parameters as a nested dict of arrays,
+a loss function, batches as a pure function of the step, FLOP counts) and calls
+`train_and_evaluate(config, workdir, task)`, which runs
+
+* optax AdamW with linear warmup, cosine decay and global-norm gradient clipping,
+* a tqdm progress bar showing the loss and tokens/s,
+* periodic evaluation,
+* metrics as JSON lines in WORKDIR/metrics.jsonl (every line has "step" and "loss"),
+* orbax checkpoints in WORKDIR/checkpoints with exact resume: batches and dropout
+  keys are functions of (seed, step), so a run killed and restarted with the same
+  workdir logs the same later losses as one that never stopped,
+* a loss-curve PNG (WORKDIR/loss.png) and a summary line (final loss, tokens/s
+  and, off the CPU, model FLOP utilisation against config.trainer.peak_flops).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import queue
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+Batch = dict[str, np.ndarray]
+# Evaluation returns, per metric name, a (numerator, denominator) pair of sums so that
+# metrics over several batches are exact token-weighted means.
+EvalSums = dict[str, tuple[jax.Array, jax.Array]]
+
+
+@dataclasses.dataclass
+class Task:
+    """What a trainer hands to `train_and_evaluate`.
+
+    params: the trainable parameters, a nested dict of float arrays (see `named_leaves`).
+    loss_fn: (params, batch, dropout_key or None) -> (scalar loss, dict of scalar metrics).
+    eval_fn: (params, batch) -> EvalSums; "loss" is required.
+    train_batch: step (0-based) -> Batch, a pure function of the step.
+    eval_batch: index -> Batch.
+    tokens_per_step: tokens (or examples) one training step consumes, for throughput.
+    flops_per_step: model FLOPs of one training step (forward and backward).
+    reference: known-best numbers for the summary, e.g. {"eval_best_loss": 1.1}.
+    unit: what tokens_per_step counts ("tokens", "examples").
+    """
+
+    params: Any
+    loss_fn: Callable
+    eval_fn: Callable
+    train_batch: Callable[[int], Batch]
+    eval_batch: Callable[[int], Batch]
+    tokens_per_step: int
+    flops_per_step: float
+    reference: dict[str, float] = dataclasses.field(default_factory=dict)
+    unit: str = "tokens"
+
+
+# ----------------------------------------------------------------------------- params
+
+
+def named_leaves(tree) -> tuple[dict, Callable[[dict], Any]]:
+    """A pytree's array leaves as a nested dict keyed by their path names, and its inverse.
+
+    Optimizer states and orbax checkpoints of a nested dict are plain and portable,
+    whichever framework (NNX state, Equinox module) the leaves came from.
+    """
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    paths = [tuple(_key_name(k) for k in path) for path, _ in with_path]
+    # NNX variables add a trailing ".value"; it names nothing.
+    paths = [p[:-1] if len(p) > 1 and p[-1] == "value" else p for p in paths]
+    named: dict = {}
+    for path, (_, leaf) in zip(paths, with_path):
+        node = named
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = leaf
+
+    def rebuild(named_tree: dict):
+        leaves = []
+        for path in paths:
+            node = named_tree
+            for part in path:
+                node = node[part]
+            leaves.append(node)
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    return named, rebuild
+
+
+def _key_name(key) -> str:
+    for attr in ("name", "key", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def count_params(tree) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
+
+
+def cast_floating(tree, dtype):
+    """Casts the floating-point leaves of a pytree (mixed precision: f32 master weights)."""
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def compute_dtype(name: str):
+    dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+    if name not in dtypes:
+        raise ValueError(f"config.model.dtype: got {name!r}; expected one of {sorted(dtypes)}.")
+    return dtypes[name]
+
+
+def attention_train_flops(batch: int, seqlen_q: int, seqlen_kv: int, num_heads: int,
+                          head_dim: int, num_layers: int, causal: bool) -> float:
+    """FLOPs of the attention matmuls (QK^T and PV), forward plus backward (3x forward).
+
+    Dense count over the [seqlen_q, seqlen_kv] score matrix per row and head, halved for a
+    causal mask; packing and padding masks do not reduce it.
+    """
+    forward = 2 * 2 * seqlen_q * seqlen_kv * num_heads * head_dim
+    return 3.0 * forward * batch * num_layers * (0.5 if causal else 1.0)
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+def make_optimizer(optim, num_steps: int):
+    """(AdamW with global-norm clipping, its schedule): linear warmup, cosine decay to
+    end_lr_ratio * peak."""
+    warmup = min(optim.warmup_steps, max(num_steps - 1, 0))
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=optim.learning_rate, warmup_steps=warmup,
+        decay_steps=max(num_steps, warmup + 1), end_value=optim.learning_rate * optim.end_lr_ratio)
+
+    def decay_mask(params):  # weight decay on matrices only, not on biases or norm scales
+        return jax.tree.map(lambda x: x.ndim >= 2, params)
+
+    return optax.chain(
+        optax.clip_by_global_norm(optim.grad_clip),
+        optax.adamw(schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps,
+                    weight_decay=optim.weight_decay, mask=decay_mask),
+    ), schedule
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+class Checkpoints:
+    """orbax-checkpoint manager for {"params", "opt_state"}; the step is the directory name."""
+
+    def __init__(self, directory: pathlib.Path, keep: int):
+        import orbax.checkpoint as ocp
+
+        self._ocp = ocp
+        self.manager = ocp.CheckpointManager(
+            directory.absolute(),
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def restore(self, step: int, target):
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), target)
+        return self.manager.restore(step, args=self._ocp.args.StandardRestore(abstract))
+
+    def save(self, step: int, state) -> None:
+        self.manager.save(step, args=self._ocp.args.StandardSave(state), force=True)
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+class MetricsLog:
+    """Appends JSON lines; on resume drops the lines past the restored step."""
+
+    def __init__(self, path: pathlib.Path, resume_step: int):
+        self.path = path
+        kept = []
+        if path.exists():
+            for line in path.read_text().splitlines():
+                if line.strip() and json.loads(line).get("step", 0) <= resume_step:
+                    kept.append(line)
+        path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def read(self) -> list[dict]:
+        return [json.loads(l) for l in self.path.read_text().splitlines() if l.strip()]
+
+
+def plot_losses(records: list[dict], path: pathlib.Path, title: str,
+                reference: dict[str, float]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    steps = [r["step"] for r in records]
+    ax.plot(steps, [r["loss"] for r in records], label="train loss")
+    evals = [r for r in records if "eval_loss" in r]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-",
+                label="eval loss")
+    if "eval_best_loss" in reference:
+        ax.axhline(reference["eval_best_loss"], color="k", ls="--", lw=1,
+                   label=f"best possible (eval) {reference['eval_best_loss']:.3f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats)")
+    ax.set_yscale("log")
+    plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+class Prefetch:
+    """Produces task.train_batch(step) for step = start.. in a background thread."""
+
+    def __init__(self, make: Callable[[int], Batch], start: int, stop: int, depth: int):
+        self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+        self._stop = threading.Event()
+
+        def work():
+            for step in range(start, stop):
+                if self._stop.is_set():
+                    return
+                item = make(step)
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        pass
+
+        self._thread = threading.Thread(target=work, daemon=True)
+        self._thread.start()
+
+    def next(self) -> Batch:
+        return self._queue.get()
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+# ----------------------------------------------------------------------------- loop
+
+
+def train_and_evaluate(config, workdir: str | pathlib.Path, task: Task,
+                       title: str = "training") -> dict:
+    """Trains `task` per config.trainer / config.optim; returns the summary dict."""
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    tc = config.trainer
+    num_steps = tc.num_steps
+    tx, schedule = make_optimizer(config.optim, num_steps)
+    platform = jax.devices()[0].platform
+
+    params = task.params
+    opt_state = tx.init(params)
+    checkpoints = Checkpoints(workdir / "checkpoints", tc.keep_checkpoints)
+    start_step = checkpoints.latest_step() or 0
+    if start_step:
+        try:
+            state = checkpoints.restore(start_step, {"params": params, "opt_state": opt_state})
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(
+                f"workdir: the checkpoint at {workdir / 'checkpoints' / str(start_step)} does not "
+                "match this config's model (a different size or framework?); resume with the "
+                "config that wrote it, or use a fresh --workdir.") from error
+        params, opt_state = state["params"], state["opt_state"]
+        _print(f"resumed from {workdir / 'checkpoints'} at step {start_step}")
+    log = MetricsLog(workdir / "metrics.jsonl", start_step)
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+
+    dropout_root = jax.random.key(config.seed + 1)
+
+    def train_step(params, opt_state, batch, step):
+        key = jax.random.fold_in(dropout_root, step)
+        (loss, aux), grads = jax.value_and_grad(task.loss_fn, has_aux=True)(params, batch, key)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        metrics = dict(aux, loss=loss, grad_norm=optax.tree.norm(grads), lr=schedule(step))
+        return params, opt_state, metrics
+
+    train_step = jax.jit(train_step, donate_argnums=(0, 1))
+    eval_step = jax.jit(task.eval_fn)
+
+    def evaluate(params) -> dict[str, float]:
+        totals: dict[str, list[float]] = {}
+        for i in range(tc.eval_batches):
+            sums = jax.device_get(eval_step(params, task.eval_batch(i)))
+            for name, (num, den) in sums.items():
+                acc = totals.setdefault(name, [0.0, 0.0])
+                acc[0] += float(num)
+                acc[1] += float(den)
+        return {f"eval_{k}": n / max(d, 1e-9) for k, (n, d) in totals.items()}
+
+    stop = num_steps if tc.halt_after_step < 0 else min(num_steps, tc.halt_after_step)
+    data = Prefetch(task.train_batch, start_step, stop, tc.prefetch)
+    bar = None
+    if tc.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=num_steps, initial=start_step, desc=title, unit="step",
+                   dynamic_ncols=True, file=sys.stderr)
+    last = {"loss": float("nan")}
+    train_seconds, train_steps = 0.0, 0          # steady-state (after the first interval)
+    interval_start, interval_steps, overhead = time.perf_counter(), 0, 0.0
+    first_interval = True
+    try:
+        for step in range(start_step, stop):
+            batch = data.next()
+            params, opt_state, metrics = train_step(params, opt_state, batch,
+                                                    jnp.asarray(step, jnp.int32))
+            done = step + 1
+            interval_steps += 1
+            is_eval = done % tc.eval_every == 0 or done == num_steps
+            if done % tc.log_every == 0 or done == 1 or is_eval:
+                metrics = jax.device_get(metrics)
+                elapsed = time.perf_counter() - interval_start - overhead
+                record = {"step": done, **{k: float(v) for k, v in metrics.items()}}
+                if not first_interval and elapsed > 0:
+                    rate = interval_steps * task.tokens_per_step / elapsed
+                    record[f"{task.unit}_per_s"] = rate
+                    train_seconds += elapsed
+                    train_steps += interval_steps
+                    if platform != "cpu" and task.flops_per_step:
+                        record["mfu"] = (interval_steps * task.flops_per_step / elapsed
+                                         / tc.peak_flops)
+                first_interval = False
+                if is_eval:
+                    record.update(evaluate(params))
+                log.write(record)
+                last = record
+                if bar is not None:
+                    postfix = {"loss": f"{record['loss']:.3f}"}
+                    if f"{task.unit}_per_s" in record:
+                        postfix[f"{task.unit[:3]}/s"] = f"{record[f'{task.unit}_per_s']:.0f}"
+                    if "eval_loss" in record:
+                        postfix["eval"] = f"{record['eval_loss']:.3f}"
+                    bar.set_postfix(postfix, refresh=False)
+                interval_start, interval_steps, overhead = time.perf_counter(), 0, 0.0
+            if bar is not None:
+                bar.update(1)
+            if done % tc.checkpoint_every == 0 or done == num_steps:
+                t0 = time.perf_counter()
+                checkpoints.save(done, {"params": params, "opt_state": opt_state})
+                overhead += time.perf_counter() - t0
+    finally:
+        data.close()
+        if bar is not None:
+            bar.close()
+        checkpoints.close()
+
+    records = log.read()
+    if records and records[-1]["step"] >= last.get("step", 0):
+        last = records[-1]   # also when resuming a run that had already finished
+    if records:
+        plot_losses(records, workdir / "loss.png", title, task.reference)
+    summary = _summary(records, last, train_seconds, train_steps, task, tc, platform)
+    (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _print(_summary_line(summary, task.unit))
+    return summary
+
+
+def _summary(records, last, seconds, steps, task: Task, tc, platform) -> dict:
+    summary = {"step": last.get("step", 0), "final_loss": last.get("loss"),
+               "first_loss": records[0]["loss"] if records else None}
+    evals = [r for r in records if "eval_loss" in r]
+    if evals:
+        summary.update({k: v for k, v in evals[-1].items() if k.startswith("eval_")})
+    summary.update(task.reference)
+    if steps:
+        summary[f"{task.unit}_per_s"] = steps * task.tokens_per_step / seconds
+        if platform != "cpu" and task.flops_per_step:
+            summary["mfu"] = steps * task.flops_per_step / seconds / tc.peak_flops
+    summary["platform"] = platform
+    return summary
+
+
+def _summary_line(s: dict, unit: str) -> str:
+    parts = [f"summary: step {s['step']}"]
+    if s.get("first_loss") is not None:
+        parts.append(f"loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}")
+    if "eval_loss" in s:
+        parts.append(f"eval_loss {s['eval_loss']:.4f}")
+    if "eval_best_loss" in s:
+        parts.append(f"best possible {s['eval_best_loss']:.4f}")
+    for key in sorted(s):
+        if key.startswith("eval_") and key not in ("eval_loss", "eval_best_loss"):
+            parts.append(f"{key} {s[key]:.4f}")
+    if f"{unit}_per_s" in s:
+        parts.append(f"{unit}/s {s[f'{unit}_per_s']:.0f}")
+    if "mfu" in s:
+        parts.append(f"MFU {100 * s['mfu']:.1f}%")
+    parts.append(f"on {s['platform']}")
+    return ", ".join(parts)
+
+
+def _print(message: str) -> None:
+    print(message, flush=True)

@@ -1,0 +1,195 @@
+"""Decoder-only transformer LMs in Flax NNX and in Equinox over fusedattn's attention layers.
+
+Both are the same pre-LayerNorm GPT: token + learned position embeddings
+(positions restart at 0 in every packed document), `num_layers` blocks of
+self-attention (fusedattn.layers.{nnx,equinox}) and a GELU MLP, a final
+LayerNorm and an untied output projection. The attention core is configured
+entirely by config.model.attention (backend, mask, sequence format...).
+
+`build(model_config, attention_config, seed)` returns a `Model`: the trainable
+parameters as a nested dict (examples.common.trainer.named_leaves) and
+`apply(params, inputs, positions, segment_ids, dropout_key) -> logits float32
+[b, s, vocab]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from examples.common import trainer
+from fusedattn.ops import SequenceDescriptor
+from fusedattn.ops.spec import AttentionSpec
+
+
+@dataclasses.dataclass
+class Model:
+    params: dict
+    apply: Callable[..., jax.Array]
+    num_params: int
+    num_embedding_params: int
+
+
+def sequence_descriptor(attention, segment_ids) -> SequenceDescriptor | None:
+    """The descriptor the attention config asks for: segment ids when packing, else none."""
+    spec = AttentionSpec.from_config(attention)
+    if not spec.uses_segments:
+        return None
+    return SequenceDescriptor.from_segment_ids_and_pos(segment_ids, segment_ids)
+
+
+def build(model_config, attention, seed: int) -> Model:
+    builders = {"nnx": _build_nnx, "equinox": _build_equinox}
+    if model_config.framework not in builders:
+        raise ValueError(f"config.model.framework: got {model_config.framework!r}; expected "
+                         f"one of {sorted(builders)}.")
+    return builders[model_config.framework](model_config, attention, seed)
+
+
+# ----------------------------------------------------------------------------- NNX
+
+
+def _build_nnx(c, attention, seed: int) -> Model:
+    from flax import nnx
+    from fusedattn.layers import nnx as fa_nnx
+
+    dtype = trainer.compute_dtype(c.dtype)
+
+    class Block(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            d = c.d_model
+            self.ln1 = nnx.LayerNorm(d, dtype=dtype, rngs=rngs)
+            self.attn = fa_nnx.MultiHeadAttention(
+                c.num_heads, d, config=attention, num_kv_heads=c.num_kv_heads, use_bias=False,
+                dtype=dtype, keep_rngs=False, rngs=rngs)
+            self.ln2 = nnx.LayerNorm(d, dtype=dtype, rngs=rngs)
+            self.fc1 = nnx.Linear(d, c.mlp_dim, dtype=dtype, rngs=rngs)
+            self.fc2 = nnx.Linear(c.mlp_dim, d, dtype=dtype, rngs=rngs)
+
+        def __call__(self, x, sequence, dropout_key):
+            rngs = None if dropout_key is None else nnx.Rngs(dropout=dropout_key)
+            x = x + self.attn(self.ln1(x), sequence=sequence, deterministic=dropout_key is None,
+                              rngs=rngs)
+            return x + self.fc2(nnx.gelu(self.fc1(self.ln2(x))))
+
+    class Transformer(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.embed = nnx.Embed(c.vocab_size, c.d_model, dtype=dtype, rngs=rngs)
+            self.pos_embed = nnx.Embed(c.max_len, c.d_model, dtype=dtype, rngs=rngs)
+            self.blocks = nnx.List([Block(rngs) for _ in range(c.num_layers)])
+            self.ln_f = nnx.LayerNorm(c.d_model, dtype=dtype, rngs=rngs)
+            self.head = nnx.Linear(c.d_model, c.vocab_size, dtype=dtype, rngs=rngs)
+
+        def __call__(self, inputs, positions, sequence, dropout_key):
+            x = self.embed(inputs) + self.pos_embed(positions)
+            for i, block in enumerate(self.blocks):
+                key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
+                call = (nnx.remat(lambda b, y: b(y, sequence, key)) if c.remat
+                        else lambda b, y: b(y, sequence, key))
+                x = call(block, x)
+            return self.head(self.ln_f(x)).astype(jnp.float32)
+
+    model = Transformer(nnx.Rngs(params=seed))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    named, rebuild = trainer.named_leaves(params)
+    dropout = AttentionSpec.from_config(attention).dropout_rate > 0
+
+    def apply(named_params, inputs, positions, segment_ids, dropout_key=None):
+        m = nnx.merge(graphdef, rebuild(named_params), rest)
+        return m(inputs, positions, sequence_descriptor(attention, segment_ids),
+                 dropout_key if dropout else None)
+
+    embedding = trainer.count_params([named["embed"], named["pos_embed"]])
+    return Model(named, apply, trainer.count_params(named), embedding)
+
+
+# ----------------------------------------------------------------------------- Equinox
+
+
+def _build_equinox(c, attention, seed: int) -> Model:
+    import equinox as eqx
+    from fusedattn.layers import equinox as fa_eqx
+
+    dtype = trainer.compute_dtype(c.dtype)
+
+    class Block(eqx.Module):
+        ln1: eqx.nn.LayerNorm
+        attn: fa_eqx.MultiheadAttention
+        ln2: eqx.nn.LayerNorm
+        fc1: eqx.nn.Linear
+        fc2: eqx.nn.Linear
+
+        def __init__(self, key):
+            k1, k2, k3 = jax.random.split(key, 3)
+            d = c.d_model
+            self.ln1 = eqx.nn.LayerNorm(d)
+            self.attn = fa_eqx.MultiheadAttention(c.num_heads, d, config=attention,
+                                                  num_kv_heads=c.num_kv_heads, key=k1)
+            self.ln2 = eqx.nn.LayerNorm(d)
+            self.fc1 = eqx.nn.Linear(d, c.mlp_dim, key=k2)
+            self.fc2 = eqx.nn.Linear(c.mlp_dim, d, key=k3)
+
+        def __call__(self, x, sequence, key):
+            """x [s, d] (one example)."""
+            h = jax.vmap(self.ln1)(x)
+            x = x + self.attn(h, h, h, sequence=sequence, key=key, inference=key is None)
+            h = jax.vmap(self.fc1)(jax.vmap(self.ln2)(x))
+            return x + jax.vmap(self.fc2)(jax.nn.gelu(h))
+
+    class Transformer(eqx.Module):
+        embed: eqx.nn.Embedding
+        pos_embed: eqx.nn.Embedding
+        blocks: list
+        ln_f: eqx.nn.LayerNorm
+        head: eqx.nn.Linear
+
+        def __init__(self, key):
+            keys = jax.random.split(key, c.num_layers + 3)
+            self.embed = eqx.nn.Embedding(c.vocab_size, c.d_model, key=keys[0])
+            self.pos_embed = eqx.nn.Embedding(c.max_len, c.d_model, key=keys[1])
+            self.blocks = [Block(k) for k in keys[3:]]
+            self.ln_f = eqx.nn.LayerNorm(c.d_model)
+            self.head = eqx.nn.Linear(c.d_model, c.vocab_size, key=keys[2])
+
+        def __call__(self, inputs, positions, sequence, key):
+            """inputs, positions [s] int; sequence: this example's descriptor -> [s, vocab]."""
+            x = self.embed.weight[inputs] + self.pos_embed.weight[positions]
+            for i, block in enumerate(self.blocks):
+                block_key = None if key is None else jax.random.fold_in(key, i)
+                call = eqx.filter_checkpoint(Block.__call__) if c.remat else Block.__call__
+                x = call(block, x, sequence, block_key)
+            x = jax.vmap(self.ln_f)(x)
+            return jax.vmap(self.head)(x).astype(jnp.float32)
+
+    model = Transformer(jax.random.key(seed))
+    params_tree, static = eqx.partition(model, eqx.is_inexact_array)
+    named, rebuild = trainer.named_leaves(params_tree)
+    dropout = AttentionSpec.from_config(attention).dropout_rate > 0
+
+    def apply(named_params, inputs, positions, segment_ids, dropout_key=None):
+        params = rebuild(named_params)
+        if dtype != jnp.float32:   # mixed precision: float32 master weights, compute in dtype
+            params = trainer.cast_floating(params, dtype)
+        m = eqx.combine(params, static)
+        sequence = sequence_descriptor(attention, segment_ids)
+        keys = (None if not dropout or dropout_key is None
+                else jax.random.split(dropout_key, inputs.shape[0]))
+        return jax.vmap(m, in_axes=(0, 0, 0, None if keys is None else 0))(
+            inputs, positions, sequence, keys)
+
+    embedding = trainer.count_params([named["embed"], named["pos_embed"]])
+    return Model(named, apply, trainer.count_params(named), embedding)
+
+
+def attention_shapes(model_config, batch: int, seq_len: int) -> tuple:
+    """ShapeDtypeStructs of the q, k, v the attention layers pass to fused_attn (BSHD)."""
+    c = model_config
+    head_dim = c.d_model // c.num_heads
+    dtype = trainer.compute_dtype(c.dtype)
+    q = jax.ShapeDtypeStruct((batch, seq_len, c.num_heads, head_dim), dtype)
+    kv = jax.ShapeDtypeStruct((batch, seq_len, c.num_kv_heads or c.num_heads, head_dim), dtype)
+    return q, kv, kv
+

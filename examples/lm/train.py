@@ -1,0 +1,106 @@
+"""The LM trainer: grammar corpus + decoder-only transformer + the shared training loop."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from examples.common import trainer
+from examples.lm import data as lm_data
+from examples.lm import models
+from fusedattn import ops
+
+
+def attention_for_data(config) -> ml_collections.ConfigDict:
+    """config.model.attention, made consistent with config.data.packing.
+
+    Packing needs a padding causal mask over segment ids; without packing the rows
+    hold one document each, left-aligned, so plain causal attention is exact (the
+    padding after a document is never attended by its tokens, and its loss weight is 0).
+    """
+    attention = ml_collections.ConfigDict(config.model.attention.to_dict())
+    if config.data.packing:
+        if attention.mask in ("causal", "no_mask"):
+            attention.mask = "padding_causal"
+        if attention.sequence.format == "none":
+            attention.sequence.format = "segment_ids"
+        if attention.mask not in ("padding_causal", "padding_causal_bottom_right"):
+            raise ValueError(
+                f"config.model.attention.mask: {attention.mask!r} does not keep packed "
+                "documents apart; use 'padding_causal' (or set config.data.packing=False).")
+    else:
+        attention.mask = {"padding_causal": "causal",
+                          "padding_causal_bottom_right": "causal"}.get(attention.mask,
+                                                                       attention.mask)
+        attention.sequence.format = "none"
+    attention.lock()
+    return attention
+
+
+def _metrics(logits, batch):
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
+    return nll, correct
+
+
+def make_task(config, verbose: bool = True) -> trainer.Task:
+    c = config
+    attention = attention_for_data(c)
+    if c.model.max_len < c.data.seq_len:
+        raise ValueError(f"config.model.max_len ({c.model.max_len}) must be >= "
+                         f"config.data.seq_len ({c.data.seq_len}).")
+    batches = lm_data.Batches(c.data, c.data.batch_size, c.data.seq_len)
+    model = models.build(c.model, attention, c.seed)
+    eval_batches = [batches.eval(i) for i in range(c.trainer.eval_batches)]
+
+    def loss_fn(params, batch, dropout_key):
+        logits = model.apply(params, batch["inputs"], batch["positions"], batch["segment_ids"],
+                             dropout_key)
+        nll, correct = _metrics(logits, batch)
+        w = batch["weights"]
+        total = jnp.maximum(w.sum(), 1.0)
+        loss = (nll * w).sum() / total
+        return loss, {"best_loss": (batch["best_nll"] * w).sum() / total,
+                      "accuracy": (correct * w).sum() / total}
+
+    def eval_fn(params, batch):
+        logits = model.apply(params, batch["inputs"], batch["positions"], batch["segment_ids"])
+        nll, correct = _metrics(logits, batch)
+        w, recall = batch["weights"], batch["recall"]
+        return {"loss": ((nll * w).sum(), w.sum()),
+                "accuracy": ((correct * w).sum(), w.sum()),
+                "recall_accuracy": ((correct * recall).sum(), recall.sum())}
+
+    weights = sum(b["weights"].sum() for b in eval_batches)
+    reference = {"eval_best_loss": float(sum((b["best_nll"] * b["weights"]).sum()
+                                             for b in eval_batches) / weights)}
+    tokens = c.data.batch_size * c.data.seq_len
+    head_dim = c.model.d_model // c.model.num_heads
+    flops = (6.0 * (model.num_params - model.num_embedding_params) * tokens
+             + trainer.attention_train_flops(c.data.batch_size, c.data.seq_len, c.data.seq_len,
+                                             c.model.num_heads, head_dim, c.model.num_layers,
+                                             causal=True))
+    if verbose:
+        first = batches.train(0)
+        print(f"model: {c.model.framework}, {model.num_params / 1e6:.2f}M parameters "
+              f"({model.num_embedding_params / 1e6:.2f}M in embeddings), "
+              f"{flops / tokens / 1e6:.1f} MFLOPs per token (train)")
+        print(f"data: {c.data.batch_size} x {c.data.seq_len} tokens per step, packing "
+              f"{'on' if c.data.packing else 'off'} ({first['weights'].mean():.0%} of tokens "
+              f"real); best possible eval loss {reference['eval_best_loss']:.4f} nats/token")
+        print("example: " + lm_data.decode(first["inputs"][0][first["segment_ids"][0] == 1]))
+        sequence = models.sequence_descriptor(attention, first["segment_ids"])
+        print(ops.explain(models.attention_shapes(c.model, c.data.batch_size, c.data.seq_len),
+                          config=attention, sequence=sequence))
+    return trainer.Task(
+        params=model.params, loss_fn=loss_fn, eval_fn=eval_fn,
+        train_batch=batches.train, eval_batch=lambda i: eval_batches[i],
+        tokens_per_step=tokens, flops_per_step=flops, reference=reference, unit="tokens")
+
+
+def train_and_evaluate(config, workdir) -> dict:
+    task = make_task(config)
+    title = f"LM ({config.model.framework}, attention backend {config.model.attention.backend})"
+    return trainer.train_and_evaluate(config, workdir, task, title=title)
+

@@ -1,0 +1,242 @@
+"""Flax NNX MultiHeadAttention over `fusedattn.ops.fused_attn`, driven by the attention config."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from fusedattn.layers import common
+from fusedattn.ops.enums import SoftmaxType
+
+Array = jax.Array
+
+__all__ = ["MultiHeadAttention"]
+
+
+class MultiHeadAttention(nnx.Module):
+    """Multi-head attention, a drop-in for `flax.nnx.MultiHeadAttention`.
+
+    Parameters (names and shapes as the stock module, with F = in_features,
+    Fkv = in_kv_features, d = qkv_features // num_heads, h_kv = num_kv_heads):
+
+    - query: LinearGeneral kernel [F, h, d], bias [h, d]
+    - key, value: LinearGeneral kernel [Fkv, h_kv, d], bias [h_kv, d]
+    - out: LinearGeneral kernel [h, d, out_features], bias [out_features]
+    - with fused_qkv=True, instead of query/key/value: qkv, kernel [F, h + 2 h_kv, d],
+      bias [h + 2 h_kv, d] (query heads, then key heads, then value heads); query/key/value
+      are then None
+    - with normalize_qk=True: query_ln, key_ln LayerNorm scale [d] (no bias)
+    - with config.softmax == "learnable": softmax_offset, nnx.Param float32 [h] (zeros)
+
+    Decoding: `init_cache(input_shape, dtype)` creates nnx.Cache variables
+    cached_key / cached_value [batch..., max_len, h_kv, d] and cache_index
+    (int32 []), as in the stock module; calls with decode=True (argument or
+    attribute) write the new tokens at cache_index and attend bottom-right
+    causally to the filled cache, so step-by-step decoding equals the
+    full-sequence causal attention. Under jit, writing past max_len is not checked.
+
+    Args:
+      num_heads: query heads h.
+      in_features: features F of inputs_q.
+      config: the attention ConfigDict (fusedattn.configs.attention_config()).
+      qkv_features: h * d (default in_features). out_features: default in_features.
+      num_kv_heads: key/value heads h_kv (GQA/MQA), default num_heads.
+      in_kv_features: features of inputs_k/inputs_v (default in_features).
+      use_bias, kernel_init, bias_init, out_kernel_init, out_bias_init, precision:
+        as the stock module, for the projections.
+      dtype: computation dtype (e.g. jnp.bfloat16); param_dtype: parameter dtype.
+      normalize_qk, fused_qkv, rope, rope_theta: see fusedattn.layers.linen.
+      decode: default for the call's decode flag.
+      deterministic: default for the call's deterministic flag (needed only when
+        config.dropout_rate > 0).
+      rngs: nnx.Rngs for parameter init; its "dropout" stream is kept (forked) for
+        dropout when config.dropout_rate > 0 and keep_rngs is True.
+    """
+
+    def __init__(self, num_heads: int, in_features: int, *, config: Any,
+                 qkv_features: int | None = None, out_features: int | None = None,
+                 num_kv_heads: int | None = None, in_kv_features: int | None = None,
+                 use_bias: bool = True, dtype: Any = None, param_dtype: Any = jnp.float32,
+                 precision: Any = None,
+                 kernel_init: Callable = nnx.nn.linear.default_kernel_init,
+                 bias_init: Callable = nnx.initializers.zeros_init(),
+                 out_kernel_init: Callable | None = None, out_bias_init: Callable | None = None,
+                 normalize_qk: bool = False, fused_qkv: bool = False, rope: bool = False,
+                 rope_theta: float = 10000.0, decode: bool | None = None,
+                 deterministic: bool | None = None, keep_rngs: bool = True, rngs: nnx.Rngs):
+        self.spec = common.spec_of(config)
+        self.num_heads = num_heads
+        self.in_features = in_features
+        self.qkv_features = qkv_features if qkv_features is not None else in_features
+        self.out_features = out_features if out_features is not None else in_features
+        self.in_kv_features = in_kv_features if in_kv_features is not None else in_features
+        if self.qkv_features % num_heads:
+            raise ValueError(
+                f"qkv_features: {self.qkv_features} is not divisible by num_heads {num_heads}."
+            )
+        self.head_dim = self.qkv_features // num_heads
+        self.options = common.check_options(num_heads, num_kv_heads, self.head_dim, rope=rope,
+                                            rope_theta=rope_theta, fused_qkv=fused_qkv)
+        self.num_kv_heads = self.options.num_kv_heads
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.decode = decode
+        self.deterministic = deterministic
+        h, h_kv, d = num_heads, self.num_kv_heads, self.head_dim
+
+        def linear(in_features: int, heads: int):
+            return nnx.LinearGeneral(in_features, (heads, d), dtype=dtype,
+                                     param_dtype=param_dtype, kernel_init=kernel_init,
+                                     bias_init=bias_init, use_bias=use_bias,
+                                     precision=precision, rngs=rngs)
+
+        if fused_qkv:
+            self.qkv = linear(in_features, h + 2 * h_kv)
+            self.query = self.key = self.value = nnx.data(None)
+        else:
+            self.qkv = nnx.data(None)
+            self.query = linear(in_features, h)
+            self.key = linear(self.in_kv_features, h_kv)
+            self.value = linear(self.in_kv_features, h_kv)
+        if normalize_qk:
+            self.query_ln = nnx.LayerNorm(d, use_bias=False, dtype=dtype,
+                                          param_dtype=param_dtype, rngs=rngs)
+            self.key_ln = nnx.LayerNorm(d, use_bias=False, dtype=dtype,
+                                        param_dtype=param_dtype, rngs=rngs)
+        else:
+            self.query_ln = self.key_ln = nnx.data(None)
+        self.softmax_offset = (nnx.Param(jnp.zeros((h,), jnp.float32))
+                               if self.spec.softmax == SoftmaxType.LEARNABLE else nnx.data(None))
+        self.out = nnx.LinearGeneral((h, d), self.out_features, axis=(-2, -1),
+                                     kernel_init=out_kernel_init or kernel_init,
+                                     bias_init=out_bias_init or bias_init, use_bias=use_bias,
+                                     dtype=dtype, param_dtype=param_dtype, precision=precision,
+                                     rngs=rngs)
+        self.rngs = (rngs.dropout.fork() if keep_rngs and self.spec.dropout_rate > 0
+                     else nnx.data(None))
+        self.cached_key = self.cached_value = self.cache_index = nnx.data(None)
+
+    def __call__(self, inputs_q: Array, inputs_k: Array | None = None,
+                 inputs_v: Array | None = None, *, mask: Array | None = None,
+                 bias: Array | None = None, sequence=None, deterministic: bool | None = None,
+                 rngs: nnx.Rngs | nnx.RngStream | None = None,
+                 decode: bool | None = None) -> Array:
+        """Attention of inputs_q over inputs_k / inputs_v (self-attention when None).
+
+        Args:
+          inputs_q: [batch..., sq, in_features].
+          inputs_k: [batch..., skv, in_kv_features] (default inputs_q).
+          inputs_v: [batch..., skv, in_kv_features] (default inputs_k).
+          mask: broadcastable to [batch..., h, sq, skv], True = attend (bool; 0/1
+            numeric masks as made by flax.linen.make_attention_mask also work), ANDed
+            with config.mask (given to the op as a bias array; see
+            fusedattn.layers.common on backend eligibility).
+          bias: per config.bias: [batch..., h|1, sq, skv], or [h] ALiBi slopes.
+          sequence: fusedattn.ops.SequenceDescriptor (one batch axis).
+          deterministic: False applies dropout (overrides the attribute).
+          rngs: nnx.Rngs or RngStream for dropout (overrides the kept rngs).
+          decode: use the KV cache (overrides the attribute).
+
+        Returns:
+          [batch..., sq, out_features].
+        """
+        spec = self.spec
+        if inputs_k is None:
+            if inputs_v is not None:
+                raise ValueError("inputs_k: must be given when inputs_v is given.")
+            inputs_k = inputs_q
+        if inputs_v is None:
+            inputs_v = inputs_k
+        if inputs_q.shape[-1] != self.in_features:
+            raise ValueError(
+                f"inputs_q: got {inputs_q.shape[-1]} features, the layer expects in_features="
+                f"{self.in_features}."
+            )
+        h, h_kv = self.num_heads, self.num_kv_heads
+        if self.qkv is not None:
+            if not (inputs_k is inputs_q and inputs_v is inputs_q):
+                raise ValueError(
+                    "fused_qkv: the fused projection serves self-attention only; call with "
+                    "inputs_k=None and inputs_v=None (or build the layer with fused_qkv=False)."
+                )
+            query, key, value = common.split_fused_qkv(self.qkv(inputs_q), h, h_kv)
+        else:
+            query, key, value = self.query(inputs_q), self.key(inputs_k), self.value(inputs_v)
+
+        decode = self.decode if decode is None else decode
+        cache = None
+        if decode:
+            if self.cached_key is None:
+                raise ValueError(
+                    "decode: the autoregressive cache is not initialised; call "
+                    "layer.init_cache(input_shape) first."
+                )
+            cache = common.KVCache(self.cached_key[...], self.cached_value[...],
+                                   self.cache_index[...])
+
+        dropout_rng = None
+        if spec.dropout_rate > 0:
+            deterministic = self.deterministic if deterministic is None else deterministic
+            if deterministic is None:
+                raise ValueError(
+                    f"deterministic: config.dropout_rate is {spec.dropout_rate}, so pass "
+                    "deterministic=True/False to the call or the constructor."
+                )
+            if not deterministic:
+                stream = self.rngs if rngs is None else rngs
+                if isinstance(stream, nnx.Rngs):
+                    stream = stream.dropout
+                if stream is None:
+                    raise common.missing_dropout_rng(
+                        spec, "pass rngs=nnx.Rngs(dropout=...) to the call (the layer keeps "
+                        "none when built with keep_rngs=False), or deterministic=True.")
+                dropout_rng = stream()
+        else:
+            deterministic = True
+
+        x, new_cache = common.core(
+            spec, self.options, query, key, value,
+            q_norm=self.query_ln, k_norm=self.key_ln, cache=cache, mask=mask, bias=bias,
+            softmax_offset=None if self.softmax_offset is None else self.softmax_offset[...],
+            sequence=sequence, dropout_rng=dropout_rng, deterministic=deterministic)
+        if new_cache is not None:
+            self.cached_key[...] = new_cache.key
+            self.cached_value[...] = new_cache.value
+            self.cache_index[...] = new_cache.index
+        return self.out(x)
+
+    def init_cache(self, input_shape: tuple[int, ...], dtype: Any = jnp.float32) -> None:
+        """Creates the decode cache for inputs of shape [batch..., max_len, features].
+
+        cached_key / cached_value: nnx.Cache zeros [batch..., max_len, h_kv, d] in
+        `dtype`; cache_index: nnx.Cache int32 0.
+        """
+        shape = (*input_shape[:-1], self.num_kv_heads, self.head_dim)
+        self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
+        self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
+        self.cache_index = nnx.Cache(jnp.array(0, dtype=jnp.int32))
+
+    def set_view(self, deterministic: bool | None = None, decode: bool | None = None,
+                 batch_size: int | tuple[int, ...] | None = None,
+                 max_length: int | None = None) -> None:
+        """Used by `nnx.view(model, deterministic=..., decode=...)`, as in the stock module.
+
+        Turning decode on without a cache creates one of shape
+        [*batch_size, max_length, h_kv, d] in the layer's dtype (float32 if None).
+        """
+        if deterministic is not None:
+            self.deterministic = deterministic
+        if decode is not None:
+            self.decode = decode
+            if decode and self.cached_key is None:
+                if batch_size is None or max_length is None:
+                    raise TypeError(
+                        "batch_size, max_length: both must be given to nnx.view(..., decode=True) "
+                        "when the cache is not initialised (or call layer.init_cache first)."
+                    )
+                batch = (batch_size,) if isinstance(batch_size, int) else tuple(batch_size)
+                self.init_cache((*batch, max_length, self.in_features),
+                                self.dtype or jnp.float32)

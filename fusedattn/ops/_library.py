@@ -1,0 +1,155 @@
+"""Loading the compiled op set and registering its XLA FFI handlers with JAX.
+
+The op set is built by CMake (scikit-build-core) into plain shared libraries
+of FFI handler symbols, without any Python ABI:
+
+    fusedattn/_lib/libfusedattn_host.so   always; platform "cpu"
+    fusedattn/_lib/libfusedattn_cuda.so   when nvcc was found at build time; platform "CUDA"
+
+`load(platform)` opens the platform's library once with ctypes and registers
+its handlers under the target names below with `jax.ffi.register_ffi_target`;
+`available(platform)` says why a platform cannot be served (or None). Nothing
+happens at import time.
+
+With an editable install (scikit-build-core's redirect mode) the libraries sit
+in site-packages/fusedattn/_lib while the Python sources stay in the checkout,
+so the search covers every `fusedattn` package directory and then each
+`sys.path` entry's `fusedattn/_lib`. `FUSEDATTN_LIB_DIR` (a directory) is
+searched first when set.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+from pathlib import Path
+
+# FFI target name -> exported C symbol, per library.
+HOST_TARGETS = {
+    "fusedattn_flash_fwd": "FusedattnFlashFwdHost",
+    "fusedattn_flash_bwd": "FusedattnFlashBwdHost",
+    "fusedattn_dropout_mask": "FusedattnDropoutMaskHost",
+    "fusedattn_philox": "FusedattnPhiloxHost",
+    "fusedattn_small_seq_fwd": "FusedattnSmallSeqFwdHost",
+    "fusedattn_small_seq_bwd": "FusedattnSmallSeqBwdHost",
+}
+CUDA_TARGETS = {
+    "fusedattn_dropout_mask": "FusedattnDropoutMaskCuda",
+    "fusedattn_philox": "FusedattnPhiloxCuda",
+    "fusedattn_small_seq_fwd": "FusedattnSmallSeqFwdGpu",
+    "fusedattn_small_seq_bwd": "FusedattnSmallSeqBwdGpu",
+}
+
+# JAX platform name for register_ffi_target -> (library stem, targets).
+_LIBRARIES = {
+    "cpu": ("fusedattn_host", HOST_TARGETS),
+    "CUDA": ("fusedattn_cuda", CUDA_TARGETS),
+}
+
+_lock = threading.Lock()
+_loaded: dict[str, str | None] = {}  # platform -> None (registered) or the reason it is not
+_handles: dict[str, ctypes.CDLL] = {}  # keeps the libraries open
+
+
+def _ffi_platform(platform: str) -> str:
+    """"cpu", "CUDA" or "ROCM" for the names JAX and users use ("gpu" means CUDA)."""
+    p = platform.lower()
+    if p in ("gpu", "cuda"):
+        return "CUDA"
+    if p in ("rocm", "hip"):
+        return "ROCM"
+    return p
+
+
+def _library_filename(stem: str) -> str:
+    if sys.platform == "darwin":
+        return f"lib{stem}.dylib"
+    if sys.platform == "win32":
+        return f"{stem}.dll"
+    return f"lib{stem}.so"
+
+
+def _search_dirs() -> list[Path]:
+    dirs: list[Path] = []
+    override = os.environ.get("FUSEDATTN_LIB_DIR")
+    if override:
+        dirs.append(Path(override))
+    import fusedattn
+
+    package_dirs = list(getattr(fusedattn, "__path__", []) or [])
+    if getattr(fusedattn, "__file__", None):
+        package_dirs.insert(0, str(Path(fusedattn.__file__).parent))
+    dirs.extend(Path(d) / "_lib" for d in package_dirs)
+    dirs.extend(Path(entry or ".") / "fusedattn" / "_lib" for entry in sys.path)
+    unique: list[Path] = []
+    for d in dirs:
+        if d not in unique:
+            unique.append(d)
+    return unique
+
+
+def library_path(stem: str) -> Path | None:
+    """The first existing file of library `stem` on the search path, or None."""
+    name = _library_filename(stem)
+    for directory in _search_dirs():
+        candidate = directory / name
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _has_jax_backend(ffi_platform: str) -> bool:
+    import jax
+
+    try:
+        return bool(jax.devices(ffi_platform.lower()))
+    except RuntimeError:
+        return False
+
+
+def _load(ffi_platform: str) -> str | None:
+    if ffi_platform not in _LIBRARIES:
+        if ffi_platform == "ROCM":
+            return "the ROCm library is not built in this version"
+        return f"no compiled op library exists for platform {ffi_platform!r}"
+    stem, targets = _LIBRARIES[ffi_platform]
+    if ffi_platform != "cpu" and not _has_jax_backend(ffi_platform):
+        return f"jax has no {ffi_platform} backend in this process"
+    path = library_path(stem)
+    if path is None:
+        if ffi_platform == "cpu":
+            return ("the host library was not built (libfusedattn_host not found next to the "
+                    "fusedattn package): reinstall with pip install .")
+        return (f"the {ffi_platform} library was not built (no nvcc was found at install time): "
+                "reinstall with pip install . on a machine with the CUDA toolkit")
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as error:
+        return f"could not load {path}: {error}; reinstall with pip install ."
+    import jax
+
+    try:
+        for target, symbol in targets.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                        platform=ffi_platform)
+    except (AttributeError, ValueError, RuntimeError) as error:
+        return f"could not register the handlers of {path}: {error}; reinstall with pip install ."
+    _handles[ffi_platform] = lib
+    return None
+
+
+def available(platform: str) -> str | None:
+    """None when the op library of `platform` ("cpu", "gpu", "cuda", "rocm") is
+    loaded and registered (loading it if needed), else the reason it is not."""
+    ffi_platform = _ffi_platform(platform)
+    with _lock:
+        if ffi_platform not in _loaded:
+            _loaded[ffi_platform] = _load(ffi_platform)
+        return _loaded[ffi_platform]
+
+
+def load(platform: str) -> bool:
+    """Loads and registers the op library of `platform` once; True on success."""
+    return available(platform) is None

@@ -1,0 +1,554 @@
+// Device build of the small-sequence op (CUDA, and HIP from the same source):
+// one query token per segment, at most 16 keys, a huge batch. Contract and
+// semantics: fusedattn/small_seq.h; the host build in ops_cuda/host does the
+// same arithmetic in plain loops.
+//
+// One warp serves one (query token, K/V head) pair and all query heads of
+// that group, so K and V stream from HBM once. The warp splits into teams of
+// kLanesPerRow lanes, one key row per team per pass, each lane holding 16-byte
+// vectors of the row; dot products reduce within a team, the weighted sums of
+// V across teams. Compile-time specialised on the head dim and on the key
+// bound (2, 4, 8, 16) so the score arrays live in registers.
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "fusedattn/gpu_runtime.h"  // first: the HIP runtime declares the device intrinsics
+#include "fusedattn/ffi_args.h"
+#include "fusedattn/layout.h"
+#include "fusedattn/small_seq.h"
+#include "fusedattn/small_seq_ffi.h"
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__HIPCC__)
+#include <hip/hip_fp16.h>
+#else
+#include <cuda_fp16.h>
+#endif
+
+namespace fusedattn {
+namespace {
+
+namespace ffi = xla::ffi;
+
+#if defined(__HIPCC__)
+#define FA_FFI_PLATFORM "ROCM"
+#else
+#define FA_FFI_PLATFORM "CUDA"
+#endif
+
+// ---- 16-byte vectors of elements -------------------------------------------
+
+template <ElementType ET>
+struct VecTraits {
+  using Storage = typename Element<ET>::Storage;
+  static constexpr int kElems = 16 / sizeof(Storage);
+};
+
+__device__ __forceinline__ float element_to_float(std::integral_constant<ElementType, ElementType::kF32>,
+                                                  uint32_t bits) {
+  return __uint_as_float(bits);
+}
+__device__ __forceinline__ float element_to_float(std::integral_constant<ElementType, ElementType::kBF16>,
+                                                  uint32_t bits) {
+  return __uint_as_float(bits << 16);
+}
+__device__ __forceinline__ float element_to_float(std::integral_constant<ElementType, ElementType::kF16>,
+                                                  uint32_t bits) {
+  __half_raw raw;
+  raw.x = static_cast<unsigned short>(bits);
+  return __half2float(__half(raw));
+}
+__device__ __forceinline__ uint32_t float_to_element(std::integral_constant<ElementType, ElementType::kF32>,
+                                                     float x) {
+  return __float_as_uint(x);
+}
+__device__ __forceinline__ uint32_t float_to_element(std::integral_constant<ElementType, ElementType::kBF16>,
+                                                     float x) {
+  return float_to_bf16(x);
+}
+__device__ __forceinline__ uint32_t float_to_element(std::integral_constant<ElementType, ElementType::kF16>,
+                                                     float x) {
+  return static_cast<__half_raw>(__float2half_rn(x)).x;
+}
+
+// Loads the 16-byte vector at `src` (element index) as floats.
+template <ElementType ET>
+__device__ __forceinline__ void load_vec(const typename Element<ET>::Storage* src,
+                                         float (&out)[VecTraits<ET>::kElems]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(src);
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+  constexpr std::integral_constant<ElementType, ET> tag{};
+  if constexpr (ET == ElementType::kF32) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) out[e] = element_to_float(tag, words[e]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      out[2 * e] = element_to_float(tag, words[e] & 0xffffu);
+      out[2 * e + 1] = element_to_float(tag, words[e] >> 16);
+    }
+  }
+}
+
+// Stores floats as one 16-byte vector at `dst`.
+template <ElementType ET>
+__device__ __forceinline__ void store_vec(typename Element<ET>::Storage* dst,
+                                          const float (&in)[VecTraits<ET>::kElems]) {
+  constexpr std::integral_constant<ElementType, ET> tag{};
+  uint32_t words[4];
+  if constexpr (ET == ElementType::kF32) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) words[e] = float_to_element(tag, in[e]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      words[e] = float_to_element(tag, in[2 * e]) | (float_to_element(tag, in[2 * e + 1]) << 16);
+    }
+  }
+  *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
+}
+
+// ---- how a warp covers a head row --------------------------------------------
+
+template <ElementType ET, int D, int MAX_KV>
+struct Geometry {
+  static constexpr int kVec = VecTraits<ET>::kElems;                           // elements per vector
+  static constexpr int kVecsPerRow = D / kVec;
+  static constexpr int kLanesPerRow = kVecsPerRow < kWarpSize ? kVecsPerRow : kWarpSize;
+  static constexpr int kVecsPerLane = kVecsPerRow / kLanesPerRow;
+  static constexpr int kRowsPerPass = kWarpSize / kLanesPerRow;                 // teams per warp
+  static constexpr int kPasses = (MAX_KV + kRowsPerPass - 1) / kRowsPerPass;
+  static constexpr int kRows = kPasses * kRowsPerPass;                         // score slots
+  static_assert(D % kVec == 0 && kVecsPerRow % kLanesPerRow == 0, "head dim must fill whole vectors");
+};
+
+// A lane's slice of one head row: vectors sub, sub + kLanesPerRow, ...
+template <ElementType ET, int D, int MAX_KV>
+struct RowSlice {
+  using G = Geometry<ET, D, MAX_KV>;
+  float x[G::kVecsPerLane][G::kVec];
+
+  __device__ __forceinline__ void load(const typename Element<ET>::Storage* row, int sub) {
+#pragma unroll
+    for (int t = 0; t < G::kVecsPerLane; ++t) load_vec<ET>(row + (sub + t * G::kLanesPerRow) * G::kVec, x[t]);
+  }
+  __device__ __forceinline__ void store(typename Element<ET>::Storage* row, int sub) const {
+#pragma unroll
+    for (int t = 0; t < G::kVecsPerLane; ++t) store_vec<ET>(row + (sub + t * G::kLanesPerRow) * G::kVec, x[t]);
+  }
+  __device__ __forceinline__ void fill(float value) {
+#pragma unroll
+    for (int t = 0; t < G::kVecsPerLane; ++t)
+#pragma unroll
+      for (int e = 0; e < G::kVec; ++e) x[t][e] = value;
+  }
+  __device__ __forceinline__ float dot(const RowSlice& other) const {
+    float acc = 0.0f;
+#pragma unroll
+    for (int t = 0; t < G::kVecsPerLane; ++t)
+#pragma unroll
+      for (int e = 0; e < G::kVec; ++e) acc += x[t][e] * other.x[t][e];
+    return acc;
+  }
+  // this += w * row, reading the row's slice straight from memory.
+  __device__ __forceinline__ void add_scaled(float w, const typename Element<ET>::Storage* row, int sub) {
+#pragma unroll
+    for (int t = 0; t < G::kVecsPerLane; ++t) {
+      float r[G::kVec];
+      load_vec<ET>(row + (sub + t * G::kLanesPerRow) * G::kVec, r);
+#pragma unroll
+      for (int e = 0; e < G::kVec; ++e) x[t][e] += w * r[e];
+    }
+  }
+  // Sums the slices of all teams (lanes with the same `sub`).
+  __device__ __forceinline__ void sum_across_teams() {
+#pragma unroll
+    for (int offset = G::kLanesPerRow; offset < kWarpSize; offset *= 2)
+#pragma unroll
+      for (int t = 0; t < G::kVecsPerLane; ++t)
+#pragma unroll
+        for (int e = 0; e < G::kVec; ++e) x[t][e] += warp_shfl_xor(x[t][e], offset);
+  }
+};
+
+// Sums a per-lane partial within its team; every lane of the team gets the total.
+template <int LANES_PER_ROW>
+__device__ __forceinline__ float sum_within_team(float partial) {
+#pragma unroll
+  for (int offset = LANES_PER_ROW / 2; offset > 0; offset /= 2) partial += warp_shfl_xor(partial, offset);
+  return partial;
+}
+
+// Everything a warp knows about its (query token, K/V head) task.
+struct Task {
+  int64_t token, b, i, kv_head, start;
+  int32_t len;
+  bool ok;
+  uint32_t seed0, seed1;
+  int64_t philox_b;
+};
+
+template <int MAX_KV>
+__device__ __forceinline__ Task make_task(const SmallSeqParams& p, int64_t task_index, const int32_t* kv_start,
+                                          const int32_t* kv_len, const uint32_t* seed) {
+  Task t;
+  t.token = task_index / p.kv_heads;
+  t.kv_head = task_index % p.kv_heads;
+  t.b = t.token / p.seqlen_q;
+  t.i = t.token % p.seqlen_q;
+  t.start = kv_start[t.token];
+  t.len = kv_len[t.token];
+  t.ok = small_seq_len_ok(t.len, p.max_keys) && t.len <= MAX_KV && t.start >= 0 &&
+         t.start + t.len <= p.seqlen_kv;
+  const int64_t seed_row = broadcast_row(t.b, p.batch, p.seed_rows);
+  t.seed0 = seed[2 * seed_row];
+  t.seed1 = seed[2 * seed_row + 1];
+  t.philox_b = broadcast_inner(t.b, p.batch, p.seed_rows);
+  return t;
+}
+
+template <ElementType ET, int D>
+__device__ __forceinline__ const typename Element<ET>::Storage* kv_row(const typename Element<ET>::Storage* base,
+                                                                       const SmallSeqParams& p, const Task& t,
+                                                                       int64_t j) {
+  return base + bshd_offset(t.b, t.start + j, t.kv_head, 0, p.seqlen_kv, p.kv_heads, D);
+}
+
+// Scaled scores s[j] = scale * q.k_j of the task's keys (0 beyond len), for every lane.
+template <ElementType ET, int D, int MAX_KV>
+__device__ __forceinline__ void scores(const SmallSeqParams& p, const Task& t, const RowSlice<ET, D, MAX_KV>& q,
+                                       const typename Element<ET>::Storage* k, int team, int sub,
+                                       float (&s)[Geometry<ET, D, MAX_KV>::kRows]) {
+  using G = Geometry<ET, D, MAX_KV>;
+#pragma unroll
+  for (int pass = 0; pass < G::kPasses; ++pass) {
+    const int j = pass * G::kRowsPerPass + team;
+    float partial = 0.0f;
+    if (j < t.len) {
+      RowSlice<ET, D, MAX_KV> key;
+      key.load(kv_row<ET, D>(k, p, t, j), sub);
+      partial = q.dot(key);
+    }
+    partial = sum_within_team<G::kLanesPerRow>(partial);
+#pragma unroll
+    for (int r = 0; r < G::kRowsPerPass; ++r) s[pass * G::kRowsPerPass + r] = warp_shfl(partial, r * G::kLanesPerRow) * p.scale;
+  }
+}
+
+// Dropout factors of keys 0..kRows-1 for head h: lane j draws key j, then all lanes share.
+template <int ROWS>
+__device__ __forceinline__ void dropout_factors(const SmallSeqParams& p, const Task& t, int64_t h, int lane,
+                                                float (&f)[ROWS]) {
+  static_assert(ROWS <= kWarpSize, "one lane per key");
+  const float mine = lane < t.len ? small_seq_dropout_factor(p, t.seed0, t.seed1, t.philox_b, h, t.i, t.start + lane)
+                                  : 0.0f;
+#pragma unroll
+  for (int j = 0; j < ROWS; ++j) f[j] = p.dropout ? warp_shfl(mine, j) : 1.0f;
+}
+
+// The score slot of this lane's team in a pass, selected without dynamic register indexing.
+template <int ROWS_PER_PASS, int ROWS>
+__device__ __forceinline__ float team_value(const float (&values)[ROWS], int pass, int team) {
+  float w = 0.0f;
+#pragma unroll
+  for (int r = 0; r < ROWS_PER_PASS; ++r) w = team == r ? values[pass * ROWS_PER_PASS + r] : w;
+  return w;
+}
+
+constexpr int kForwardThreads = 256;
+constexpr int kBackwardThreads = 128;
+
+template <ElementType ET, int D, int MAX_KV>
+__global__ void __launch_bounds__(kForwardThreads)
+    small_seq_forward(SmallSeqParams p, const typename Element<ET>::Storage* __restrict__ q,
+                      const typename Element<ET>::Storage* __restrict__ k,
+                      const typename Element<ET>::Storage* __restrict__ v, const int32_t* __restrict__ kv_start,
+                      const int32_t* __restrict__ kv_len, const uint32_t* __restrict__ seed,
+                      typename Element<ET>::Storage* __restrict__ o) {
+  using G = Geometry<ET, D, MAX_KV>;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t task_index = static_cast<int64_t>(blockIdx.x) * (kForwardThreads / kWarpSize) + threadIdx.x / kWarpSize;
+  if (task_index >= p.batch * p.seqlen_q * p.kv_heads) return;  // uniform per warp
+  const int team = lane / G::kLanesPerRow, sub = lane % G::kLanesPerRow;
+  const Task t = make_task<MAX_KV>(p, task_index, kv_start, kv_len, seed);
+  const int64_t group = p.heads / p.kv_heads;
+  for (int64_t g = 0; g < group; ++g) {
+    const int64_t h = t.kv_head * group + g;
+    const int64_t row = (t.token * p.heads + h) * D;
+    RowSlice<ET, D, MAX_KV> acc;
+    if (!t.ok) {
+      acc.fill(NAN);
+      if (team == 0) acc.store(o + row, sub);
+      continue;
+    }
+    RowSlice<ET, D, MAX_KV> qs;
+    qs.load(q + row, sub);
+    float s[G::kRows];
+    scores<ET, D, MAX_KV>(p, t, qs, k, team, sub, s);
+    small_seq_softmax(s, t.len);
+    float f[G::kRows];
+    dropout_factors(p, t, h, lane, f);
+    acc.fill(0.0f);
+#pragma unroll
+    for (int pass = 0; pass < G::kPasses; ++pass) {
+      const int j = pass * G::kRowsPerPass + team;
+      const float w = team_value<G::kRowsPerPass>(s, pass, team) * team_value<G::kRowsPerPass>(f, pass, team);
+      if (j < t.len) acc.add_scaled(w, kv_row<ET, D>(v, p, t, j), sub);
+    }
+    acc.sum_across_teams();
+    if (team == 0) acc.store(o + row, sub);
+  }
+}
+
+template <ElementType ET, int D, int MAX_KV>
+__global__ void __launch_bounds__(kBackwardThreads)
+    small_seq_backward(SmallSeqParams p, const typename Element<ET>::Storage* __restrict__ q,
+                       const typename Element<ET>::Storage* __restrict__ k,
+                       const typename Element<ET>::Storage* __restrict__ v, const int32_t* __restrict__ kv_start,
+                       const int32_t* __restrict__ kv_len, const uint32_t* __restrict__ seed,
+                       const typename Element<ET>::Storage* __restrict__ o,
+                       const typename Element<ET>::Storage* __restrict__ dout,
+                       typename Element<ET>::Storage* __restrict__ dq, typename Element<ET>::Storage* __restrict__ dk,
+                       typename Element<ET>::Storage* __restrict__ dv) {
+  using G = Geometry<ET, D, MAX_KV>;
+  using Slice = RowSlice<ET, D, MAX_KV>;
+  // Per warp: the scaled dS and the dropped P of every head of the group, [group][kRows] each.
+  extern __shared__ float shared[];
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int64_t task_index = static_cast<int64_t>(blockIdx.x) * (kBackwardThreads / kWarpSize) + warp;
+  if (task_index >= p.batch * p.seqlen_q * p.kv_heads) return;  // uniform per warp
+  const int team = lane / G::kLanesPerRow, sub = lane % G::kLanesPerRow;
+  const Task t = make_task<MAX_KV>(p, task_index, kv_start, kv_len, seed);
+  const int64_t group = p.heads / p.kv_heads;
+  float* ds_shared = shared + warp * group * G::kRows * 2;
+  float* pd_shared = ds_shared + group * G::kRows;
+
+  // Phase 1, per query head: dS and dq.
+  for (int64_t g = 0; g < group; ++g) {
+    const int64_t h = t.kv_head * group + g;
+    const int64_t row = (t.token * p.heads + h) * D;
+    Slice acc;
+    if (!t.ok) {
+      acc.fill(NAN);
+      if (team == 0) acc.store(dq + row, sub);
+      continue;
+    }
+    Slice qs, dos, os;
+    qs.load(q + row, sub);
+    dos.load(dout + row, sub);
+    os.load(o + row, sub);
+    const float delta = sum_within_team<G::kLanesPerRow>(dos.dot(os));  // rowsum(dO * O)
+    float s[G::kRows];
+    scores<ET, D, MAX_KV>(p, t, qs, k, team, sub, s);
+    small_seq_softmax(s, t.len);
+    float f[G::kRows];
+    dropout_factors(p, t, h, lane, f);
+    float dp[G::kRows];
+#pragma unroll
+    for (int pass = 0; pass < G::kPasses; ++pass) {
+      const int j = pass * G::kRowsPerPass + team;
+      float partial = 0.0f;
+      if (j < t.len) {
+        Slice value;
+        value.load(kv_row<ET, D>(v, p, t, j), sub);
+        partial = dos.dot(value);
+      }
+      partial = sum_within_team<G::kLanesPerRow>(partial);
+#pragma unroll
+      for (int r = 0; r < G::kRowsPerPass; ++r) dp[pass * G::kRowsPerPass + r] = warp_shfl(partial, r * G::kLanesPerRow);
+    }
+    float ds[G::kRows];
+#pragma unroll
+    for (int j = 0; j < G::kRows; ++j) {
+      ds[j] = s[j] * (dp[j] * f[j] - delta) * p.scale;
+      if (lane == j) {
+        ds_shared[g * G::kRows + j] = ds[j];
+        pd_shared[g * G::kRows + j] = s[j] * f[j];
+      }
+    }
+    acc.fill(0.0f);
+#pragma unroll
+    for (int pass = 0; pass < G::kPasses; ++pass) {
+      const int j = pass * G::kRowsPerPass + team;
+      if (j < t.len) acc.add_scaled(team_value<G::kRowsPerPass>(ds, pass, team), kv_row<ET, D>(k, p, t, j), sub);
+    }
+    acc.sum_across_teams();
+    if (team == 0) acc.store(dq + row, sub);
+  }
+  warp_sync();
+
+  // Phase 2, per key row: dk and dv summed over the group's heads.
+  const int32_t len = t.ok ? t.len : 0;
+  for (int pass = 0; pass < G::kPasses; ++pass) {
+    const int j = pass * G::kRowsPerPass + team;
+    if (j >= len) continue;
+    Slice dk_acc, dv_acc;
+    dk_acc.fill(0.0f);
+    dv_acc.fill(0.0f);
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t row = (t.token * p.heads + t.kv_head * group + g) * D;
+      dk_acc.add_scaled(ds_shared[g * G::kRows + j], q + row, sub);
+      dv_acc.add_scaled(pd_shared[g * G::kRows + j], dout + row, sub);
+    }
+    const int64_t offset = bshd_offset(t.b, t.start + j, t.kv_head, 0, p.seqlen_kv, p.kv_heads, D);
+    dk_acc.store(dk + offset, sub);
+    dv_acc.store(dv + offset, sub);
+  }
+  // With one query per row this warp owns every key row of its head: zero the rest.
+  if (p.seqlen_q == 1) {
+    Slice zero;
+    zero.fill(0.0f);
+    for (int64_t j = team; j < p.seqlen_kv; j += G::kRowsPerPass) {
+      if (j >= t.start && j < t.start + len) continue;
+      const int64_t offset = bshd_offset(t.b, j, t.kv_head, 0, p.seqlen_kv, p.kv_heads, D);
+      zero.store(dk + offset, sub);
+      zero.store(dv + offset, sub);
+    }
+  }
+}
+
+// ---- dispatch ------------------------------------------------------------------
+
+template <typename F>
+bool dispatch(ElementType et, int64_t head_dim, int64_t max_keys, F&& f) {
+  auto with_bound = [&](auto et_tag, auto d_tag) {
+    if (max_keys <= 2) return f(et_tag, d_tag, std::integral_constant<int, 2>{}), true;
+    if (max_keys <= 4) return f(et_tag, d_tag, std::integral_constant<int, 4>{}), true;
+    if (max_keys <= 8) return f(et_tag, d_tag, std::integral_constant<int, 8>{}), true;
+    return f(et_tag, d_tag, std::integral_constant<int, 16>{}), true;
+  };
+  auto with_dim = [&](auto et_tag) {
+    switch (head_dim) {
+      case 64: return with_bound(et_tag, std::integral_constant<int, 64>{});
+      case 128: return with_bound(et_tag, std::integral_constant<int, 128>{});
+      case 256: return with_bound(et_tag, std::integral_constant<int, 256>{});
+      case 512: return with_bound(et_tag, std::integral_constant<int, 512>{});
+      default: return false;
+    }
+  };
+  switch (et) {
+    case ElementType::kF32: return with_dim(std::integral_constant<ElementType, ElementType::kF32>{});
+    case ElementType::kBF16: return with_dim(std::integral_constant<ElementType, ElementType::kBF16>{});
+    case ElementType::kF16: return with_dim(std::integral_constant<ElementType, ElementType::kF16>{});
+  }
+  return false;
+}
+
+ffi::Error launch_status(const char* op) {
+  const gpuError_t err = gpuGetLastError();
+  if (err != gpuSuccess) {
+    return ffi::Error::Internal(std::string(op) + ": kernel launch failed: " + gpuGetErrorString(err));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error unsupported_head_dim(const char* op, int64_t d) {
+  return invalid(op, "head dim must be 64, 128, 256 or 512, got " + std::to_string(d));
+}
+
+int64_t blocks_for(const SmallSeqParams& p, int threads) {
+  const int64_t warps = threads / kWarpSize;
+  return (p.batch * p.seqlen_q * p.kv_heads + warps - 1) / warps;
+}
+
+ffi::Error SmallSeqFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                           ffi::AnyBuffer kv_start, ffi::AnyBuffer kv_len, ffi::AnyBuffer seed,
+                           ffi::Result<ffi::AnyBuffer> o, float scale, double dropout_rate, int64_t max_keys) {
+  constexpr const char* kOp = "fusedattn_small_seq_fwd (" FA_FFI_PLATFORM ")";
+  SmallSeqParams p;
+  if (auto e = parse_small_seq_call(kOp, q, k, v, kv_start, kv_len, seed, scale, dropout_rate, max_keys, &p);
+      e.failure()) {
+    return e;
+  }
+  const int64_t blocks = blocks_for(p, kForwardThreads);
+  if (blocks == 0) return ffi::Error::Success();
+  const bool known = dispatch(element_type_of(q.element_type()), p.head_dim, p.max_keys, [&](auto et, auto d, auto n) {
+    constexpr ElementType kET = decltype(et)::value;
+    using Storage = typename Element<kET>::Storage;
+    small_seq_forward<kET, decltype(d)::value, decltype(n)::value><<<blocks, kForwardThreads, 0, stream>>>(
+        p, static_cast<const Storage*>(q.untyped_data()), static_cast<const Storage*>(k.untyped_data()),
+        static_cast<const Storage*>(v.untyped_data()), kv_start.typed_data<int32_t>(), kv_len.typed_data<int32_t>(),
+        seed.typed_data<uint32_t>(), static_cast<Storage*>(o->untyped_data()));
+  });
+  if (!known) return unsupported_head_dim(kOp, p.head_dim);
+  return launch_status(kOp);
+}
+
+ffi::Error SmallSeqBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                           ffi::AnyBuffer kv_start, ffi::AnyBuffer kv_len, ffi::AnyBuffer seed, ffi::AnyBuffer o,
+                           ffi::AnyBuffer dout, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                           ffi::Result<ffi::AnyBuffer> dv, float scale, double dropout_rate, int64_t max_keys) {
+  constexpr const char* kOp = "fusedattn_small_seq_bwd (" FA_FFI_PLATFORM ")";
+  SmallSeqParams p;
+  if (auto e = parse_small_seq_call(kOp, q, k, v, kv_start, kv_len, seed, scale, dropout_rate, max_keys, &p);
+      e.failure()) {
+    return e;
+  }
+  const int64_t group = p.heads / p.kv_heads;
+  constexpr int64_t kMaxSharedBytes = 48 * 1024;
+  const int64_t shared_bytes = (kBackwardThreads / kWarpSize) * group * kSmallSeqMaxKeys * 2 * sizeof(float);
+  if (shared_bytes > kMaxSharedBytes) {
+    return invalid(kOp, "at most " + std::to_string(kMaxSharedBytes / ((kBackwardThreads / kWarpSize) *
+                                                                         kSmallSeqMaxKeys * 2 * sizeof(float))) +
+                            " query heads per K/V head, got " + std::to_string(group));
+  }
+  if (p.seqlen_q != 1) {  // keys between segments belong to no query: zero them up front
+    for (auto* buffer : {&dk, &dv}) {
+      if (gpuMemsetAsync((*buffer)->untyped_data(), 0, (*buffer)->size_bytes(), stream) != gpuSuccess) {
+        return launch_status(kOp);
+      }
+    }
+  }
+  const int64_t blocks = blocks_for(p, kBackwardThreads);
+  if (blocks == 0) return ffi::Error::Success();
+  const bool known = dispatch(element_type_of(q.element_type()), p.head_dim, p.max_keys, [&](auto et, auto d, auto n) {
+    constexpr ElementType kET = decltype(et)::value;
+    using Storage = typename Element<kET>::Storage;
+    small_seq_backward<kET, decltype(d)::value, decltype(n)::value>
+        <<<blocks, kBackwardThreads, shared_bytes, stream>>>(
+            p, static_cast<const Storage*>(q.untyped_data()), static_cast<const Storage*>(k.untyped_data()),
+            static_cast<const Storage*>(v.untyped_data()), kv_start.typed_data<int32_t>(),
+            kv_len.typed_data<int32_t>(), seed.typed_data<uint32_t>(), static_cast<const Storage*>(o.untyped_data()),
+            static_cast<const Storage*>(dout.untyped_data()), static_cast<Storage*>(dq->untyped_data()),
+            static_cast<Storage*>(dk->untyped_data()), static_cast<Storage*>(dv->untyped_data()));
+  });
+  if (!known) return unsupported_head_dim(kOp, p.head_dim);
+  return launch_status(kOp);
+}
+
+}  // namespace
+}  // namespace fusedattn
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnSmallSeqFwdGpu, fusedattn::SmallSeqFwdImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // q
+                                  .Arg<xla::ffi::AnyBuffer>()  // k
+                                  .Arg<xla::ffi::AnyBuffer>()  // v
+                                  .Arg<xla::ffi::AnyBuffer>()  // kv_start
+                                  .Arg<xla::ffi::AnyBuffer>()  // kv_len
+                                  .Arg<xla::ffi::AnyBuffer>()  // seed
+                                  .Ret<xla::ffi::AnyBuffer>()  // o
+                                  .Attr<float>("scale")
+                                  .Attr<double>("dropout_rate")
+                                  .Attr<int64_t>("max_keys"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnSmallSeqBwdGpu, fusedattn::SmallSeqBwdImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // q
+                                  .Arg<xla::ffi::AnyBuffer>()  // k
+                                  .Arg<xla::ffi::AnyBuffer>()  // v
+                                  .Arg<xla::ffi::AnyBuffer>()  // kv_start
+                                  .Arg<xla::ffi::AnyBuffer>()  // kv_len
+                                  .Arg<xla::ffi::AnyBuffer>()  // seed
+                                  .Arg<xla::ffi::AnyBuffer>()  // o
+                                  .Arg<xla::ffi::AnyBuffer>()  // do
+                                  .Ret<xla::ffi::AnyBuffer>()  // dq
+                                  .Ret<xla::ffi::AnyBuffer>()  // dk
+                                  .Ret<xla::ffi::AnyBuffer>()  // dv
+                                  .Attr<float>("scale")
+                                  .Attr<double>("dropout_rate")
+                                  .Attr<int64_t>("max_keys"));

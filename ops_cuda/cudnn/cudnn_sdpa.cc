@@ -1,0 +1,689 @@
+// The "cudnn" backend: XLA FFI handlers that run cuDNN's fused SDPA through the
+// cuDNN frontend's graph API (header-only C++), built into libfusedattn_cudnn.
+//
+// libcudnn is loaded at run time (NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING): no
+// link-time dependency. FusedattnCudnnLoad() dlopens the libcudnn.so.9 that
+// JAX's CUDA plugin already loaded (or a path given by Python) and hands it to
+// the frontend. Graphs are built once per (shapes, dtype, mask, bias, dropout,
+// window, GQA, sink, determinism, device) and cached; a step pays no graph
+// build after the first. Workspace comes from XLA's FFI scratch allocator.
+//
+// Operands are the canonical BSHD arrays of fusedattn/ops/backends/base.py,
+// given to cuDNN as strided [b, h, s, d] views (no copies). Leading dims
+// beyond the last three (jax.vmap with vmap_method="broadcast_all") fold into
+// the batch.
+//
+//   fusedattn_cudnn_fwd(q, k, v, bias, seqlen_q, seqlen_kv, rng, sink) -> (o, stats)
+//   fusedattn_cudnn_bwd(q, k, v, bias, seqlen_q, seqlen_kv, rng, sink, o, stats, do)
+//       -> (dq, dk, dv, dbias, dsink)
+//
+//   q [..., Sq, H, D]; k [..., Skv, Hkv, D]; v [..., Skv, Hkv, Dv] (bf16 or f16)
+//   bias [..., Bb, Bh, Sq, Skv] in q's dtype (Bb in {1, B}, Bh in {1, H}); ignored unless has_bias
+//   seqlen_q / seqlen_kv S32 [...] (B values); ignored unless padding
+//   rng U32 [..., 4]: the first row's words (0,1) are cuDNN's int64 seed and (2,3) its
+//       int64 offset; ignored unless dropout_rate > 0
+//   sink F32 [..., H] (first row used); ignored unless has_sink
+//   stats F32 [..., H, Sq, 1]: log-sum-exp of the scaled scores (cuDNN's Stats)
+//   dbias like bias; dsink F32 like sink (row 0 holds the gradient, other rows 0)
+// attributes: scale f32, dropout_rate f32, causal bool, bottom_right bool,
+//   window_left i64, window_right i64 (inclusive, -1 unbounded), padding bool,
+//   has_bias bool, has_sink bool, deterministic bool
+#include <dlfcn.h>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <cudnn_frontend.h>
+
+#include "xla/ffi/api/ffi.h"
+
+// The frontend's dynamic loader resolves every cuDNN symbol through this handle.
+namespace cudnn_frontend {
+void* cudnn_dlhandle = nullptr;
+}  // namespace cudnn_frontend
+
+#define FA_CUDNN_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace fusedattn_cudnn {
+namespace {
+
+namespace ffi = xla::ffi;
+namespace fe = cudnn_frontend;
+
+// ---- loading libcudnn ---------------------------------------------------------
+
+std::mutex g_load_mutex;
+size_t g_cudnn_version = 0;  // nonzero once loaded
+
+std::string load_cudnn(const char* path) {
+  std::lock_guard<std::mutex> lock(g_load_mutex);
+  if (g_cudnn_version != 0) return "";
+  void* handle = nullptr;
+  std::string tried;
+  if (path != nullptr && path[0] != '\0') {
+    handle = dlopen(path, RTLD_NOW | RTLD_GLOBAL);
+    tried = path;
+  } else {
+    // The copy JAX's CUDA plugin already loaded, if any; else the loader's search path.
+    handle = dlopen("libcudnn.so.9", RTLD_NOW | RTLD_NOLOAD);
+    if (handle == nullptr) handle = dlopen("libcudnn.so.9", RTLD_NOW | RTLD_GLOBAL);
+    tried = "libcudnn.so.9";
+  }
+  if (handle == nullptr) {
+    const char* error = dlerror();
+    return "could not load " + tried + ": " + (error ? error : "unknown dlopen error");
+  }
+  using GetVersion = size_t (*)();
+  auto get_version = reinterpret_cast<GetVersion>(dlsym(handle, "cudnnGetVersion"));
+  if (get_version == nullptr) return tried + " has no cudnnGetVersion symbol; is it libcudnn?";
+  const size_t version = get_version();
+  if (version < 90000) {
+    return "cuDNN 9 is needed, but " + tried + " is version " + std::to_string(version);
+  }
+  fe::cudnn_dlhandle = handle;
+  g_cudnn_version = version;
+  return "";
+}
+
+// ---- the static description of one call ---------------------------------------
+
+struct Params {
+  int64_t b = 0, h = 0, hkv = 0, sq = 0, skv = 0, d = 0, dv = 0;
+  int64_t bf16 = 1;  // 1 bfloat16, 0 float16
+  int64_t causal = 0, bottom_right = 0, left = -1, right = -1, padding = 0;
+  int64_t bias_b = 0, bias_h = 0;  // 0, 0: no bias
+  int64_t sink = 0, deterministic = 0;
+  float scale = 1.0f, dropout = 0.0f;
+
+  std::string key(int device, bool backward) const {
+    std::ostringstream s;
+    s << (backward ? "bwd" : "fwd") << ':' << device << ':' << b << ',' << h << ',' << hkv << ',' << sq << ','
+      << skv << ',' << d << ',' << dv << ':' << bf16 << ':' << causal << bottom_right << ':' << left << ','
+      << right << ':' << padding << ':' << bias_b << ',' << bias_h << ':' << sink << deterministic << ':';
+    s.precision(9);
+    s << scale << ':' << dropout;
+    return s.str();
+  }
+};
+
+enum Uid : int64_t {
+  kQ = 1, kK, kV, kO, kStats, kBias, kSeqQ, kSeqKv, kSeed, kOffset, kSink,
+  kDO, kDQ, kDK, kDV, kDBias, kDSink,
+};
+
+using Tensor = std::shared_ptr<fe::graph::Tensor_attributes>;
+
+// [b, heads, s, dim] view of a row-major [b, s, heads, dim] array.
+Tensor bshd(fe::graph::Graph& g, const char* name, Uid uid, int64_t b, int64_t heads, int64_t s, int64_t dim) {
+  return g.tensor(fe::graph::Tensor_attributes()
+                      .set_name(name)
+                      .set_uid(uid)
+                      .set_dim({b, heads, s, dim})
+                      .set_stride({s * heads * dim, dim, heads * dim, 1}));
+}
+
+void set_bshd(const Tensor& t, Uid uid, int64_t b, int64_t heads, int64_t s, int64_t dim) {
+  t->set_output(true).set_uid(uid).set_dim({b, heads, s, dim}).set_stride({s * heads * dim, dim, heads * dim, 1});
+}
+
+std::vector<int64_t> bias_dims(const Params& p) { return {p.bias_b, p.bias_h, p.sq, p.skv}; }
+std::vector<int64_t> bias_strides(const Params& p) { return {p.bias_h * p.sq * p.skv, p.sq * p.skv, p.skv, 1}; }
+
+Tensor scalar_int64(fe::graph::Graph& g, const char* name, Uid uid) {
+  return g.tensor(fe::graph::Tensor_attributes()
+                      .set_name(name)
+                      .set_uid(uid)
+                      .set_dim({1, 1, 1, 1})
+                      .set_stride({1, 1, 1, 1})
+                      .set_data_type(fe::DataType_t::INT64));
+}
+
+// Mask, window, padding, bias, dropout and sink: the same for both directions.
+template <typename Attributes>
+void set_common(fe::graph::Graph& g, Attributes& a, const Params& p) {
+  a.set_attn_scale(p.scale);
+  const bool has_right = p.causal || p.right >= 0;
+  if (has_right) a.set_diagonal_band_right_bound(static_cast<int>(p.causal ? 0 : p.right));
+  // cuDNN keeps key j when j + left_bound > diagonal: our inclusive left window L is L + 1.
+  if (p.left >= 0) a.set_diagonal_band_left_bound(static_cast<int>(p.left + 1));
+  if (has_right || p.left >= 0) {
+    a.set_diagonal_alignment(p.bottom_right ? fe::DiagonalAlignment_t::BOTTOM_RIGHT
+                                            : fe::DiagonalAlignment_t::TOP_LEFT);
+  }
+  if (p.padding) {
+    auto lengths = [&](const char* name, Uid uid) {
+      return g.tensor(fe::graph::Tensor_attributes()
+                          .set_name(name)
+                          .set_uid(uid)
+                          .set_dim({p.b, 1, 1, 1})
+                          .set_stride({1, 1, 1, 1})
+                          .set_data_type(fe::DataType_t::INT32));
+    };
+    a.set_padding_mask(true).set_seq_len_q(lengths("seqlen_q", kSeqQ)).set_seq_len_kv(lengths("seqlen_kv", kSeqKv));
+  }
+  if (p.bias_b > 0) {
+    a.set_bias(g.tensor(fe::graph::Tensor_attributes()
+                            .set_name("bias")
+                            .set_uid(kBias)
+                            .set_dim(bias_dims(p))
+                            .set_stride(bias_strides(p))));
+  }
+  if (p.dropout > 0.0f) {
+    a.set_dropout(p.dropout, scalar_int64(g, "seed", kSeed), scalar_int64(g, "offset", kOffset));
+  }
+  if (p.sink) {
+    a.set_sink_token(g.tensor(fe::graph::Tensor_attributes()
+                                  .set_name("sink")
+                                  .set_uid(kSink)
+                                  .set_dim({1, p.h, 1, 1})
+                                  .set_stride({p.h, 1, 1, 1})
+                                  .set_data_type(fe::DataType_t::FLOAT)));
+  }
+}
+
+std::shared_ptr<fe::graph::Graph> new_graph(const Params& p) {
+  auto g = std::make_shared<fe::graph::Graph>();
+  g->set_io_data_type(p.bf16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF)
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
+  return g;
+}
+
+Tensor stats_tensor(fe::graph::Graph& g, const Params& p) {
+  return g.tensor(fe::graph::Tensor_attributes()
+                      .set_name("stats")
+                      .set_uid(kStats)
+                      .set_dim({p.b, p.h, p.sq, 1})
+                      .set_stride({p.h * p.sq, p.sq, 1, 1})
+                      .set_data_type(fe::DataType_t::FLOAT));
+}
+
+std::shared_ptr<fe::graph::Graph> forward_graph(const Params& p) {
+  auto g = new_graph(p);
+  auto q = bshd(*g, "q", kQ, p.b, p.h, p.sq, p.d);
+  auto k = bshd(*g, "k", kK, p.b, p.hkv, p.skv, p.d);
+  auto v = bshd(*g, "v", kV, p.b, p.hkv, p.skv, p.dv);
+  fe::graph::SDPA_attributes a;
+  a.set_name("fusedattn_sdpa").set_generate_stats(true);
+  set_common(*g, a, p);
+  auto [o, stats] = g->sdpa(q, k, v, a);
+  set_bshd(o, kO, p.b, p.h, p.sq, p.dv);
+  stats->set_output(true)
+      .set_uid(kStats)
+      .set_data_type(fe::DataType_t::FLOAT)
+      .set_dim({p.b, p.h, p.sq, 1})
+      .set_stride({p.h * p.sq, p.sq, 1, 1});
+  return g;
+}
+
+std::shared_ptr<fe::graph::Graph> backward_graph(const Params& p) {
+  auto g = new_graph(p);
+  auto q = bshd(*g, "q", kQ, p.b, p.h, p.sq, p.d);
+  auto k = bshd(*g, "k", kK, p.b, p.hkv, p.skv, p.d);
+  auto v = bshd(*g, "v", kV, p.b, p.hkv, p.skv, p.dv);
+  auto o = bshd(*g, "o", kO, p.b, p.h, p.sq, p.dv);
+  auto d_o = bshd(*g, "do", kDO, p.b, p.h, p.sq, p.dv);
+  auto stats = stats_tensor(*g, p);
+  fe::graph::SDPA_backward_attributes a;
+  a.set_name("fusedattn_sdpa_backward");
+  set_common(*g, a, p);
+  if (p.bias_b > 0) {
+    a.set_dbias(g->tensor(fe::graph::Tensor_attributes()
+                              .set_name("dbias")
+                              .set_uid(kDBias)
+                              .set_dim(bias_dims(p))
+                              .set_stride(bias_strides(p))
+                              .set_output(true)));
+  }
+  if (p.sink) {
+    a.set_dsink_token(g->tensor(fe::graph::Tensor_attributes()
+                                    .set_name("dsink")
+                                    .set_uid(kDSink)
+                                    .set_dim({1, p.h, 1, 1})
+                                    .set_stride({p.h, 1, 1, 1})
+                                    .set_data_type(fe::DataType_t::FLOAT)
+                                    .set_output(true)));
+  }
+  if (p.deterministic) a.set_deterministic_algorithm(true);
+  auto [dq, dk, dv] = g->sdpa_backward(q, k, v, o, d_o, stats, a);
+  set_bshd(dq, kDQ, p.b, p.h, p.sq, p.d);
+  set_bshd(dk, kDK, p.b, p.hkv, p.skv, p.d);
+  set_bshd(dv, kDV, p.b, p.hkv, p.skv, p.dv);
+  return g;
+}
+
+// ---- handles and the graph cache ----------------------------------------------
+
+std::string cuda_error(const char* what, cudaError_t e) {
+  return std::string(what) + " failed: " + cudaGetErrorString(e);
+}
+
+std::mutex g_handle_mutex;
+std::unordered_map<int, cudnnHandle_t> g_handles;
+
+// The cuDNN handle of `device` (created on first use, kept for the process).
+std::string get_handle(int device, cudnnHandle_t* out) {
+  std::lock_guard<std::mutex> lock(g_handle_mutex);
+  auto it = g_handles.find(device);
+  if (it != g_handles.end()) {
+    *out = it->second;
+    return "";
+  }
+  int previous = -1;
+  if (cudaError_t e = cudaGetDevice(&previous); e != cudaSuccess) return cuda_error("cudaGetDevice", e);
+  if (previous != device) {
+    if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess) return cuda_error("cudaSetDevice", e);
+  }
+  cudnnHandle_t handle = nullptr;
+  const cudnnStatus_t status = fe::detail::create_handle(&handle);
+  if (previous != device) cudaSetDevice(previous);
+  if (status != CUDNN_STATUS_SUCCESS) {
+    return std::string("cudnnCreate failed: ") + fe::detail::get_error_string(status);
+  }
+  g_handles[device] = handle;
+  *out = handle;
+  return "";
+}
+
+struct Entry {
+  std::shared_ptr<fe::graph::Graph> graph;  // null when unsupported
+  int64_t workspace = 0;
+  std::string error;  // why the graph cannot be built
+};
+
+std::mutex g_cache_mutex;
+std::map<std::string, std::shared_ptr<Entry>> g_cache;
+
+std::string fe_error(const char* stage, fe::error_t e) { return std::string(stage) + ": " + e.get_message(); }
+
+std::shared_ptr<Entry> build(const Params& p, bool backward, cudnnHandle_t handle) {
+  auto entry = std::make_shared<Entry>();
+  try {
+    auto g = backward ? backward_graph(p) : forward_graph(p);
+    fe::error_t e = g->validate();
+    if (e.is_bad()) { entry->error = fe_error("validate", e); return entry; }
+    e = g->build_operation_graph(handle);
+    if (e.is_bad()) { entry->error = fe_error("build_operation_graph", e); return entry; }
+    e = g->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK});
+    if (e.is_bad()) { entry->error = fe_error("create_execution_plans", e); return entry; }
+    e = g->check_support(handle);
+    if (e.is_bad()) { entry->error = fe_error("check_support", e); return entry; }
+    e = g->build_plans(handle, fe::BuildPlanPolicy_t::HEURISTICS_CHOICE);
+    if (e.is_bad()) { entry->error = fe_error("build_plans", e); return entry; }
+    int64_t workspace = 0;
+    e = g->get_workspace_size(workspace);
+    if (e.is_bad()) { entry->error = fe_error("get_workspace_size", e); return entry; }
+    entry->graph = std::move(g);
+    entry->workspace = workspace;
+  } catch (const std::exception& x) {
+    entry->error = std::string("exception: ") + x.what();
+  } catch (...) {
+    entry->error = "unknown exception";
+  }
+  return entry;
+}
+
+// The cached graph of `p` on `device` (built on first use). Failures are cached too.
+std::shared_ptr<Entry> get_graph(const Params& p, bool backward, int device, cudnnHandle_t* handle_out,
+                                 std::string* error) {
+  if (g_cudnn_version == 0) {
+    *error = "libcudnn is not loaded (FusedattnCudnnLoad was not called or failed)";
+    return nullptr;
+  }
+  cudnnHandle_t handle = nullptr;
+  if (std::string e = get_handle(device, &handle); !e.empty()) {
+    *error = e;
+    return nullptr;
+  }
+  *handle_out = handle;
+  const std::string key = p.key(device, backward);
+  std::lock_guard<std::mutex> lock(g_cache_mutex);
+  auto it = g_cache.find(key);
+  if (it != g_cache.end()) return it->second;
+  int previous = -1;
+  cudaGetDevice(&previous);
+  if (previous != device) cudaSetDevice(device);
+  auto entry = build(p, backward, handle);
+  if (previous != device && previous >= 0) cudaSetDevice(previous);
+  g_cache.emplace(key, entry);
+  return entry;
+}
+
+// ---- FFI handlers ---------------------------------------------------------------
+
+constexpr const char* kFwd = "fusedattn_cudnn_fwd";
+constexpr const char* kBwd = "fusedattn_cudnn_bwd";
+
+ffi::Error invalid(const char* op, const std::string& message) {
+  return ffi::Error::InvalidArgument(std::string(op) + ": " + message);
+}
+
+std::string dims_string(ffi::AnyBuffer::Dimensions dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+int64_t leading(ffi::AnyBuffer::Dimensions dims, size_t trailing) {
+  int64_t n = 1;
+  for (size_t i = 0; i + trailing < dims.size(); ++i) n *= dims[i];
+  return n;
+}
+
+struct Attrs {
+  float scale;
+  float dropout_rate;
+  bool causal, bottom_right;
+  int64_t window_left, window_right;
+  bool padding, has_bias, has_sink, deterministic;
+};
+
+// Reads the shapes of the call into *p and checks them.
+ffi::Error parse(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                 const ffi::AnyBuffer& bias, const ffi::AnyBuffer& seqlen_q, const ffi::AnyBuffer& seqlen_kv,
+                 const ffi::AnyBuffer& rng, const ffi::AnyBuffer& sink, const Attrs& at, Params* p) {
+  const auto dtype = q.element_type();
+  if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) {
+    return invalid(op, "q must be bfloat16 or float16");
+  }
+  if (k.element_type() != dtype || v.element_type() != dtype) {
+    return invalid(op, "q, k and v must share one dtype");
+  }
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const size_t r = qd.size();
+  if (r < 4 || kd.size() != r || vd.size() != r) {
+    return invalid(op, "q, k and v must have shape [..., S, H, D] of one rank >= 4; got " + dims_string(qd) +
+                           ", " + dims_string(kd) + ", " + dims_string(vd));
+  }
+  p->b = leading(qd, 3);
+  p->sq = qd[r - 3];
+  p->h = qd[r - 2];
+  p->d = qd[r - 1];
+  p->skv = kd[r - 3];
+  p->hkv = kd[r - 2];
+  p->dv = vd[r - 1];
+  if (leading(kd, 3) != p->b || leading(vd, 3) != p->b || kd[r - 1] != p->d || vd[r - 3] != p->skv ||
+      vd[r - 2] != p->hkv || p->hkv < 1 || p->h % p->hkv != 0) {
+    return invalid(op, "inconsistent q/k/v shapes " + dims_string(qd) + ", " + dims_string(kd) + ", " +
+                           dims_string(vd));
+  }
+  p->bf16 = dtype == ffi::DataType::BF16;
+  p->scale = at.scale;
+  p->dropout = at.dropout_rate;
+  p->causal = at.causal;
+  p->bottom_right = at.bottom_right;
+  p->left = at.window_left;
+  p->right = at.window_right;
+  p->padding = at.padding;
+  p->sink = at.has_sink;
+  p->deterministic = at.deterministic;
+  if (at.has_bias) {
+    const auto bd = bias.dimensions();
+    const size_t br = bd.size();
+    if (bias.element_type() != dtype || br < 4 || bd[br - 2] != p->sq || bd[br - 1] != p->skv ||
+        (bd[br - 3] != 1 && bd[br - 3] != p->h)) {
+      return invalid(op, "bias must have q's dtype and shape [..., B or 1, H or 1, Sq, Skv]; got " +
+                             dims_string(bd));
+    }
+    const int64_t rows = leading(bd, 2);
+    if (rows != p->b && rows != 1) {
+      return invalid(op, "bias batch rows " + std::to_string(rows) + " must be 1 or the batch " +
+                             std::to_string(p->b) +
+                             " (under jax.vmap, give a batched call's bias a full batch axis)");
+    }
+    p->bias_b = rows;
+    p->bias_h = bd[br - 3];
+  }
+  if (at.padding) {
+    if (seqlen_q.element_type() != ffi::DataType::S32 || seqlen_kv.element_type() != ffi::DataType::S32 ||
+        static_cast<int64_t>(seqlen_q.element_count()) != p->b ||
+        static_cast<int64_t>(seqlen_kv.element_count()) != p->b) {
+      return invalid(op, "seqlen_q and seqlen_kv must be int32 with one value per batch row (" +
+                             std::to_string(p->b) + ")");
+    }
+  }
+  if (at.dropout_rate > 0.0f && (rng.element_type() != ffi::DataType::U32 || rng.element_count() < 4)) {
+    return invalid(op, "rng must be uint32 [..., 4]");
+  }
+  if (at.has_sink && (sink.element_type() != ffi::DataType::F32 ||
+                      static_cast<int64_t>(sink.element_count()) < p->h)) {
+    return invalid(op, "sink must be float32 [..., H]");
+  }
+  return ffi::Error::Success();
+}
+
+void add_common(std::unordered_map<int64_t, void*>& pack, const Params& p, ffi::AnyBuffer& bias,
+                ffi::AnyBuffer& seqlen_q, ffi::AnyBuffer& seqlen_kv, ffi::AnyBuffer& rng, ffi::AnyBuffer& sink) {
+  if (p.bias_b > 0) pack[kBias] = bias.untyped_data();
+  if (p.padding) {
+    pack[kSeqQ] = seqlen_q.untyped_data();
+    pack[kSeqKv] = seqlen_kv.untyped_data();
+  }
+  if (p.dropout > 0.0f) {
+    pack[kSeed] = rng.untyped_data();
+    pack[kOffset] = static_cast<char*>(rng.untyped_data()) + 8;
+  }
+  if (p.sink) pack[kSink] = sink.untyped_data();
+}
+
+ffi::Error execute(const char* op, const Params& p, bool backward, cudaStream_t stream, int device,
+                   ffi::ScratchAllocator& scratch, std::unordered_map<int64_t, void*>& pack) {
+  if (p.b == 0 || p.sq == 0 || p.skv == 0 || p.h == 0) return ffi::Error::Success();
+  cudnnHandle_t handle = nullptr;
+  std::string error;
+  auto entry = get_graph(p, backward, device, &handle, &error);
+  if (!entry) return ffi::Error::Internal(std::string(op) + ": " + error);
+  if (!entry->graph) {
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      std::string(op) + ": cuDNN cannot run this attention call: " + entry->error);
+  }
+  void* workspace = nullptr;
+  if (entry->workspace > 0) {
+    auto allocation = scratch.Allocate(static_cast<size_t>(entry->workspace), 256);
+    if (!allocation.has_value()) {
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                        std::string(op) + ": could not allocate " + std::to_string(entry->workspace) +
+                            " bytes of cuDNN workspace");
+    }
+    workspace = *allocation;
+  }
+  try {
+    std::lock_guard<std::mutex> lock(g_handle_mutex);  // one stream per handle at a time
+    const cudnnStatus_t status = fe::detail::set_stream(handle, stream);
+    if (status != CUDNN_STATUS_SUCCESS) {
+      return ffi::Error::Internal(std::string(op) + ": cudnnSetStream failed: " +
+                                  fe::detail::get_error_string(status));
+    }
+    fe::error_t e = entry->graph->execute(handle, pack, workspace);
+    if (e.is_bad()) return ffi::Error::Internal(std::string(op) + ": cuDNN execute failed: " + e.get_message());
+  } catch (const std::exception& x) {
+    return ffi::Error::Internal(std::string(op) + ": cuDNN execute threw: " + x.what());
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error ForwardImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
+                       ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias, ffi::AnyBuffer seqlen_q,
+                       ffi::AnyBuffer seqlen_kv, ffi::AnyBuffer rng, ffi::AnyBuffer sink,
+                       ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> stats, float scale,
+                       float dropout_rate, bool causal, bool bottom_right, int64_t window_left,
+                       int64_t window_right, bool padding, bool has_bias, bool has_sink, bool deterministic) {
+  const Attrs at{scale, dropout_rate, causal, bottom_right, window_left, window_right,
+                 padding, has_bias, has_sink, deterministic};
+  Params p;
+  if (auto e = parse(kFwd, q, k, v, bias, seqlen_q, seqlen_kv, rng, sink, at, &p); e.failure()) return e;
+  p.deterministic = 0;  // the forward is deterministic anyway: one graph for both settings
+  if (static_cast<int64_t>(o->element_count()) != p.b * p.sq * p.h * p.dv || o->element_type() != q.element_type() ||
+      stats->element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>(stats->element_count()) != p.b * p.h * p.sq) {
+    return invalid(kFwd, "results must be o [..., Sq, H, Dv] in q's dtype and stats float32 [..., H, Sq, 1]");
+  }
+  std::unordered_map<int64_t, void*> pack = {
+      {kQ, q.untyped_data()}, {kK, k.untyped_data()}, {kV, v.untyped_data()},
+      {kO, o->untyped_data()}, {kStats, stats->untyped_data()}};
+  add_common(pack, p, bias, seqlen_q, seqlen_kv, rng, sink);
+  return execute(kFwd, p, false, stream, device, scratch, pack);
+}
+
+ffi::Error BackwardImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
+                        ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias, ffi::AnyBuffer seqlen_q,
+                        ffi::AnyBuffer seqlen_kv, ffi::AnyBuffer rng, ffi::AnyBuffer sink, ffi::AnyBuffer o,
+                        ffi::AnyBuffer stats, ffi::AnyBuffer d_o, ffi::Result<ffi::AnyBuffer> dq,
+                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                        ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> dsink, float scale,
+                        float dropout_rate, bool causal, bool bottom_right, int64_t window_left,
+                        int64_t window_right, bool padding, bool has_bias, bool has_sink, bool deterministic) {
+  const Attrs at{scale, dropout_rate, causal, bottom_right, window_left, window_right,
+                 padding, has_bias, has_sink, deterministic};
+  Params p;
+  if (auto e = parse(kBwd, q, k, v, bias, seqlen_q, seqlen_kv, rng, sink, at, &p); e.failure()) return e;
+  if (o.element_count() != d_o.element_count() ||
+      static_cast<int64_t>(o.element_count()) != p.b * p.sq * p.h * p.dv ||
+      static_cast<int64_t>(stats.element_count()) != p.b * p.h * p.sq || stats.element_type() != ffi::DataType::F32 ||
+      dq->element_count() != q.element_count() || dk->element_count() != k.element_count() ||
+      dv->element_count() != v.element_count()) {
+    return invalid(kBwd, "o, do, stats and the gradients must match the forward's shapes");
+  }
+  if (p.bias_b > 0 && dbias->element_count() != bias.element_count()) {
+    return invalid(kBwd, "dbias must have bias's shape");
+  }
+  if (p.sink && dsink->element_count() != sink.element_count()) {
+    return invalid(kBwd, "dsink must have sink's shape");
+  }
+  std::unordered_map<int64_t, void*> pack = {
+      {kQ, q.untyped_data()},      {kK, k.untyped_data()},         {kV, v.untyped_data()},
+      {kO, o.untyped_data()},      {kStats, stats.untyped_data()}, {kDO, d_o.untyped_data()},
+      {kDQ, dq->untyped_data()},   {kDK, dk->untyped_data()},      {kDV, dv->untyped_data()}};
+  add_common(pack, p, bias, seqlen_q, seqlen_kv, rng, sink);
+  if (p.bias_b > 0) pack[kDBias] = dbias->untyped_data();
+  if (p.sink) {
+    // Row 0 receives the gradient; the other rows (vmap broadcast copies) get 0, so the
+    // transpose of the broadcast sums to the right value.
+    if (cudaError_t e = cudaMemsetAsync(dsink->untyped_data(), 0, dsink->size_bytes(), stream); e != cudaSuccess) {
+      return ffi::Error::Internal(std::string(kBwd) + ": " + cuda_error("cudaMemsetAsync", e));
+    }
+    pack[kDSink] = dsink->untyped_data();
+  }
+  return execute(kBwd, p, true, stream, device, scratch, pack);
+}
+
+}  // namespace
+}  // namespace fusedattn_cudnn
+
+// ---- exports ----------------------------------------------------------------------
+
+// Loads libcudnn (path, or the already-loaded libcudnn.so.9 when path is null or empty).
+// Returns cuDNN's version (e.g. 91000) or 0, with the reason in msg.
+FA_CUDNN_EXPORT int64_t FusedattnCudnnLoad(const char* path, char* msg, int64_t msg_len) {
+  const std::string error = fusedattn_cudnn::load_cudnn(path);
+  if (!error.empty()) {
+    if (msg != nullptr && msg_len > 0) {
+      std::strncpy(msg, error.c_str(), static_cast<size_t>(msg_len - 1));
+      msg[msg_len - 1] = '\0';
+    }
+    return 0;
+  }
+  return static_cast<int64_t>(fusedattn_cudnn::g_cudnn_version);
+}
+
+// Builds (and caches) the forward and backward graphs of a call on `device` without
+// running them. params: b, h, hkv, sq, skv, d, dv, bf16, causal, bottom_right, left, right,
+// padding, bias_b, bias_h, sink, deterministic (17 values). Returns 1 when both build,
+// else 0 with cuDNN's reason in msg.
+FA_CUDNN_EXPORT int64_t FusedattnCudnnCheck(const int64_t* params, int64_t n, float scale, float dropout,
+                                            int64_t device, char* msg, int64_t msg_len) {
+  using fusedattn_cudnn::Params;
+  std::string error;
+  if (n != 17) {
+    error = "FusedattnCudnnCheck expects 17 parameters, got " + std::to_string(n);
+  } else {
+    Params p;
+    int64_t* fields[17] = {&p.b,    &p.h,         &p.hkv,          &p.sq,   &p.skv,  &p.d,
+                           &p.dv,   &p.bf16,      &p.causal,       &p.bottom_right,  &p.left,
+                           &p.right, &p.padding,  &p.bias_b,       &p.bias_h,        &p.sink,
+                           &p.deterministic};
+    for (int i = 0; i < 17; ++i) *fields[i] = params[i];
+    p.scale = scale;
+    p.dropout = dropout;
+    for (bool backward : {false, true}) {
+      Params q = p;
+      if (!backward) q.deterministic = 0;
+      cudnnHandle_t handle = nullptr;
+      auto entry = fusedattn_cudnn::get_graph(q, backward, static_cast<int>(device), &handle, &error);
+      if (!entry) break;
+      if (!entry->graph) {
+        error = std::string(backward ? "backward: " : "forward: ") + entry->error;
+        break;
+      }
+    }
+  }
+  if (error.empty()) return 1;
+  if (msg != nullptr && msg_len > 0) {
+    std::strncpy(msg, error.c_str(), static_cast<size_t>(msg_len - 1));
+    msg[msg_len - 1] = '\0';
+  }
+  return 0;
+}
+
+#define FA_CUDNN_ATTRS(binding)            \
+  binding.Attr<float>("scale")             \
+      .Attr<float>("dropout_rate")         \
+      .Attr<bool>("causal")                \
+      .Attr<bool>("bottom_right")          \
+      .Attr<int64_t>("window_left")        \
+      .Attr<int64_t>("window_right")       \
+      .Attr<bool>("padding")               \
+      .Attr<bool>("has_bias")              \
+      .Attr<bool>("has_sink")              \
+      .Attr<bool>("deterministic")
+
+FA_CUDNN_EXPORT XLA_FFI_Error* FusedattnCudnnFwd(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnCudnnFwd, fusedattn_cudnn::ForwardImpl,
+                              FA_CUDNN_ATTRS(xla::ffi::Ffi::Bind()
+                                                 .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                                 .Ctx<xla::ffi::DeviceOrdinal>()
+                                                 .Ctx<xla::ffi::ScratchAllocator>()
+                                                 .Arg<xla::ffi::AnyBuffer>()    // q
+                                                 .Arg<xla::ffi::AnyBuffer>()    // k
+                                                 .Arg<xla::ffi::AnyBuffer>()    // v
+                                                 .Arg<xla::ffi::AnyBuffer>()    // bias
+                                                 .Arg<xla::ffi::AnyBuffer>()    // seqlen_q
+                                                 .Arg<xla::ffi::AnyBuffer>()    // seqlen_kv
+                                                 .Arg<xla::ffi::AnyBuffer>()    // rng
+                                                 .Arg<xla::ffi::AnyBuffer>()    // sink
+                                                 .Ret<xla::ffi::AnyBuffer>()    // o
+                                                 .Ret<xla::ffi::AnyBuffer>()));  // stats
+
+FA_CUDNN_EXPORT XLA_FFI_Error* FusedattnCudnnBwd(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnCudnnBwd, fusedattn_cudnn::BackwardImpl,
+                              FA_CUDNN_ATTRS(xla::ffi::Ffi::Bind()
+                                                 .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                                 .Ctx<xla::ffi::DeviceOrdinal>()
+                                                 .Ctx<xla::ffi::ScratchAllocator>()
+                                                 .Arg<xla::ffi::AnyBuffer>()    // q
+                                                 .Arg<xla::ffi::AnyBuffer>()    // k
+                                                 .Arg<xla::ffi::AnyBuffer>()    // v
+                                                 .Arg<xla::ffi::AnyBuffer>()    // bias
+                                                 .Arg<xla::ffi::AnyBuffer>()    // seqlen_q
+                                                 .Arg<xla::ffi::AnyBuffer>()    // seqlen_kv
+                                                 .Arg<xla::ffi::AnyBuffer>()    // rng
+                                                 .Arg<xla::ffi::AnyBuffer>()    // sink
+                                                 .Arg<xla::ffi::AnyBuffer>()    // o
+                                                 .Arg<xla::ffi::AnyBuffer>()    // stats
+                                                 .Arg<xla::ffi::AnyBuffer>()    // do
+                                                 .Ret<xla::ffi::AnyBuffer>()    // dq
+                                                 .Ret<xla::ffi::AnyBuffer>()    // dk
+                                                 .Ret<xla::ffi::AnyBuffer>()    // dv
+                                                 .Ret<xla::ffi::AnyBuffer>()    // dbias
+                                                 .Ret<xla::ffi::AnyBuffer>()));  // dsink

@@ -1,0 +1,457 @@
+// The "flash" attention op for platform "cpu": a plain C++ implementation of
+// the canonical op (forward and backward) over the shared headers. Float32
+// accumulation; work is split over (batch row, k/v head) groups so that each
+// dk/dv slice has exactly one writer.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "fusedattn/ffi_args.h"
+#include "fusedattn/layout.h"
+#include "fusedattn/mask.h"
+#include "fusedattn/philox.h"
+#include "fusedattn/portability.h"
+#include "fusedattn/softmax.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace fusedattn {
+namespace {
+
+namespace ffi = xla::ffi;
+
+constexpr int kMaxThreads = 8;
+// Below this many multiply-adds a call runs on the calling thread.
+constexpr int64_t kMinWorkForThreads = 1 << 18;
+
+// Runs fn(group) for group in [0, groups) on up to kMaxThreads threads.
+template <typename Fn>
+void parallel_for(int64_t groups, int64_t work, Fn fn) {
+  int threads = static_cast<int>(std::min<int64_t>(
+      {static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency())), kMaxThreads, groups}));
+  if (work < kMinWorkForThreads) threads = 1;
+  if (threads <= 1) {
+    for (int64_t g = 0; g < groups; ++g) fn(g);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  auto worker = [&]() {
+    for (int64_t g = next.fetch_add(1); g < groups; g = next.fetch_add(1)) fn(g);
+  };
+  std::vector<std::thread> pool;
+  pool.reserve(threads - 1);
+  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
+  worker();
+  for (auto& t : pool) t.join();
+}
+
+// Per-batch-row views of the shared operands.
+struct Tokens {
+  const int32_t* q_seg;
+  const int32_t* q_pos;
+  const int32_t* q_diag;
+  const int32_t* kv_seg;
+  const int32_t* kv_pos;
+};
+
+struct RowContext {
+  const int32_t* q_seg;
+  const int32_t* q_pos;
+  const int32_t* q_diag;
+  const int32_t* kv_seg;
+  const int32_t* kv_pos;
+  const float* offset;  // [H]
+  uint32_t seed0, seed1;
+  uint32_t philox_batch;
+};
+
+RowContext row_context(const AttentionParams& p, const Tokens& t, const float* offset, const uint32_t* seed,
+                       int64_t b) {
+  RowContext c;
+  const int64_t tr = broadcast_row(b, p.batch, p.token_rows);
+  c.q_seg = t.q_seg + tr * p.seqlen_q;
+  c.q_pos = t.q_pos + tr * p.seqlen_q;
+  c.q_diag = t.q_diag + tr * p.seqlen_q;
+  c.kv_seg = t.kv_seg + tr * p.seqlen_kv;
+  c.kv_pos = t.kv_pos + tr * p.seqlen_kv;
+  c.offset = offset + broadcast_row(b, p.batch, p.offset_rows) * p.heads;
+  const int64_t sr = broadcast_row(b, p.batch, p.seed_rows);
+  c.seed0 = seed[2 * sr];
+  c.seed1 = seed[2 * sr + 1];
+  c.philox_batch = static_cast<uint32_t>(broadcast_inner(b, p.batch, p.seed_rows));
+  return c;
+}
+
+// Dropout factor of key j in row (b, h, i): 0 (dropped) or 1 / (1 - rate); 1 without dropout.
+struct DropoutRow {
+  std::vector<float> factor;
+  void fill(const AttentionParams& p, const RowContext& c, int64_t h, int64_t i) {
+    factor.assign(p.seqlen_kv, 1.0f);
+    if (!p.dropout) return;
+    for (int64_t j0 = 0; j0 < p.seqlen_kv; j0 += 4) {
+      const Philox4 draws = dropout_draws(c.seed0, c.seed1, c.philox_batch, static_cast<uint32_t>(h),
+                                          static_cast<uint32_t>(i), static_cast<uint32_t>(j0 >> 2));
+      for (int64_t lane = 0; lane < 4 && j0 + lane < p.seqlen_kv; ++lane) {
+        factor[j0 + lane] = draws.x[lane] >= p.dropout_threshold ? p.dropout_scale : 0.0f;
+      }
+    }
+  }
+};
+
+template <ElementType ET>
+using Store = typename Element<ET>::Storage;
+
+// Loads the [S, Dx] slice (b, :, head, :) of a [B, S, Hx, Dx] array into float.
+template <ElementType ET>
+void load_slice(const Store<ET>* x, int64_t b, int64_t head, int64_t S, int64_t Hx, int64_t Dx, float* out) {
+  for (int64_t s = 0; s < S; ++s) {
+    const Store<ET>* row = x + bshd_offset(b, s, head, 0, S, Hx, Dx);
+    for (int64_t d = 0; d < Dx; ++d) out[s * Dx + d] = Element<ET>::load(row[d]);
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.0f;
+  for (int64_t d = 0; d < n; ++d) acc += a[d] * b[d];
+  return acc;
+}
+
+template <ElementType ET>
+struct FwdArgs {
+  const Store<ET>* q;
+  const Store<ET>* k;
+  const Store<ET>* v;
+  Tokens tokens;
+  const float* offset;
+  const uint32_t* seed;
+  Store<ET>* o;
+  float* lse;
+};
+
+template <ElementType ET>
+void forward(const AttentionParams& p, const FwdArgs<ET>& a) {
+  const int64_t groups = p.batch * p.kv_heads;
+  const int64_t group_size = p.heads / p.kv_heads;
+  const int64_t work = p.batch * p.heads * p.seqlen_q * p.seqlen_kv * (p.head_dim + p.head_dim_v);
+  parallel_for(groups, work, [&](int64_t group) {
+    const int64_t b = group / p.kv_heads, g = group % p.kv_heads;
+    const RowContext c = row_context(p, a.tokens, a.offset, a.seed, b);
+    std::vector<float> kf(p.seqlen_kv * p.head_dim), vf(p.seqlen_kv * p.head_dim_v);
+    load_slice<ET>(a.k, b, g, p.seqlen_kv, p.kv_heads, p.head_dim, kf.data());
+    load_slice<ET>(a.v, b, g, p.seqlen_kv, p.kv_heads, p.head_dim_v, vf.data());
+    std::vector<float> qf(p.head_dim), s(p.seqlen_kv), acc(p.head_dim_v);
+    std::vector<char> vis(p.seqlen_kv);
+    DropoutRow drop;
+    for (int64_t h = g * group_size; h < (g + 1) * group_size; ++h) {
+      const float sink = softmax_sink_logit(p.softmax_type, c.offset[h]);
+      for (int64_t i = 0; i < p.seqlen_q; ++i) {
+        const Store<ET>* qrow = a.q + bshd_offset(b, i, h, 0, p.seqlen_q, p.heads, p.head_dim);
+        for (int64_t d = 0; d < p.head_dim; ++d) qf[d] = Element<ET>::load(qrow[d]);
+        const QueryToken qt = make_query_token(c.q_seg[i], c.q_pos[i], c.q_diag[i]);
+        SoftmaxState st;
+        st.init();
+        float row_max = -INFINITY;
+        bool any = false;
+        for (int64_t j = 0; j < p.seqlen_kv; ++j) {
+          vis[j] = visible(p.mask, qt, c.kv_seg[j], c.kv_pos[j]);
+          if (!vis[j]) continue;
+          s[j] = p.scale * dot(qf.data(), kf.data() + j * p.head_dim, p.head_dim);
+          row_max = any ? std::max(row_max, s[j]) : s[j];
+          any = true;
+        }
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        if (any) {
+          st.rescale(row_max);
+          drop.fill(p, c, h, i);
+          for (int64_t j = 0; j < p.seqlen_kv; ++j) {
+            if (!vis[j]) continue;
+            const float e = st.add(s[j]);
+            const float w = e * drop.factor[j];
+            if (w == 0.0f) continue;
+            const float* vrow = vf.data() + j * p.head_dim_v;
+            for (int64_t d = 0; d < p.head_dim_v; ++d) acc[d] += w * vrow[d];
+          }
+        }
+        float inv = 0.0f;
+        const float lse = st.finalize(p.softmax_type, sink, &inv);
+        Store<ET>* orow = a.o + bshd_offset(b, i, h, 0, p.seqlen_q, p.heads, p.head_dim_v);
+        for (int64_t d = 0; d < p.head_dim_v; ++d) orow[d] = Element<ET>::store(acc[d] * inv);
+        a.lse[bhs_offset(b, h, i, p.heads, p.seqlen_q)] = lse;
+      }
+    }
+  });
+}
+
+template <ElementType ET>
+struct BwdArgs {
+  const Store<ET>* q;
+  const Store<ET>* k;
+  const Store<ET>* v;
+  Tokens tokens;
+  const float* offset;
+  const uint32_t* seed;
+  const Store<ET>* o;
+  const float* lse;
+  const Store<ET>* dout;
+  Store<ET>* dq;
+  Store<ET>* dk;
+  Store<ET>* dv;
+  float* d_offset;
+};
+
+template <ElementType ET>
+void backward(const AttentionParams& p, const BwdArgs<ET>& a) {
+  const int64_t groups = p.batch * p.kv_heads;
+  const int64_t group_size = p.heads / p.kv_heads;
+  const int64_t work = 2 * p.batch * p.heads * p.seqlen_q * p.seqlen_kv * (p.head_dim + p.head_dim_v);
+  parallel_for(groups, work, [&](int64_t group) {
+    const int64_t b = group / p.kv_heads, g = group % p.kv_heads;
+    const RowContext c = row_context(p, a.tokens, a.offset, a.seed, b);
+    const int64_t D = p.head_dim, Dv = p.head_dim_v;
+    std::vector<float> kf(p.seqlen_kv * D), vf(p.seqlen_kv * Dv);
+    load_slice<ET>(a.k, b, g, p.seqlen_kv, p.kv_heads, D, kf.data());
+    load_slice<ET>(a.v, b, g, p.seqlen_kv, p.kv_heads, Dv, vf.data());
+    std::vector<float> dk_acc(p.seqlen_kv * D, 0.0f), dv_acc(p.seqlen_kv * Dv, 0.0f);
+    std::vector<float> qf(D), dof(Dv), dq_acc(D);
+    DropoutRow drop;
+    for (int64_t h = g * group_size; h < (g + 1) * group_size; ++h) {
+      const float sink = softmax_sink_logit(p.softmax_type, c.offset[h]);
+      float d_sink = 0.0f;
+      for (int64_t i = 0; i < p.seqlen_q; ++i) {
+        std::fill(dq_acc.begin(), dq_acc.end(), 0.0f);
+        const float lse = a.lse[bhs_offset(b, h, i, p.heads, p.seqlen_q)];
+        const QueryToken qt = make_query_token(c.q_seg[i], c.q_pos[i], c.q_diag[i]);
+        if (std::isfinite(lse)) {  // +inf marks a row with no visible key: all gradients 0
+          const Store<ET>* qrow = a.q + bshd_offset(b, i, h, 0, p.seqlen_q, p.heads, D);
+          const Store<ET>* orow = a.o + bshd_offset(b, i, h, 0, p.seqlen_q, p.heads, Dv);
+          const Store<ET>* dorow = a.dout + bshd_offset(b, i, h, 0, p.seqlen_q, p.heads, Dv);
+          float delta = 0.0f;  // D_i = rowsum(dO * O)
+          for (int64_t d = 0; d < D; ++d) qf[d] = Element<ET>::load(qrow[d]);
+          for (int64_t d = 0; d < Dv; ++d) {
+            dof[d] = Element<ET>::load(dorow[d]);
+            delta += dof[d] * Element<ET>::load(orow[d]);
+          }
+          drop.fill(p, c, h, i);
+          for (int64_t j = 0; j < p.seqlen_kv; ++j) {
+            if (!visible(p.mask, qt, c.kv_seg[j], c.kv_pos[j])) continue;
+            const float* krow = kf.data() + j * D;
+            const float* vrow = vf.data() + j * Dv;
+            const float s = p.scale * dot(qf.data(), krow, D);
+            const float prob = softmax_weight(s, lse);
+            const float f = drop.factor[j];
+            const float dp = f == 0.0f ? 0.0f : f * dot(dof.data(), vrow, Dv);
+            const float ds = prob * (dp - delta);
+            const float pd = prob * f;
+            float* dk_row = dk_acc.data() + j * D;
+            float* dv_row = dv_acc.data() + j * Dv;
+            for (int64_t d = 0; d < D; ++d) {
+              dq_acc[d] += ds * krow[d];
+              dk_row[d] += ds * qf[d];
+            }
+            if (pd != 0.0f) {
+              for (int64_t d = 0; d < Dv; ++d) dv_row[d] += pd * dof[d];
+            }
+          }
+          d_sink -= softmax_sink_weight(p.softmax_type, sink, lse) * delta;
+        }
+        Store<ET>* dqrow = a.dq + bshd_offset(b, i, h, 0, p.seqlen_q, p.heads, D);
+        for (int64_t d = 0; d < D; ++d) dqrow[d] = Element<ET>::store(p.scale * dq_acc[d]);
+      }
+      a.d_offset[b * p.heads + h] = p.softmax_type == kSoftmaxLearnable ? d_sink : 0.0f;
+    }
+    for (int64_t j = 0; j < p.seqlen_kv; ++j) {
+      Store<ET>* dkrow = a.dk + bshd_offset(b, j, g, 0, p.seqlen_kv, p.kv_heads, D);
+      Store<ET>* dvrow = a.dv + bshd_offset(b, j, g, 0, p.seqlen_kv, p.kv_heads, Dv);
+      for (int64_t d = 0; d < D; ++d) dkrow[d] = Element<ET>::store(p.scale * dk_acc[j * D + d]);
+      for (int64_t d = 0; d < Dv; ++d) dvrow[d] = Element<ET>::store(dv_acc[j * Dv + d]);
+    }
+  });
+}
+
+Tokens tokens_of(const ffi::AnyBuffer& q_seg, const ffi::AnyBuffer& q_pos, const ffi::AnyBuffer& q_diag,
+                 const ffi::AnyBuffer& kv_seg, const ffi::AnyBuffer& kv_pos) {
+  return Tokens{q_seg.typed_data<int32_t>(), q_pos.typed_data<int32_t>(), q_diag.typed_data<int32_t>(),
+                kv_seg.typed_data<int32_t>(), kv_pos.typed_data<int32_t>()};
+}
+
+template <ElementType ET>
+const Store<ET>* in(const ffi::AnyBuffer& x) {
+  return reinterpret_cast<const Store<ET>*>(x.untyped_data());
+}
+
+template <ElementType ET>
+Store<ET>* out(ffi::Result<ffi::AnyBuffer>& x) {
+  return reinterpret_cast<Store<ET>*>(x->untyped_data());
+}
+
+ffi::Error FlashFwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer q_seg,
+                        ffi::AnyBuffer q_pos, ffi::AnyBuffer q_diag, ffi::AnyBuffer kv_seg, ffi::AnyBuffer kv_pos,
+                        ffi::AnyBuffer softmax_offset, ffi::AnyBuffer seed, ffi::Result<ffi::AnyBuffer> o,
+                        ffi::Result<ffi::AnyBuffer> lse, float scale, bool causal, int64_t window_left,
+                        int64_t window_right, int32_t softmax_type, double dropout_rate) {
+  constexpr const char* kOp = "fusedattn_flash_fwd (cpu)";
+  AttentionParams p;
+  std::vector<int64_t> lead;
+  if (auto e = parse_attention_call(kOp, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed, scale,
+                                    causal, window_left, window_right, softmax_type, dropout_rate, &p, &lead);
+      e.failure()) {
+    return e;
+  }
+  if (auto e = check_exact(kOp, "result o", o->element_type(), o->dimensions(), q.element_type(),
+                           concat(lead, {p.seqlen_q, p.heads, p.head_dim_v}));
+      e.failure()) {
+    return e;
+  }
+  if (auto e = check_exact(kOp, "result lse", lse->element_type(), lse->dimensions(), ffi::DataType::F32,
+                           concat(lead, {p.heads, p.seqlen_q}));
+      e.failure()) {
+    return e;
+  }
+  if (p.batch == 0 || p.heads == 0 || p.seqlen_q == 0) return ffi::Error::Success();
+  const Tokens t = tokens_of(q_seg, q_pos, q_diag, kv_seg, kv_pos);
+  const float* off = softmax_offset.typed_data<float>();
+  const uint32_t* sd = seed.typed_data<uint32_t>();
+  float* lse_out = lse->typed_data<float>();
+  switch (element_type_of(q.element_type())) {
+    case ElementType::kF32:
+      forward<ElementType::kF32>(p, {in<ElementType::kF32>(q), in<ElementType::kF32>(k), in<ElementType::kF32>(v),
+                                     t, off, sd, out<ElementType::kF32>(o), lse_out});
+      break;
+    case ElementType::kBF16:
+      forward<ElementType::kBF16>(p, {in<ElementType::kBF16>(q), in<ElementType::kBF16>(k),
+                                      in<ElementType::kBF16>(v), t, off, sd, out<ElementType::kBF16>(o), lse_out});
+      break;
+    case ElementType::kF16:
+      forward<ElementType::kF16>(p, {in<ElementType::kF16>(q), in<ElementType::kF16>(k), in<ElementType::kF16>(v),
+                                     t, off, sd, out<ElementType::kF16>(o), lse_out});
+      break;
+  }
+  return ffi::Error::Success();
+}
+
+template <ElementType ET>
+BwdArgs<ET> bwd_args(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, const Tokens& t,
+                     const float* off, const uint32_t* sd, const ffi::AnyBuffer& o, const float* lse,
+                     const ffi::AnyBuffer& dout, ffi::Result<ffi::AnyBuffer>& dq, ffi::Result<ffi::AnyBuffer>& dk,
+                     ffi::Result<ffi::AnyBuffer>& dv, float* d_offset) {
+  return BwdArgs<ET>{in<ET>(q), in<ET>(k), in<ET>(v), t,       off,     sd,      in<ET>(o),
+                     lse,       in<ET>(dout), out<ET>(dq), out<ET>(dk), out<ET>(dv), d_offset};
+}
+
+ffi::Error FlashBwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer q_seg,
+                        ffi::AnyBuffer q_pos, ffi::AnyBuffer q_diag, ffi::AnyBuffer kv_seg, ffi::AnyBuffer kv_pos,
+                        ffi::AnyBuffer softmax_offset, ffi::AnyBuffer seed, ffi::AnyBuffer o, ffi::AnyBuffer lse,
+                        ffi::AnyBuffer dout, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                        ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> d_offset, float scale,
+                        bool causal, int64_t window_left, int64_t window_right, int32_t softmax_type,
+                        double dropout_rate) {
+  constexpr const char* kOp = "fusedattn_flash_bwd (cpu)";
+  AttentionParams p;
+  std::vector<int64_t> lead;
+  if (auto e = parse_attention_call(kOp, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed, scale,
+                                    causal, window_left, window_right, softmax_type, dropout_rate, &p, &lead);
+      e.failure()) {
+    return e;
+  }
+  const ffi::DataType dt = q.element_type();
+  const auto o_dims = concat(lead, {p.seqlen_q, p.heads, p.head_dim_v});
+  struct Check {
+    const char* name;
+    ffi::DataType type;
+    ffi::AnyBuffer::Dimensions dims;
+    ffi::DataType want_type;
+    std::vector<int64_t> want;
+  };
+  const Check checks[] = {
+      {"o", o.element_type(), o.dimensions(), dt, o_dims},
+      {"lse", lse.element_type(), lse.dimensions(), ffi::DataType::F32, concat(lead, {p.heads, p.seqlen_q})},
+      {"do", dout.element_type(), dout.dimensions(), dt, o_dims},
+      {"result dq", dq->element_type(), dq->dimensions(), dt, concat(lead, {p.seqlen_q, p.heads, p.head_dim})},
+      {"result dk", dk->element_type(), dk->dimensions(), dt, concat(lead, {p.seqlen_kv, p.kv_heads, p.head_dim})},
+      {"result dv", dv->element_type(), dv->dimensions(), dt,
+       concat(lead, {p.seqlen_kv, p.kv_heads, p.head_dim_v})},
+      {"result d_offset", d_offset->element_type(), d_offset->dimensions(), ffi::DataType::F32,
+       concat(lead, {p.heads})},
+  };
+  for (const Check& c : checks) {
+    if (auto e = check_exact(kOp, c.name, c.type, c.dims, c.want_type, c.want); e.failure()) return e;
+  }
+  if (p.batch == 0 || p.heads == 0) return ffi::Error::Success();
+  const Tokens t = tokens_of(q_seg, q_pos, q_diag, kv_seg, kv_pos);
+  const float* off = softmax_offset.typed_data<float>();
+  const uint32_t* sd = seed.typed_data<uint32_t>();
+  const float* lse_in = lse.typed_data<float>();
+  float* doff = d_offset->typed_data<float>();
+  switch (element_type_of(dt)) {
+    case ElementType::kF32:
+      backward<ElementType::kF32>(
+          p, bwd_args<ElementType::kF32>(q, k, v, t, off, sd, o, lse_in, dout, dq, dk, dv, doff));
+      break;
+    case ElementType::kBF16:
+      backward<ElementType::kBF16>(
+          p, bwd_args<ElementType::kBF16>(q, k, v, t, off, sd, o, lse_in, dout, dq, dk, dv, doff));
+      break;
+    case ElementType::kF16:
+      backward<ElementType::kF16>(
+          p, bwd_args<ElementType::kF16>(q, k, v, t, off, sd, o, lse_in, dout, dq, dk, dv, doff));
+      break;
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace fusedattn
+
+namespace ffi = xla::ffi;
+
+FA_FFI_EXPORT(FusedattnFlashFwdHost);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnFlashFwdHost, fusedattn::FlashFwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // q_seg
+                                  .Arg<ffi::AnyBuffer>()  // q_pos
+                                  .Arg<ffi::AnyBuffer>()  // q_diag
+                                  .Arg<ffi::AnyBuffer>()  // kv_seg
+                                  .Arg<ffi::AnyBuffer>()  // kv_pos
+                                  .Arg<ffi::AnyBuffer>()  // softmax_offset
+                                  .Arg<ffi::AnyBuffer>()  // seed
+                                  .Ret<ffi::AnyBuffer>()  // o
+                                  .Ret<ffi::AnyBuffer>()  // lse
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<int64_t>("window_left")
+                                  .Attr<int64_t>("window_right")
+                                  .Attr<int32_t>("softmax_type")
+                                  .Attr<double>("dropout_rate"));
+
+FA_FFI_EXPORT(FusedattnFlashBwdHost);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnFlashBwdHost, fusedattn::FlashBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // q_seg
+                                  .Arg<ffi::AnyBuffer>()  // q_pos
+                                  .Arg<ffi::AnyBuffer>()  // q_diag
+                                  .Arg<ffi::AnyBuffer>()  // kv_seg
+                                  .Arg<ffi::AnyBuffer>()  // kv_pos
+                                  .Arg<ffi::AnyBuffer>()  // softmax_offset
+                                  .Arg<ffi::AnyBuffer>()  // seed
+                                  .Arg<ffi::AnyBuffer>()  // o
+                                  .Arg<ffi::AnyBuffer>()  // lse
+                                  .Arg<ffi::AnyBuffer>()  // do
+                                  .Ret<ffi::AnyBuffer>()  // dq
+                                  .Ret<ffi::AnyBuffer>()  // dk
+                                  .Ret<ffi::AnyBuffer>()  // dv
+                                  .Ret<ffi::AnyBuffer>()  // d_offset
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<int64_t>("window_left")
+                                  .Attr<int64_t>("window_right")
+                                  .Attr<int32_t>("softmax_type")
+                                  .Attr<double>("dropout_rate"));

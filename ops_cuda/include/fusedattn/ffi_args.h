@@ -1,0 +1,241 @@
+// Validation of the FFI operands of the attention op set (host-side code,
+// shared by the host handlers and the device handlers' host parts).
+//
+// Forward operands (canonical form, see fusedattn/ops/backends/base.py):
+//   0 q [..., Sq, H, D]     1 k [..., Skv, Hkv, D]     2 v [..., Skv, Hkv, Dv]
+//   3 q_seg  4 q_pos  5 q_diag : S32 [..., Sq]
+//   6 kv_seg 7 kv_pos          : S32 [..., Skv]
+//   8 softmax_offset F32 [..., H]     9 seed U32 [..., 2]
+// attributes: scale f32, causal bool, window_left i64, window_right i64,
+//             softmax_type i32, dropout_rate f64
+// results: o [..., Sq, H, Dv] (q's dtype), lse F32 [..., H, Sq]
+// Backward operands: the forward's ten, then 10 o, 11 lse, 12 do;
+// results: dq, dk, dv (like q, k, v) and d_offset F32 [..., H] (per batch row).
+#ifndef FUSEDATTN_FFI_ARGS_H_
+#define FUSEDATTN_FFI_ARGS_H_
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "fusedattn/layout.h"
+#include "fusedattn/philox.h"
+#include "fusedattn/portability.h"
+#include "fusedattn/softmax.h"
+#include "xla/ffi/api/ffi.h"
+
+// Declares an exported FFI handler symbol (looked up by ctypes). On Linux the
+// build's version script exports every Fusedattn* symbol anyway; this keeps
+// the intent visible and serves toolchains without version scripts.
+#if defined(_WIN32)
+#define FA_FFI_EXPORT(name) extern "C" __declspec(dllexport) XLA_FFI_Error* name(XLA_FFI_CallFrame* call_frame)
+#else
+#define FA_FFI_EXPORT(name) \
+  extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* name(XLA_FFI_CallFrame* call_frame)
+#endif
+
+namespace fusedattn {
+
+namespace ffi = xla::ffi;
+
+inline const char* dtype_name(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::PRED: return "bool";
+    case ffi::DataType::S8: return "int8";
+    case ffi::DataType::S16: return "int16";
+    case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S64: return "int64";
+    case ffi::DataType::U8: return "uint8";
+    case ffi::DataType::U16: return "uint16";
+    case ffi::DataType::U32: return "uint32";
+    case ffi::DataType::U64: return "uint64";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::F64: return "float64";
+    case ffi::DataType::BF16: return "bfloat16";
+    default: return "an unsupported dtype";
+  }
+}
+
+inline std::string dims_string(ffi::AnyBuffer::Dimensions dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(dims[i]);
+  }
+  return s + "]";
+}
+
+inline std::string dims_string(const std::vector<int64_t>& dims) {
+  return dims_string(ffi::AnyBuffer::Dimensions(dims.data(), dims.size()));
+}
+
+inline ffi::Error invalid(const char* op, const std::string& message) {
+  return ffi::Error::InvalidArgument(std::string(op) + ": " + message);
+}
+
+// The leading dims of `dims` (all but the last `trailing`).
+inline std::vector<int64_t> leading_dims(ffi::AnyBuffer::Dimensions dims, size_t trailing) {
+  std::vector<int64_t> out;
+  for (size_t i = 0; i + trailing < dims.size(); ++i) out.push_back(dims[i]);
+  return out;
+}
+
+inline int64_t product(const std::vector<int64_t>& dims) {
+  int64_t p = 1;
+  for (int64_t d : dims) p *= d;
+  return p;
+}
+
+// Checks `buffer` is `dtype` with trailing dims `trailing` (and at least that
+// rank) and returns the product of its leading dims in *rows.
+inline ffi::Error check_rows(const char* op, const char* name, const ffi::AnyBuffer& buffer,
+                             ffi::DataType dtype, const std::vector<int64_t>& trailing, int64_t* rows) {
+  if (buffer.element_type() != dtype) {
+    return invalid(op, std::string(name) + " must be " + dtype_name(dtype) + ", got " +
+                           dtype_name(buffer.element_type()));
+  }
+  const auto dims = buffer.dimensions();
+  bool ok = dims.size() >= trailing.size();
+  for (size_t i = 0; ok && i < trailing.size(); ++i) {
+    ok = dims[dims.size() - trailing.size() + i] == trailing[i];
+  }
+  if (!ok) {
+    return invalid(op, std::string(name) + " must have shape [..., " +
+                           dims_string(trailing).substr(1) + ", got " + dims_string(dims));
+  }
+  *rows = product(leading_dims(dims, trailing.size()));
+  return ffi::Error::Success();
+}
+
+// Checks a per-batch-row operand's rows divide the batch (the broadcast rule).
+inline ffi::Error check_divides(const char* op, const char* name, int64_t rows, int64_t batch) {
+  if ((rows == 0 && batch == 0) || (rows > 0 && batch % rows == 0)) return ffi::Error::Success();
+  return invalid(op, std::string(name) + "'s leading dims hold " + std::to_string(rows) +
+                         " rows, which does not divide the batch of " + std::to_string(batch) +
+                         " (the product of q's leading dims)");
+}
+
+// Checks a buffer has exactly `dtype` and `dims`.
+inline ffi::Error check_exact(const char* op, const char* name, ffi::DataType actual_type,
+                              ffi::AnyBuffer::Dimensions actual, ffi::DataType dtype,
+                              const std::vector<int64_t>& dims) {
+  if (actual_type != dtype) {
+    return invalid(op, std::string(name) + " must be " + dtype_name(dtype) + ", got " +
+                           dtype_name(actual_type));
+  }
+  bool ok = actual.size() == dims.size();
+  for (size_t i = 0; ok && i < dims.size(); ++i) ok = actual[i] == dims[i];
+  if (!ok) {
+    return invalid(op, std::string(name) + " must have shape " + dims_string(dims) + ", got " +
+                           dims_string(actual));
+  }
+  return ffi::Error::Success();
+}
+
+inline bool is_supported_float(ffi::DataType t) {
+  return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
+}
+
+inline std::vector<int64_t> concat(std::vector<int64_t> a, const std::vector<int64_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+// Validates the ten forward operands and the attributes, filling *p.
+// *lead receives q's leading dims (the batch dims of every result).
+inline ffi::Error parse_attention_call(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                                       const ffi::AnyBuffer& v, const ffi::AnyBuffer& q_seg,
+                                       const ffi::AnyBuffer& q_pos, const ffi::AnyBuffer& q_diag,
+                                       const ffi::AnyBuffer& kv_seg, const ffi::AnyBuffer& kv_pos,
+                                       const ffi::AnyBuffer& softmax_offset, const ffi::AnyBuffer& seed,
+                                       float scale, bool causal, int64_t window_left, int64_t window_right,
+                                       int32_t softmax_type, double dropout_rate, AttentionParams* p,
+                                       std::vector<int64_t>* lead) {
+  const ffi::DataType dtype = q.element_type();
+  if (!is_supported_float(dtype)) {
+    return invalid(op, std::string("q must be float32, bfloat16 or float16, got ") + dtype_name(dtype));
+  }
+  if (k.element_type() != dtype || v.element_type() != dtype) {
+    return invalid(op, std::string("q, k and v must share one dtype, got ") + dtype_name(dtype) + ", " +
+                           dtype_name(k.element_type()) + " and " + dtype_name(v.element_type()));
+  }
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() < 3) {
+    return invalid(op, "q must have shape [..., Sq, H, D], got " + dims_string(qd));
+  }
+  *lead = leading_dims(qd, 3);
+  const size_t r = qd.size();
+  p->batch = product(*lead);
+  p->seqlen_q = qd[r - 3];
+  p->heads = qd[r - 2];
+  p->head_dim = qd[r - 1];
+  if (kd.size() != r || leading_dims(kd, 3) != *lead || kd[r - 1] != p->head_dim) {
+    return invalid(op, "k must have shape [..., Skv, Hkv, D] with q's leading dims and head dim; q is " +
+                           dims_string(qd) + ", k is " + dims_string(kd));
+  }
+  p->seqlen_kv = kd[r - 3];
+  p->kv_heads = kd[r - 2];
+  if (vd.size() != r || leading_dims(vd, 3) != *lead || vd[r - 3] != p->seqlen_kv ||
+      vd[r - 2] != p->kv_heads) {
+    return invalid(op, "v must have shape [..., Skv, Hkv, Dv] matching k's leading dims, Skv and Hkv; k is " +
+                           dims_string(kd) + ", v is " + dims_string(vd));
+  }
+  p->head_dim_v = vd[r - 1];
+  if (p->kv_heads < 1 || p->heads % p->kv_heads != 0) {
+    return invalid(op, "the number of q heads (" + std::to_string(p->heads) +
+                           ") must be a multiple of the number of k/v heads (" + std::to_string(p->kv_heads) +
+                           ")");
+  }
+
+  int64_t rows[5];
+  const ffi::AnyBuffer* tokens[5] = {&q_seg, &q_pos, &q_diag, &kv_seg, &kv_pos};
+  const char* token_names[5] = {"q_seg", "q_pos", "q_diag", "kv_seg", "kv_pos"};
+  for (int t = 0; t < 5; ++t) {
+    const int64_t len = t < 3 ? p->seqlen_q : p->seqlen_kv;
+    if (auto e = check_rows(op, token_names[t], *tokens[t], ffi::DataType::S32, {len}, &rows[t]); e.failure()) {
+      return e;
+    }
+    if (rows[t] != rows[0]) {
+      return invalid(op, "the token vectors q_seg, q_pos, q_diag, kv_seg, kv_pos must share their leading dims");
+    }
+  }
+  p->token_rows = rows[0];
+  if (auto e = check_divides(op, "q_seg", p->token_rows, p->batch); e.failure()) return e;
+  if (auto e = check_rows(op, "softmax_offset", softmax_offset, ffi::DataType::F32, {p->heads}, &p->offset_rows);
+      e.failure()) {
+    return e;
+  }
+  if (auto e = check_divides(op, "softmax_offset", p->offset_rows, p->batch); e.failure()) return e;
+  if (auto e = check_rows(op, "seed", seed, ffi::DataType::U32, {2}, &p->seed_rows); e.failure()) return e;
+  if (auto e = check_divides(op, "seed", p->seed_rows, p->batch); e.failure()) return e;
+
+  if (!std::isfinite(scale)) return invalid(op, "the scale attribute must be finite");
+  if (softmax_type < kSoftmaxVanilla || softmax_type > kSoftmaxLearnable) {
+    return invalid(op, "softmax_type must be 0 (vanilla), 1 (off_by_one) or 2 (learnable), got " +
+                           std::to_string(softmax_type));
+  }
+  if (!(dropout_rate >= 0.0 && dropout_rate < 1.0)) {
+    return invalid(op, "dropout_rate must be in [0, 1), got " + std::to_string(dropout_rate));
+  }
+  p->scale = scale;
+  p->mask.causal = causal;
+  p->mask.window_left = window_left;
+  p->mask.window_right = window_right;
+  p->softmax_type = softmax_type;
+  p->dropout = dropout_rate > 0.0;
+  p->dropout_threshold = dropout_threshold(dropout_rate);
+  p->dropout_scale = static_cast<float>(1.0 / (1.0 - dropout_rate));
+  return ffi::Error::Success();
+}
+
+inline ElementType element_type_of(ffi::DataType t) {
+  return t == ffi::DataType::BF16 ? ElementType::kBF16
+         : t == ffi::DataType::F16 ? ElementType::kF16
+                                   : ElementType::kF32;
+}
+
+}  // namespace fusedattn
+
+#endif  // FUSEDATTN_FFI_ARGS_H_

@@ -1,0 +1,65 @@
+// One source for CUDA and HIP device code: the runtime API names, the stream
+// type the FFI hands us, the warp width, and warp shuffles.
+//
+// CUDA warps have 32 lanes; AMD CDNA wavefronts 64. Kernels size their lane
+// teams from kWarpSize, so one source serves both.
+#ifndef FUSEDATTN_GPU_RUNTIME_H_
+#define FUSEDATTN_GPU_RUNTIME_H_
+
+#if defined(__HIPCC__)
+#include <hip/hip_runtime.h>
+#define FA_GPU_PLATFORM_NAME "ROCm"
+using gpuStream_t = hipStream_t;
+using gpuError_t = hipError_t;
+#define gpuSuccess hipSuccess
+#define gpuGetLastError hipGetLastError
+#define gpuGetErrorString hipGetErrorString
+#define gpuMemsetAsync hipMemsetAsync
+#else
+#include <cuda_runtime.h>
+#define FA_GPU_PLATFORM_NAME "CUDA"
+using gpuStream_t = cudaStream_t;
+using gpuError_t = cudaError_t;
+#define gpuSuccess cudaSuccess
+#define gpuGetLastError cudaGetLastError
+#define gpuGetErrorString cudaGetErrorString
+#define gpuMemsetAsync cudaMemsetAsync
+#endif
+
+namespace fusedattn {
+
+#if defined(__HIPCC__)
+constexpr int kWarpSize = 64;  // the CDNA targets of the ROCm build (gfx90a, gfx940)
+#else
+constexpr int kWarpSize = 32;
+#endif
+
+// Lane `src` of the warp's value (all lanes take part).
+__device__ __forceinline__ float warp_shfl(float value, int src) {
+#if defined(__HIPCC__)
+  return __shfl(value, src, kWarpSize);
+#else
+  return __shfl_sync(0xffffffffu, value, src, kWarpSize);
+#endif
+}
+
+// The value of lane (lane ^ mask) (all lanes take part).
+__device__ __forceinline__ float warp_shfl_xor(float value, int mask) {
+#if defined(__HIPCC__)
+  return __shfl_xor(value, mask, kWarpSize);
+#else
+  return __shfl_xor_sync(0xffffffffu, value, mask, kWarpSize);
+#endif
+}
+
+__device__ __forceinline__ void warp_sync() {
+#if defined(__HIPCC__)
+  __builtin_amdgcn_wave_barrier();
+#else
+  __syncwarp();
+#endif
+}
+
+}  // namespace fusedattn
+
+#endif  // FUSEDATTN_GPU_RUNTIME_H_

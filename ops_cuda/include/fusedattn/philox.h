@@ -1,0 +1,89 @@
+// Philox4x32-10 counter-based dropout, the definition of fusedattn/ops/philox.py.
+//
+// Element (b, h, i, j) of the [b, h, sq, skv] attention weights is kept iff
+//
+//   philox4x32_10(counter = (j / 4, i, h, b), key = (seed0, seed1))[j % 4] >= threshold
+//
+// with threshold = min(floor(rate * 2^32), 2^32 - 1); kept weights are scaled
+// by 1 / (1 - rate). Host and device builds share this code, so masks match
+// bit for bit across the XLA backend, the host build and the device kernels.
+#ifndef FUSEDATTN_PHILOX_H_
+#define FUSEDATTN_PHILOX_H_
+
+#include <cmath>
+#include <cstdint>
+
+#include "fusedattn/portability.h"
+
+namespace fusedattn {
+
+struct Philox4 {
+  uint32_t x[4];
+};
+
+FA_HOST_DEVICE FA_INLINE void mulhilo32(uint32_t a, uint32_t b, uint32_t* hi, uint32_t* lo) {
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+  *hi = __umulhi(a, b);
+  *lo = a * b;
+#else
+  const uint64_t product = static_cast<uint64_t>(a) * static_cast<uint64_t>(b);
+  *hi = static_cast<uint32_t>(product >> 32);
+  *lo = static_cast<uint32_t>(product);
+#endif
+}
+
+// Philox4x32 with 10 rounds (Random123's philox4x32_R(10, ...)).
+FA_HOST_DEVICE FA_INLINE Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
+                                              uint32_t k0, uint32_t k1) {
+  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
+  constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+#pragma unroll
+#endif
+  for (int round = 0; round < 10; ++round) {
+    if (round) {
+      k0 += kW0;
+      k1 += kW1;
+    }
+    uint32_t hi0, lo0, hi1, lo1;
+    mulhilo32(c0, kM0, &hi0, &lo0);
+    mulhilo32(c2, kM1, &hi1, &lo1);
+    const uint32_t n0 = hi1 ^ c1 ^ k0;
+    const uint32_t n2 = hi0 ^ c3 ^ k1;
+    c0 = n0;
+    c1 = lo1;
+    c2 = n2;
+    c3 = lo0;
+  }
+  Philox4 out;
+  out.x[0] = c0;
+  out.x[1] = c1;
+  out.x[2] = c2;
+  out.x[3] = c3;
+  return out;
+}
+
+// The uint32 below which a draw drops its element: min(floor(rate * 2^32), 2^32 - 1).
+// `rate` is a double so that it equals Python's keep_threshold(rate) exactly.
+FA_HOST_DEVICE FA_INLINE uint32_t dropout_threshold(double rate) {
+  if (!(rate > 0.0)) return 0u;
+  const double t = floor(rate * 4294967296.0);
+  return t >= 4294967295.0 ? 0xffffffffu : static_cast<uint32_t>(t);
+}
+
+// The four draws of one counter: the 4 keys j = 4*(j/4) .. 4*(j/4)+3 of row (b, h, i).
+FA_HOST_DEVICE FA_INLINE Philox4 dropout_draws(uint32_t seed0, uint32_t seed1, uint32_t b, uint32_t h,
+                                               uint32_t i, uint32_t j_div_4) {
+  return philox4x32_10(j_div_4, i, h, b, seed0, seed1);
+}
+
+// Whether element (b, h, i, j) is kept.
+FA_HOST_DEVICE FA_INLINE bool dropout_keep(uint32_t seed0, uint32_t seed1, uint32_t threshold,
+                                           uint32_t b, uint32_t h, uint32_t i, uint32_t j) {
+  const Philox4 draws = dropout_draws(seed0, seed1, b, h, i, j >> 2);
+  return draws.x[j & 3u] >= threshold;
+}
+
+}  // namespace fusedattn
+
+#endif  // FUSEDATTN_PHILOX_H_

@@ -1,0 +1,93 @@
+// The small-sequence op: one query token per segment, at most kSmallSeqMaxKeys
+// keys, a huge batch. Shared by the host build and the CUDA/HIP kernels.
+//
+// Operands (canonical BSHD, see fusedattn/ops/backends/small_seq.py):
+//   forward:  0 q [..., Sq, H, D]   1 k [..., Skv, Hkv, D]   2 v [..., Skv, Hkv, D]
+//             3 kv_start S32 [..., Sq]  4 kv_len S32 [..., Sq]   5 seed U32 [..., 2]
+//             attributes: scale f32, dropout_rate f64, max_keys i64 (the static bound)
+//             result: o [..., Sq, H, D] (q's dtype)
+//   backward: the forward's six, then 6 o, 7 do; results dq, dk, dv.
+//
+// Nothing but o is saved for the backward: with at most 16 keys it recomputes
+// the scores from q and k, which it reads anyway for dq and dk, so storing P
+// (as ROCm TransformerEngine does) or the softmax statistics would only add
+// bytes to both passes.
+//
+// Query token (b, i) attends keys kv_start .. kv_start + kv_len - 1 of row b.
+// kv_len == 0: a padding query (output 0, zero gradients). kv_len < 0 or
+// kv_len > max_keys: the data broke a declared bound; the query's output and
+// dq are NaN, never silently wrong numbers (Python also raises, see
+// small_seq.py). Keys outside every query's range get zero dk and dv.
+#ifndef FUSEDATTN_SMALL_SEQ_H_
+#define FUSEDATTN_SMALL_SEQ_H_
+
+#include <cmath>
+#include <cstdint>
+
+#include "fusedattn/philox.h"
+#include "fusedattn/portability.h"
+
+namespace fusedattn {
+
+constexpr int kSmallSeqMaxKeys = 16;
+
+struct SmallSeqParams {
+  int64_t batch;      // B: product of q's leading dims
+  int64_t seqlen_q;   // Sq: query tokens per row
+  int64_t seqlen_kv;  // Skv
+  int64_t heads;      // H
+  int64_t kv_heads;   // Hkv (divides H)
+  int64_t head_dim;   // D (q, k and v)
+  int64_t seed_rows;  // leading product of the seed operand
+  int64_t max_keys;   // the declared bound on kv_len
+  float scale;
+  bool dropout;
+  uint32_t dropout_threshold;
+  float dropout_scale;  // 1 / (1 - rate)
+};
+
+// Whether a query's kv_len is servable; false means a broken bound (NaN out).
+FA_HOST_DEVICE FA_INLINE bool small_seq_len_ok(int32_t kv_len, int64_t max_keys) {
+  return kv_len >= 0 && kv_len <= max_keys;
+}
+
+// Softmax of the first `len` of N scaled scores, in place: s[j] becomes p_j
+// (0 for j >= len; all 0 when len == 0).
+template <int N>
+FA_HOST_DEVICE FA_INLINE void small_seq_softmax(float (&s)[N], int len) {
+  float m = -INFINITY;
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+#pragma unroll
+#endif
+  for (int j = 0; j < N; ++j) m = j < len ? fmaxf(m, s[j]) : m;
+  float total = 0.0f;
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+#pragma unroll
+#endif
+  for (int j = 0; j < N; ++j) {
+    s[j] = j < len ? expf(s[j] - m) : 0.0f;
+    total += s[j];
+  }
+  const float inv = len > 0 ? 1.0f / total : 0.0f;
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+#pragma unroll
+#endif
+  for (int j = 0; j < N; ++j) s[j] *= inv;
+}
+
+// The dropout factor of weight (b, h, i, j): 0 when dropped, 1/(1-rate) when
+// kept, 1 without dropout. `philox_b` is the Philox batch coordinate
+// (broadcast_inner of layout.h) and j the key's token index in its row.
+FA_HOST_DEVICE FA_INLINE float small_seq_dropout_factor(const SmallSeqParams& p, uint32_t seed0,
+                                                        uint32_t seed1, int64_t philox_b, int64_t h,
+                                                        int64_t i, int64_t j) {
+  if (!p.dropout) return 1.0f;
+  const bool keep = dropout_keep(seed0, seed1, p.dropout_threshold, static_cast<uint32_t>(philox_b),
+                                 static_cast<uint32_t>(h), static_cast<uint32_t>(i),
+                                 static_cast<uint32_t>(j));
+  return keep ? p.dropout_scale : 0.0f;
+}
+
+}  // namespace fusedattn
+
+#endif  // FUSEDATTN_SMALL_SEQ_H_

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# On the GPU machine (see ../shared/device/README.md): build fusedattn, run the
+# whole test suite including GPU tests, then the benchmarks named as arguments.
+# Logs and results go under $OUT; the short summary prints last.
+#   usage: bash scripts/device.sh [benchmark-name ...]   e.g. small_seq
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/fusedattn-out}
+mkdir -p "$OUT"
+summary=()
+
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
+
+if ! python3 -m pip install -v --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
+  tail -60 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
+fi
+summary+=("build: ok ($(grep -c 'Building CUDA' "$OUT/build.log") CUDA objects)")
+
+python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests > "$OUT/tests_gpu.log" 2>&1
+summary+=("gpu-marked tests: $(tail -1 "$OUT/tests_gpu.log")")
+python3 -m pytest -q -p no:cacheprovider -rs -m "not gpu" ${PYTEST_ARGS:-tests} > "$OUT/tests.log" 2>&1
+summary+=("other tests (on the GPU): $(tail -1 "$OUT/tests.log")")
+
+for name in "$@"; do
+  python3 "benchmarks/$name.py" --out "$OUT/$name.json" > "$OUT/bench_$name.log" 2>&1
+  summary+=("benchmark $name: exit $? (table below)")
+done
+
+grep -hE '^(FAILED|ERROR)' "$OUT/tests_gpu.log" "$OUT/tests.log" | head -30
+for name in "$@"; do echo "== $name"; tail -40 "$OUT/bench_$name.log"; done
+printf '%s\n' "${summary[@]}"

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Sets up a virtual environment in .venv, installs fusedattn with its test
+# extras (building the compiled op set), and runs the test suite.
+# GPU tests are marked and skip on machines without a GPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+python -m pip install -q -e ".[test]"
+set +e
+python -m pytest -q -p no:cacheprovider "$@"
+status=$?
+set -e
+# pytest exit 5 means "no tests collected": a broken suite, not a pass.
+if [ "$status" -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi
+exit "$status"

@@ -1,0 +1,120 @@
+"""Shared test helpers: per-test random generators, dtype tolerances, closeness checks,
+config building, and the `gpu` marker (skipped unless JAX's default device is a GPU).
+
+Helpers are plain functions (import them with `from conftest import ...`); fixtures:
+`rng` (a NumPy Generator seeded from the test's id, printed when the test fails) and
+`seed` (that seed). Set FUSEDATTN_TEST_SEED=<int> to draw a different set of inputs.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+# Relative tolerance of an op's result in each input dtype, against a float64 reference
+# computed from the same (rounded) inputs. bf16: eps^(2/3) with eps = 2^-7.
+TOLERANCES = {
+    np.dtype(jnp.float32): 1e-5,
+    np.dtype(jnp.bfloat16): 0.04,
+    np.dtype(jnp.float16): 0.01,
+    np.dtype(np.float64): 1e-12,
+}
+
+
+def tolerance(dtype) -> float:
+    return TOLERANCES[np.dtype(dtype)]
+
+
+def assert_finite(x, name: str = "value") -> None:
+    x = np.asarray(x, np.float64)
+    bad = ~np.isfinite(x)
+    assert not bad.any(), f"{name}: {int(bad.sum())} non-finite entries, first at {np.argwhere(bad)[0]}"
+
+
+def assert_close(actual, expected, tol: float, name: str = "value", scale: float | None = None):
+    """|actual - expected| <= tol * (|expected| + scale) elementwise, everything finite.
+
+    scale defaults to max(1, max|expected|): the error is measured relative to the size of
+    the result, so entries near zero are not held to a relative bound.
+    """
+    a = np.asarray(actual, np.float64)
+    e = np.asarray(expected, np.float64)
+    assert a.shape == e.shape, f"{name}: shape {a.shape} != expected {e.shape}"
+    assert_finite(a, name)
+    assert_finite(e, f"{name} (expected)")
+    if scale is None:
+        scale = max(1.0, float(np.max(np.abs(e)))) if e.size else 1.0
+    err = np.abs(a - e)
+    bound = tol * (np.abs(e) + scale)
+    if not np.all(err <= bound):
+        worst = np.unravel_index(np.argmax(err - bound), err.shape)
+        raise AssertionError(
+            f"{name}: {int(np.sum(err > bound))}/{err.size} entries off; worst at {worst}: "
+            f"got {a[worst]!r}, expected {e[worst]!r} (|err| {err[worst]:.3g} > "
+            f"{bound[worst]:.3g}; tol {tol}, scale {scale:.3g}; max |err| {err.max():.3g})"
+        )
+
+
+def make_config(**overrides):
+    """attention_config() with overrides; nested sections take dicts, e.g. sequence={...}."""
+    from fusedattn.configs import attention_config
+
+    config = attention_config()
+    for key, value in overrides.items():
+        if isinstance(value, dict):
+            for sub, sub_value in value.items():
+                setattr(getattr(config, key), sub, sub_value)
+        else:
+            setattr(config, key, value)
+    return config
+
+
+def random_array(rng: np.random.Generator, shape, dtype=jnp.float32, scale: float = 1.0):
+    """Standard normal entries (times scale) as a jax array of `dtype`."""
+    return jnp.asarray(rng.standard_normal(shape) * scale, jnp.float32).astype(dtype)
+
+
+def _base_seed() -> int:
+    return int(os.environ.get("FUSEDATTN_TEST_SEED", "0"))
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """A seed of its own for every test (stable across runs; FUSEDATTN_TEST_SEED varies it)."""
+    value = (zlib.crc32(request.node.nodeid.encode()) + _base_seed()) % (2**31)
+    request.node.fusedattn_seed = value
+    return value
+
+
+@pytest.fixture
+def rng(seed) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
+    config.addinivalue_line("markers", "slow: long-running cases")
+
+
+def pytest_collection_modifyitems(config, items):
+    if jax.devices()[0].platform == "gpu":
+        return
+    skip = pytest.mark.skip(reason=f"needs a GPU; JAX runs on {jax.devices()[0].platform}")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    value = getattr(item, "fusedattn_seed", None)
+    if report.failed and value is not None:
+        report.sections.append(("random seed", f"seed={value} (FUSEDATTN_TEST_SEED="
+                                                f"{_base_seed()})"))

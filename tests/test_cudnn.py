@@ -1,0 +1,345 @@
+"""The cudnn backend (cuDNN SDPA through the cuDNN frontend) against the XLA backend.
+
+GPU tests (marked `gpu`) run the same call through backend "cudnn" and
+backend "xla" and compare the output and every gradient within the dtype's
+tolerance. Dropout cannot match the XLA backend (cuDNN draws its own Philox
+stream), so it is tested by statistics, by agreement of the forward and
+backward masks, and by per-key determinism. CPU tests check the reasons
+`supports` gives.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import assert_close, make_config, random_array, tolerance
+from fusedattn.ops import AttentionSpec, SequenceDescriptor, explain, fused_attn
+from fusedattn.ops.backends import cudnn
+from fusedattn.ops.backends.base import CallShapes
+
+ON_GPU = jax.devices()[0].platform == "gpu"
+
+
+def shapes(b=2, sq=64, skv=64, h=4, h_kv=4, d=64, dv=None, dtype=jnp.bfloat16, bias=False,
+           dropout=False):
+    return CallShapes(batch=b, seqlen_q=sq, seqlen_kv=skv, num_heads=h, num_kv_heads=h_kv,
+                      head_dim_qk=d, head_dim_v=dv or d, dtype=jnp.dtype(dtype),
+                      has_bias_array=bias, dropout=dropout)
+
+
+def spec(**overrides):
+    return AttentionSpec.from_config(make_config(**overrides))
+
+
+# ---- reasons (any machine) -------------------------------------------------------------
+
+def test_needs_a_cuda_gpu():
+    for platform in ("cpu", "rocm"):
+        assert (cudnn.BACKEND.supports(spec(), shapes(), platform)
+                == f"cudnn: needs a CUDA GPU; this computation runs on {platform}")
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the CPU-only verdict")
+def test_explain_on_cpu_and_named_backend_error():
+    q = jnp.zeros((2, 16, 2, 64), jnp.bfloat16)
+    e = explain((q, q, q), config=make_config())
+    assert e.verdicts["cudnn"] == "cudnn: needs a CUDA GPU; this computation runs on cpu"
+    assert e.backend != "cudnn"
+    with pytest.raises(ValueError, match="cudnn: needs a CUDA GPU; this computation runs on cpu"):
+        fused_attn((q, q, q), config=make_config(backend="cudnn"))
+
+
+@pytest.mark.parametrize("overrides, call, expected", [
+    (dict(qkv_layout="thd_thd_thd", mask="padding"), {}, "THD (packed) layouts are not served"),
+    (dict(bias="alibi", mask="causal"), {}, "ALiBi is not served"),
+    (dict(mask="padding"), {}, "config.sequence.format = 'seqlens'"),
+    (dict(mask="padding_causal", sequence={"format": "segment_ids"}), {},
+     "got 'segment_ids'"),
+    (dict(mask="padding", sequence={"format": "seqlens"}, bias="post_scale_bias"),
+     dict(bias=True), "padding masks with config.bias 'post_scale_bias' are not served"),
+    ({}, dict(dtype=jnp.float32), "needs bfloat16 or float16 inputs, got float32"),
+    ({}, dict(d=72 + 4), "head dim must be a multiple of 8"),
+    ({}, dict(d=320), "at most 256"),
+    ({}, dict(d=64, dv=20), "the v head dim"),
+])
+def test_static_reasons(overrides, call, expected):
+    reason = cudnn.BACKEND.supports(spec(**overrides), shapes(**call), "cuda")
+    assert reason is not None and reason.startswith("cudnn: ")
+    assert expected in reason, reason
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the verdict without a CUDA backend")
+def test_no_cuda_backend_reason():
+    reason = cudnn.BACKEND.supports(spec(), shapes(), "cuda")
+    assert reason == "cudnn: jax has no CUDA backend in this process"
+
+
+def test_padding_with_seqlens_format_passes_the_static_checks():
+    reason = cudnn.BACKEND.supports(spec(mask="padding_causal", sequence={"format": "seqlens"}),
+                                    shapes(), "cuda")
+    assert reason is None or "sequence.format" not in reason
+
+
+# ---- GPU: against the XLA backend -------------------------------------------------------
+
+def run(config, qkv, *, bias=None, softmax_offset=None, sequence=None, cotangent=None, **kw):
+    """(output, grads of q, k, v[, bias][, softmax_offset]) of one fused_attn call."""
+    diff = list(qkv)
+    if bias is not None:
+        diff.append(bias)
+    if softmax_offset is not None:
+        diff.append(softmax_offset)
+
+    def attend(*arrays):
+        q, k, v, *rest = arrays
+        b = rest.pop(0) if bias is not None else None
+        o = rest.pop(0) if softmax_offset is not None else None
+        return fused_attn((q, k, v), config=config, bias=b, softmax_offset=o, sequence=sequence,
+                          **kw)
+
+    out, vjp = jax.vjp(jax.jit(attend), *diff)
+    if cotangent is None:
+        return out, None
+    return out, vjp(cotangent)
+
+
+def compare(config, qkv, rng, *, tol_factor=1.0, **kw):
+    """cudnn's output and gradients equal xla's within tolerance; returns cudnn's."""
+    dtype = qkv[0].dtype
+    config.backend = "cudnn"
+    reason = explain(qkv, config=config, bias=kw.get("bias"), sequence=kw.get("sequence")
+                     ).verdicts["cudnn"]
+    assert reason is None, reason
+    out_shape = jax.eval_shape(lambda *a: fused_attn(a, config=config, **kw), *qkv).shape
+    cotangent = random_array(rng, out_shape, dtype)
+    out, grads = run(config, qkv, cotangent=cotangent, **kw)
+    config.backend = "xla"
+    ref_out, ref_grads = run(config, qkv, cotangent=cotangent, **kw)
+    config.backend = "cudnn"
+    tol = tolerance(dtype) * tol_factor
+    assert_close(out, ref_out, tol, "output")
+    names = ["dq", "dk", "dv"] + (["dbias"] if kw.get("bias") is not None else []) + (
+        ["dsoftmax_offset"] if kw.get("softmax_offset") is not None else [])
+    for name, grad, ref in zip(names, grads, ref_grads):
+        assert_close(grad, ref, tol, name)
+    return out, grads
+
+
+def inputs(rng, b, sq, skv, h, h_kv, d, dtype, dv=None):
+    return (random_array(rng, (b, sq, h, d), dtype), random_array(rng, (b, skv, h_kv, d), dtype),
+            random_array(rng, (b, skv, h_kv, dv or d), dtype))
+
+
+def skip_if_cudnn_refuses(config, qkv, **kw):
+    """Skips (with cuDNN's reason) a feature this cuDNN/GPU cannot run."""
+    config.backend = "auto"
+    reason = explain(qkv, config=config, **kw).verdicts["cudnn"]
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("mask", ["no_mask", "causal", "causal_bottom_right"])
+def test_matches_xla(rng, dtype, d, mask):
+    qkv = inputs(rng, 2, 128, 128, 4, 4, d, dtype)
+    compare(make_config(mask=mask), qkv, rng)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", ["no_mask", "causal", "causal_bottom_right"])
+@pytest.mark.parametrize("sq, skv", [(37, 37), (61, 203), (129, 130), (1, 77)])
+def test_odd_lengths(rng, mask, sq, skv):
+    qkv = inputs(rng, 3, sq, skv, 4, 4, 64, jnp.bfloat16)
+    config = make_config(mask=mask)
+    skip_if_cudnn_refuses(config, qkv)
+    compare(config, qkv, rng)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h, h_kv", [(8, 2), (8, 1), (6, 3)])
+@pytest.mark.parametrize("mask", ["no_mask", "causal"])
+def test_gqa(rng, h, h_kv, mask):
+    qkv = inputs(rng, 2, 96, 160, h, h_kv, 64, jnp.bfloat16)
+    compare(make_config(mask=mask), qkv, rng)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_head_dim_256(rng, dtype):
+    qkv = inputs(rng, 2, 128, 128, 2, 2, 256, dtype)
+    config = make_config(mask="causal")
+    skip_if_cudnn_refuses(config, qkv)
+    compare(config, qkv, rng)
+
+
+@pytest.mark.gpu
+def test_other_layouts_and_scale(rng):
+    q, k, v = inputs(rng, 2, 64, 64, 4, 4, 64, jnp.bfloat16)
+    config = make_config(mask="causal", qkv_layout="sbhd_sb2hd", scale=0.3)
+    qs = jnp.swapaxes(q, 0, 1)
+    kv = jnp.stack([jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)], axis=2)
+    compare(config, (qs, kv), rng)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", ["padding", "padding_causal", "padding_causal_bottom_right"])
+def test_padding(rng, mask):
+    b, sq, skv = 4, 80, 96
+    qkv = inputs(rng, b, sq, skv, 4, 2, 64, jnp.bfloat16)
+    q_len = np.array([80, 33, 1, 50], np.int32)
+    kv_len = np.array([96, 40, 17, 20], np.int32)  # row 3: more queries than keys
+    sequence = SequenceDescriptor.from_seqlens(q_len, kv_len)
+    config = make_config(mask=mask, sequence={"format": "seqlens"})
+    out, grads = compare(config, qkv, rng, sequence=sequence)
+    out = np.asarray(out, np.float32)
+    assert np.all(out[1, 33:] == 0) and np.all(out[2, 1:] == 0)
+    dk = np.asarray(grads[1], np.float32)
+    assert np.all(dk[1, 40:] == 0) and np.all(dk[3, 20:] == 0)
+
+
+@pytest.mark.gpu
+def test_padding_with_empty_rows(rng):
+    qkv = inputs(rng, 3, 64, 64, 2, 2, 64, jnp.bfloat16)
+    sequence = SequenceDescriptor.from_seqlens(np.array([64, 0, 10], np.int32),
+                                               np.array([0, 64, 64], np.int32))
+    config = make_config(mask="padding", sequence={"format": "seqlens"})
+    out, grads = compare(config, qkv, rng, sequence=sequence)
+    assert np.all(np.asarray(out[0], np.float32) == 0)
+    assert np.all(np.asarray(grads[0][0], np.float32) == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["post_scale_bias", "pre_scale_bias"])
+@pytest.mark.parametrize("bias_shape", [(1, 4, 64, 96), (2, 4, 64, 96), (1, 1, 64, 96)])
+def test_bias(rng, kind, bias_shape):
+    qkv = inputs(rng, 2, 64, 96, 4, 4, 64, jnp.bfloat16)
+    bias = random_array(rng, bias_shape, jnp.bfloat16)
+    config = make_config(mask="causal", bias=kind)
+    skip_if_cudnn_refuses(config, qkv, bias=bias)
+    compare(config, qkv, rng, bias=bias, tol_factor=1.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("softmax", ["off_by_one", "learnable"])
+def test_softmax_sink(rng, softmax):
+    qkv = inputs(rng, 2, 64, 64, 4, 4, 64, jnp.bfloat16)
+    config = make_config(mask="causal", softmax=softmax)
+    offset = jnp.asarray(rng.standard_normal(4), jnp.float32)
+    skip_if_cudnn_refuses(config, qkv)
+    kw = dict(softmax_offset=offset) if softmax == "learnable" else {}
+    compare(config, qkv, rng, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask, window", [("causal", (16, 0)), ("causal", (0, 0)),
+                                          ("no_mask", (8, 8)), ("causal_bottom_right", (20, -1)),
+                                          ("no_mask", (-1, 4))])
+def test_sliding_window(rng, mask, window):
+    qkv = inputs(rng, 2, 128, 128, 4, 4, 64, jnp.bfloat16)
+    config = make_config(mask=mask, window_size=window)
+    skip_if_cudnn_refuses(config, qkv)
+    compare(config, qkv, rng)
+
+
+@pytest.mark.gpu
+def test_vmap_folds_into_the_batch(rng):
+    q, k, v = inputs(rng, 6, 64, 64, 4, 4, 64, jnp.bfloat16)
+    config = make_config(mask="causal", backend="cudnn")
+
+    def one(q, k, v):
+        return fused_attn((q[None], k[None], v[None]), config=config)[0]
+
+    batched = jax.jit(jax.vmap(one))(q, k, v)
+    direct = fused_attn((q, k, v), config=config)
+    np.testing.assert_array_equal(np.asarray(batched, np.float32), np.asarray(direct, np.float32))
+    jaxpr = str(jax.make_jaxpr(jax.vmap(one))(q, k, v))
+    assert "while" not in jaxpr
+
+
+@pytest.mark.gpu
+def test_deterministic_backward_is_bitwise_repeatable(rng):
+    qkv = inputs(rng, 2, 512, 512, 8, 2, 64, jnp.bfloat16)
+    config = make_config(mask="causal", backend="cudnn", deterministic_backward=True)
+    cotangent = random_array(rng, qkv[0].shape, jnp.bfloat16)
+    _, first = run(config, qkv, cotangent=cotangent)
+    for _ in range(3):
+        _, again = run(config, qkv, cotangent=cotangent)
+        for a, b in zip(first, again):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    compare(config, qkv, rng)
+
+
+# ---- GPU: dropout -------------------------------------------------------------------------
+
+def dropout_probe(rate, b=2, h=4, s=128):
+    """With q = 0 every weight is 1/s; v = identity reads the kept mask out of the output:
+    out[b, i, h, j] = keep(b, h, i, j) / ((1 - rate) s)."""
+    q = jnp.zeros((b, s, h, s), jnp.bfloat16)
+    k = jnp.zeros((b, s, h, s), jnp.bfloat16)
+    v = jnp.broadcast_to(jnp.eye(s, dtype=jnp.bfloat16)[None, :, None, :], (b, s, h, s))
+    config = make_config(mask="no_mask", backend="cudnn", dropout_rate=rate)
+    return config, (q, k, v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rate", [0.1, 0.5])
+def test_dropout_statistics_and_determinism(rate):
+    config, qkv = dropout_probe(rate)
+    s = qkv[0].shape[1]
+    attend = jax.jit(lambda key: fused_attn(qkv, config=config, dropout_rng=key, is_training=True))
+    out = np.asarray(attend(jax.random.key(1)), np.float32) * (1 - rate) * s
+    keep = np.round(out)
+    np.testing.assert_allclose(out, keep, atol=0.02)  # every weight kept (scaled) or dropped
+    assert set(np.unique(keep)) <= {0.0, 1.0}
+    n = keep.size
+    kept = keep.mean()
+    assert abs(kept - (1 - rate)) < 5 * np.sqrt(rate * (1 - rate) / n), kept
+    # per-row kept counts are binomial: the mask is not constant along rows or heads
+    assert keep.std(axis=(1, 3)).max() > 0
+    again = np.asarray(attend(jax.random.key(1)), np.float32) * (1 - rate) * s
+    np.testing.assert_array_equal(out, again)
+    other = np.asarray(attend(jax.random.key(2)), np.float32) * (1 - rate) * s
+    assert np.mean(np.round(other) != keep) > rate * (1 - rate)
+
+
+@pytest.mark.gpu
+def test_dropout_backward_uses_the_forward_mask(rng):
+    rate = 0.2
+    config, (q, k, v) = dropout_probe(rate)
+    b, s, h, _ = q.shape
+    key = jax.random.key(7)
+
+    def attend(v):
+        return fused_attn((q, k, v), config=config, dropout_rng=key, is_training=True)
+
+    out, vjp = jax.vjp(jax.jit(attend), v)
+    do = random_array(rng, out.shape, jnp.bfloat16)
+    (dv,) = vjp(do)
+    weights = np.asarray(out, np.float32)  # [b, i, h, j]: dropped-and-scaled weights
+    expected = np.einsum("bihj,bihc->bjhc", weights, np.asarray(do, np.float32))
+    assert_close(dv, expected, tolerance(jnp.bfloat16), "dv")
+
+
+@pytest.mark.gpu
+def test_dropout_off_when_not_training(rng):
+    qkv = inputs(rng, 2, 64, 64, 4, 4, 64, jnp.bfloat16)
+    config = make_config(mask="causal", dropout_rate=0.3)
+    compare(config, qkv, rng, dropout_rng=jax.random.key(0), is_training=False)
+
+
+# ---- GPU: selection -------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_auto_picks_cudnn_and_explains_refusals():
+    q = jax.ShapeDtypeStruct((2, 128, 4, 64), jnp.bfloat16)
+    assert explain((q, q, q), config=make_config()).backend == "cudnn"
+    f32 = jax.ShapeDtypeStruct((2, 128, 4, 64), jnp.float32)
+    e = explain((f32, f32, f32), config=make_config())
+    assert e.backend != "cudnn" and "float32" in e.verdicts["cudnn"]
+    big = jax.ShapeDtypeStruct((2, 128, 4, 512), jnp.bfloat16)
+    assert "at most 256" in explain((big, big, big), config=make_config()).verdicts["cudnn"]

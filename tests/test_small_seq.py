@@ -1,0 +1,266 @@
+"""The small_seq backend (host build on the CPU, kernels on the GPU) against the XLA backend.
+
+The XLA backend is itself checked against a float64 NumPy reference
+(test_xla_backend.py); here both run on the same inputs, so the comparison is
+tight in float32 and holds every gradient, layout, padding form, GQA and the
+dropout mask (both draw it from the same Philox definition).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import checkify
+
+from conftest import assert_close, make_config, random_array, tolerance
+from fusedattn.ops import SequenceDescriptor, explain, fused_attn
+from fusedattn.ops.backends import small_seq
+
+ON_GPU = jax.devices()[0].platform == "gpu"
+
+
+def small_seq_config(layout="bshd_bshd_bshd", mask="padding", max_kv=16, **overrides):
+    return make_config(qkv_layout=layout, mask=mask,
+                       sequence={"max_seqlen_q": 1, "max_seqlen_kv": max_kv}, **overrides)
+
+
+def run_both(qkv, config, cotangent, **kwargs):
+    """(output, grads) of backend small_seq and of backend xla for the same call."""
+    results = []
+    for backend in ("small_seq", "xla"):
+        config.backend = backend
+
+        def attend(*arrays):
+            return fused_attn(arrays, config=config, **kwargs)
+
+        out, vjp = jax.vjp(attend, *qkv)
+        results.append((out, vjp(cotangent)))
+    return results
+
+
+def check_against_xla(qkv, config, rng, **kwargs):
+    """Output and every gradient of small_seq equal XLA's within the dtype's tolerance."""
+    dtype = qkv[0].dtype
+    config.backend = "xla"
+    out_shape = jax.eval_shape(lambda *a: fused_attn(a, config=config, **kwargs), *qkv).shape
+    cotangent = random_array(rng, out_shape, dtype)
+    (out, grads), (ref_out, ref_grads) = run_both(qkv, config, cotangent, **kwargs)
+    tol = tolerance(dtype)
+    assert_close(out, ref_out, tol, "output")
+    for name, grad, ref in zip("qkv", grads, ref_grads):
+        assert_close(grad, ref, tol, f"d{name}")
+    return out, grads
+
+
+def bshd_inputs(rng, b, s_kv, h, h_kv, d, dtype):
+    q = random_array(rng, (b, 1, h, d), dtype)
+    k = random_array(rng, (b, s_kv, h_kv, d), dtype)
+    v = random_array(rng, (b, s_kv, h_kv, d), dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("s_kv", range(1, 17))
+def test_every_key_count_with_padding(rng, s_kv):
+    b = 6
+    qkv = bshd_inputs(rng, b, s_kv, 4, 4, 64, jnp.float32)
+    kv_len = jnp.asarray(rng.integers(0, s_kv + 1, b), jnp.int32)
+    kv_len = kv_len.at[0].set(0).at[1].set(s_kv)  # an empty key set and a full one
+    q_len = jnp.ones((b,), jnp.int32).at[2].set(0)  # a padded query
+    sequence = SequenceDescriptor.from_seqlens(q_len, kv_len)
+    out, (dq, dk, dv) = check_against_xla(qkv, small_seq_config(max_kv=s_kv), rng,
+                                          sequence=sequence)
+    assert np.all(np.asarray(out[0]) == 0) and np.all(np.asarray(out[2]) == 0)
+    assert np.all(np.asarray(dk[0]) == 0) and np.all(np.asarray(dq[2]) == 0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("d", small_seq.HEAD_DIMS)
+def test_head_dims_and_dtypes(rng, d, dtype):
+    qkv = bshd_inputs(rng, 3, 7, 2, 2, d, dtype)
+    kv_len = jnp.asarray([7, 3, 5], jnp.int32)
+    sequence = SequenceDescriptor.from_seqlens(jnp.ones((3,), jnp.int32), kv_len)
+    check_against_xla(qkv, small_seq_config(max_kv=8), rng, sequence=sequence)
+
+
+@pytest.mark.parametrize("h, h_kv", [(8, 2), (6, 1), (4, 4)])
+def test_grouped_query_attention(rng, h, h_kv):
+    qkv = bshd_inputs(rng, 4, 9, h, h_kv, 64, jnp.float32)
+    check_against_xla(qkv, small_seq_config(mask="no_mask"), rng)
+
+
+def test_sbhd_layout(rng):
+    q, k, v = bshd_inputs(rng, 5, 4, 2, 2, 64, jnp.float32)
+    qkv = tuple(jnp.swapaxes(a, 0, 1) for a in (q, k, v))
+    check_against_xla(qkv, small_seq_config(layout="sbhd_sbhd_sbhd", mask="no_mask"), rng)
+
+
+def thd_offsets_descriptor():
+    """Two rows, up to 3 segments each: kv segment lengths 3, 0, 16 and 16, 1 (unused -1)."""
+    q_lens = jnp.asarray([[1, 1, 1], [1, 1, -1]], jnp.int32)
+    kv_lens = jnp.asarray([[3, 0, 16], [16, 1, -1]], jnp.int32)
+    q_offsets = jnp.asarray([[0, 1, 2, 3], [0, 1, 2, -1]], jnp.int32)
+    kv_offsets = jnp.asarray([[0, 4, 4, 20], [2, 18, 19, -1]], jnp.int32)
+    return SequenceDescriptor.from_seqlens_and_offsets(q_lens, kv_lens, q_offsets, kv_offsets)
+
+
+def test_thd_several_segments_per_row(rng):
+    q = random_array(rng, (2, 4, 4, 64))  # 4 query slots: up to 3 segments and padding
+    k, v = random_array(rng, (2, 24, 2, 64)), random_array(rng, (2, 24, 2, 64))
+    config = small_seq_config(layout="thd_thd_thd",
+                              sequence={"max_segments_per_seq": 3, "max_seqlen_q": 1,
+                                        "max_seqlen_kv": 16})
+    out, (_, dk, _) = check_against_xla((q, k, v), config, rng, sequence=thd_offsets_descriptor())
+    assert np.all(np.asarray(out[0, 3]) == 0)  # the padding query slot
+    assert np.all(np.asarray(dk[1, :2]) == 0)  # keys before row 1's first segment
+
+
+def test_thd_packed_kv_and_segment_ids(rng):
+    q = random_array(rng, (2, 3, 4, 64))
+    kv = random_array(rng, (2, 12, 2, 4, 64))
+    q_ids = jnp.asarray([[1, 2, 0], [3, 0, 0]], jnp.int32)
+    kv_ids = jnp.asarray([[1, 1, 1, 2, 2, 0, 0, 0, 0, 0, 0, 0], [3] * 10 + [0, 0]], jnp.int32)
+    sequence = SequenceDescriptor.from_segment_ids_and_pos(q_ids, kv_ids)
+    config = small_seq_config(layout="thd_t2hd", max_kv=10,
+                              sequence={"format": "segment_ids", "max_segments_per_seq": 2})
+    check_against_xla((q, kv), config, rng, sequence=sequence)
+
+
+def test_dropout_matches_the_xla_mask(rng):
+    qkv = bshd_inputs(rng, 8, 12, 4, 2, 64, jnp.float32)
+    config = small_seq_config(mask="no_mask", dropout_rate=0.3)
+    key = jax.random.key(7)
+    out, _ = check_against_xla(qkv, config, rng, dropout_rng=key, is_training=True)
+    config.backend = "small_seq"
+    again = fused_attn(qkv, config=config, dropout_rng=key, is_training=True)
+    other = fused_attn(qkv, config=config, dropout_rng=jax.random.key(8), is_training=True)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(again))
+    assert not np.allclose(np.asarray(out), np.asarray(other))
+
+
+def test_vmap_folds_into_one_kernel_call(rng):
+    q, k, v = bshd_inputs(rng, 6, 5, 2, 2, 64, jnp.float32)
+    config = small_seq_config(mask="no_mask", backend="small_seq")
+    attend = lambda q, k, v: fused_attn((q, k, v), config=config)
+    stacked = tuple(a.reshape(2, 3, *a.shape[1:]) for a in (q, k, v))
+    batched = jax.vmap(attend)(*stacked)
+    assert_close(batched.reshape(q.shape[0], *batched.shape[2:]), attend(q, k, v), 1e-6, "vmap")
+    jaxpr = str(jax.make_jaxpr(jax.vmap(jax.grad(lambda *a: attend(*a).sum())))(*stacked))
+    assert jaxpr.count(small_seq.FWD_TARGET) == 1 and jaxpr.count(small_seq.BWD_TARGET) == 1
+    assert "while" not in jaxpr and "scan" not in jaxpr
+
+
+def broken_bound_call(rng):
+    """A call declaring max_seqlen_kv=4 whose row 1 has 6 keys."""
+    qkv = bshd_inputs(rng, 3, 8, 2, 2, 64, jnp.float32)
+    sequence = SequenceDescriptor.from_seqlens(jnp.ones((3,), jnp.int32),
+                                               jnp.asarray([4, 6, 2], jnp.int32))
+    return qkv, small_seq_config(max_kv=4, backend="small_seq"), sequence
+
+
+def test_guard_raises_eagerly_naming_the_bound(rng):
+    qkv, config, sequence = broken_bound_call(rng)
+    with pytest.raises(ValueError, match=r"max_seqlen_kv=4"):
+        fused_attn(qkv, config=config, sequence=sequence)
+
+
+def test_guard_under_jit_gives_nan_never_numbers(rng):
+    qkv, config, sequence = broken_bound_call(rng)
+    out = jax.jit(lambda *a: fused_attn(a, config=config, sequence=sequence))(*qkv)
+    out = np.asarray(out)
+    assert np.all(np.isnan(out[1])), "the broken row must be NaN"
+    assert np.all(np.isfinite(out[[0, 2]])), "the rows within the bound stay correct"
+
+
+def test_guard_reports_through_checkify(rng):
+    qkv, config, sequence = broken_bound_call(rng)
+    checked = checkify.checkify(jax.jit(lambda *a: fused_attn(a, config=config, sequence=sequence)))
+    error, _ = checked(*qkv)
+    with pytest.raises(checkify.JaxRuntimeError, match=r"max_seqlen_kv=4"):
+        error.throw()
+    ok_sequence = SequenceDescriptor.from_seqlens(jnp.ones((3,), jnp.int32),
+                                                  jnp.asarray([4, 3, 2], jnp.int32))
+    error, out = checkify.checkify(
+        jax.jit(lambda *a: fused_attn(a, config=config, sequence=ok_sequence)))(*qkv)
+    assert error.get() is None and np.all(np.isfinite(np.asarray(out)))
+
+
+def test_guard_rejects_two_queries_in_one_segment(rng):
+    q = random_array(rng, (1, 2, 2, 64))
+    k, v = random_array(rng, (1, 4, 2, 64)), random_array(rng, (1, 4, 2, 64))
+    sequence = SequenceDescriptor.from_segment_ids_and_pos(jnp.asarray([[1, 1]]),
+                                                           jnp.asarray([[1, 1, 1, 0]]))
+    config = small_seq_config(layout="thd_thd_thd", backend="small_seq", max_kv=4)
+    with pytest.raises(ValueError, match="more than one query token"):
+        fused_attn((q, k, v), config=config, sequence=sequence)
+
+
+def test_key_ranges_of_every_form():
+    tokens = SequenceDescriptor.from_segment_ids_and_pos(
+        jnp.asarray([[2, 1, 0]]), jnp.asarray([[1, 1, 2, 2, 2, 0, 1]])).token_info(
+        small_seq_config(), 3, 7)
+    start, length = small_seq.key_ranges(tokens, max_keys=16)
+    # id 2 is contiguous at 2..4; id 1 occurs at 0, 1 and 6: not contiguous, so broken.
+    np.testing.assert_array_equal(np.asarray(start), [[2, 0, 0]])
+    np.testing.assert_array_equal(np.asarray(length), [[3, -1, 0]])
+
+
+def test_explain_says_why(rng):
+    qkv = bshd_inputs(rng, 2, 16, 2, 2, 64, jnp.bfloat16)
+    sequence = SequenceDescriptor.from_seqlens(jnp.ones((2,), jnp.int32),
+                                               jnp.full((2,), 16, jnp.int32))
+    config = small_seq_config()
+    assert "not opted in" in explain(qkv, config=config, sequence=sequence).verdicts["small_seq"]
+    config.small_seq.enabled = True
+    assert explain(qkv, config=config, sequence=sequence).backend == "small_seq"
+    thd = small_seq_config(layout="thd_thd_thd", max_kv=32)
+    thd.small_seq.enabled = True
+    reason = explain(qkv, config=thd, sequence=sequence).verdicts["small_seq"]
+    assert "max_seqlen_kv" in reason and "16" in reason
+    causal = small_seq_config(mask="causal", backend="small_seq")
+    with pytest.raises(ValueError, match="small_seq: serves masks"):
+        fused_attn(qkv, config=causal)
+
+
+def test_unsupported_head_dim_is_explained(rng):
+    qkv = bshd_inputs(rng, 2, 4, 2, 2, 32, jnp.float32)
+    with pytest.raises(ValueError, match=r"head dims must be equal and one of \(64, 128"):
+        fused_attn(qkv, config=small_seq_config(mask="no_mask", backend="small_seq"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("d", small_seq.HEAD_DIMS)
+@pytest.mark.parametrize("s_kv", [1, 2, 3, 5, 8, 11, 16])
+def test_gpu_kernels_against_xla(rng, d, dtype, s_kv):
+    b = 37
+    qkv = bshd_inputs(rng, b, s_kv, 4, 2, d, dtype)
+    kv_len = jnp.asarray(rng.integers(0, s_kv + 1, b), jnp.int32).at[0].set(s_kv)
+    sequence = SequenceDescriptor.from_seqlens(jnp.ones((b,), jnp.int32), kv_len)
+    _poison_allocator(qkv[1].size * 4 * 8)
+    check_against_xla(qkv, small_seq_config(max_kv=s_kv), rng, sequence=sequence)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+def test_gpu_thd_dropout_and_guard(rng):
+    q = random_array(rng, (2, 4, 4, 128), jnp.bfloat16)
+    k, v = (random_array(rng, (2, 24, 2, 128), jnp.bfloat16) for _ in range(2))
+    config = small_seq_config(layout="thd_thd_thd", dropout_rate=0.2,
+                              sequence={"max_segments_per_seq": 3, "max_seqlen_q": 1,
+                                        "max_seqlen_kv": 16})
+    _poison_allocator(k.size * 4 * 8)
+    check_against_xla((q, k, v), config, rng, sequence=thd_offsets_descriptor(),
+                      dropout_rng=jax.random.key(3), is_training=True)
+    qkv, bad_config, bad_sequence = broken_bound_call(rng)
+    out = jax.jit(lambda *a: fused_attn(a, config=bad_config, sequence=bad_sequence))(*qkv)
+    assert np.all(np.isnan(np.asarray(out[1]))) and np.all(np.isfinite(np.asarray(out[0])))
+
+
+def _poison_allocator(nbytes: int) -> None:
+    """Fills and frees device memory with NaN so that unwritten outputs would show as NaN."""
+    poison = jnp.full((max(nbytes // 4, 1),), jnp.nan, jnp.float32)
+    poison.block_until_ready()
+    poison.delete()
