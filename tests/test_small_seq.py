@@ -15,15 +15,17 @@ import pytest
 from jax.experimental import checkify
 
 from conftest import assert_close, make_config, random_array, tolerance
-from fusedattn.ops import SequenceDescriptor, explain, fused_attn
+from fusedattn.ops import AttentionSpec, SequenceDescriptor, explain, fused_attn
 from fusedattn.ops.backends import small_seq
 
 ON_GPU = jax.devices()[0].platform == "gpu"
 
 
-def small_seq_config(layout="bshd_bshd_bshd", mask="padding", max_kv=16, **overrides):
-    return make_config(qkv_layout=layout, mask=mask,
-                       sequence={"max_seqlen_q": 1, "max_seqlen_kv": max_kv}, **overrides)
+def small_seq_config(layout="bshd_bshd_bshd", mask="padding", max_kv=16, sequence=(),
+                     **overrides):
+    """A config declaring one query per segment and at most max_kv keys."""
+    bounds = {"max_seqlen_q": 1, "max_seqlen_kv": max_kv, **dict(sequence)}
+    return make_config(qkv_layout=layout, mask=mask, sequence=bounds, **overrides)
 
 
 def run_both(qkv, config, cotangent, **kwargs):
@@ -199,7 +201,7 @@ def test_guard_rejects_two_queries_in_one_segment(rng):
 def test_key_ranges_of_every_form():
     tokens = SequenceDescriptor.from_segment_ids_and_pos(
         jnp.asarray([[2, 1, 0]]), jnp.asarray([[1, 1, 2, 2, 2, 0, 1]])).token_info(
-        small_seq_config(), 3, 7)
+        AttentionSpec.from_config(small_seq_config()), 3, 7)
     start, length = small_seq.key_ranges(tokens, max_keys=16)
     # id 2 is contiguous at 2..4; id 1 occurs at 0, 1 and 6: not contiguous, so broken.
     np.testing.assert_array_equal(np.asarray(start), [[2, 0, 0]])
@@ -216,7 +218,8 @@ def test_explain_says_why(rng):
     assert explain(qkv, config=config, sequence=sequence).backend == "small_seq"
     thd = small_seq_config(layout="thd_thd_thd", max_kv=32)
     thd.small_seq.enabled = True
-    reason = explain(qkv, config=thd, sequence=sequence).verdicts["small_seq"]
+    long_kv = bshd_inputs(rng, 2, 40, 2, 2, 64, jnp.bfloat16)
+    reason = explain(long_kv, config=thd, sequence=sequence).verdicts["small_seq"]
     assert "max_seqlen_kv" in reason and "16" in reason
     causal = small_seq_config(mask="causal", backend="small_seq")
     with pytest.raises(ValueError, match="small_seq: serves masks"):

@@ -29,11 +29,16 @@
 //   window_left i64, window_right i64 (inclusive, -1 unbounded), padding bool,
 //   has_bias bool, has_sink bool, deterministic bool
 #include <dlfcn.h>
+#include <execinfo.h>
+#include <signal.h>
+#include <unistd.h>
 
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <map>
@@ -60,6 +65,39 @@ namespace {
 
 namespace ffi = xla::ffi;
 namespace fe = cudnn_frontend;
+
+// ---- diagnostics (FUSEDATTN_CUDNN_TRACE=1) -----------------------------------------
+
+bool tracing() {
+  static const bool on = [] {
+    const char* v = std::getenv("FUSEDATTN_CUDNN_TRACE");
+    return v != nullptr && v[0] == '1';
+  }();
+  return on;
+}
+
+void trace(const std::string& what) {
+  if (tracing()) std::fprintf(stderr, "[fusedattn_cudnn] %s\n", what.c_str());
+}
+
+// With tracing on, a crash prints the native stack (file + offset per frame) before dying.
+void crash_handler(int sig) {
+  void* frames[64];
+  const int n = backtrace(frames, 64);
+  std::fprintf(stderr, "[fusedattn_cudnn] signal %d; native stack:\n", sig);
+  for (int i = 0; i < n; ++i) {
+    Dl_info info;
+    if (dladdr(frames[i], &info) && info.dli_fname) {
+      std::fprintf(stderr, "  #%d %s+0x%lx %s\n", i, info.dli_fname,
+                   static_cast<unsigned long>(static_cast<char*>(frames[i]) - static_cast<char*>(info.dli_fbase)),
+                   info.dli_sname ? info.dli_sname : "");
+    } else {
+      std::fprintf(stderr, "  #%d %p\n", i, frames[i]);
+    }
+  }
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
 
 // ---- loading libcudnn ---------------------------------------------------------
 
@@ -93,6 +131,11 @@ std::string load_cudnn(const char* path) {
   }
   fe::cudnn_dlhandle = handle;
   g_cudnn_version = version;
+  if (tracing()) {
+    signal(SIGSEGV, crash_handler);
+    signal(SIGABRT, crash_handler);
+    trace("loaded " + tried + " version " + std::to_string(version));
+  }
   return "";
 }
 
@@ -281,12 +324,15 @@ std::string get_handle(int device, cudnnHandle_t* out) {
     return "";
   }
   int previous = -1;
+  trace("cudaGetDevice");
   if (cudaError_t e = cudaGetDevice(&previous); e != cudaSuccess) return cuda_error("cudaGetDevice", e);
   if (previous != device) {
     if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess) return cuda_error("cudaSetDevice", e);
   }
   cudnnHandle_t handle = nullptr;
+  trace("cudnnCreate on device " + std::to_string(device));
   const cudnnStatus_t status = fe::detail::create_handle(&handle);
+  trace("cudnnCreate done");
   if (previous != device) cudaSetDevice(previous);
   if (status != CUDNN_STATUS_SUCCESS) {
     return std::string("cudnnCreate failed: ") + fe::detail::get_error_string(status);
@@ -310,15 +356,21 @@ std::string fe_error(const char* stage, fe::error_t e) { return std::string(stag
 std::shared_ptr<Entry> build(const Params& p, bool backward, cudnnHandle_t handle) {
   auto entry = std::make_shared<Entry>();
   try {
+    trace(std::string("building ") + (backward ? "backward" : "forward") + " graph " + p.key(-1, backward));
     auto g = backward ? backward_graph(p) : forward_graph(p);
+    trace("validate");
     fe::error_t e = g->validate();
     if (e.is_bad()) { entry->error = fe_error("validate", e); return entry; }
+    trace("build_operation_graph");
     e = g->build_operation_graph(handle);
     if (e.is_bad()) { entry->error = fe_error("build_operation_graph", e); return entry; }
+    trace("create_execution_plans");
     e = g->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK});
     if (e.is_bad()) { entry->error = fe_error("create_execution_plans", e); return entry; }
+    trace("check_support");
     e = g->check_support(handle);
     if (e.is_bad()) { entry->error = fe_error("check_support", e); return entry; }
+    trace("build_plans");
     e = g->build_plans(handle, fe::BuildPlanPolicy_t::HEURISTICS_CHOICE);
     if (e.is_bad()) { entry->error = fe_error("build_plans", e); return entry; }
     int64_t workspace = 0;
