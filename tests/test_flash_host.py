@@ -271,6 +271,13 @@ def test_value_head_dim_differs(rng, d, dv):
     check_case(rng, make_spec("causal"), args)
 
 
+def test_larger_case_runs_threaded(rng):
+    """Big enough for the kernels to split (batch, k/v head) groups over threads."""
+    args = make_args(rng, b=2, sq=48, skv=64, h=4, h_kv=2, d=32, kind="padding_causal",
+                     softmax="learnable", seed=[11, 12])
+    check_case(rng, make_spec("padding_causal", "learnable", dropout_rate=0.1), args)
+
+
 def test_explicit_scale(rng):
     args = make_args(rng, kind="no_mask")
     check_case(rng, make_spec("no_mask"), args, scale=0.7)

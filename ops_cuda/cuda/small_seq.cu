@@ -73,11 +73,9 @@ __device__ __forceinline__ uint32_t float_to_element(std::integral_constant<Elem
   return static_cast<__half_raw>(__float2half_rn(x)).x;
 }
 
-// Loads the 16-byte vector at `src` (element index) as floats.
+// The elements of one raw 16-byte vector as floats.
 template <ElementType ET>
-__device__ __forceinline__ void load_vec(const typename Element<ET>::Storage* src,
-                                         float (&out)[VecTraits<ET>::kElems]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(src);
+__device__ __forceinline__ void unpack_vec(const uint4& raw, float (&out)[VecTraits<ET>::kElems]) {
   const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
   constexpr std::integral_constant<ElementType, ET> tag{};
   if constexpr (ET == ElementType::kF32) {
@@ -90,6 +88,13 @@ __device__ __forceinline__ void load_vec(const typename Element<ET>::Storage* sr
       out[2 * e + 1] = element_to_float(tag, words[e] >> 16);
     }
   }
+}
+
+// Loads the 16-byte vector at `src` (element index) as floats.
+template <ElementType ET>
+__device__ __forceinline__ void load_vec(const typename Element<ET>::Storage* src,
+                                         float (&out)[VecTraits<ET>::kElems]) {
+  unpack_vec<ET>(*reinterpret_cast<const uint4*>(src), out);
 }
 
 // Stores floats as one 16-byte vector at `dst`.
@@ -121,6 +126,9 @@ struct Geometry {
   static constexpr int kRowsPerPass = kWarpSize / kLanesPerRow;                 // teams per warp
   static constexpr int kPasses = (MAX_KV + kRowsPerPass - 1) / kRowsPerPass;
   static constexpr int kRows = kPasses * kRowsPerPass;                         // score slots
+  // Key rows are loaded a batch of passes at a time, all loads in flight together,
+  // at most 16 raw vectors (64 registers) per lane.
+  static constexpr int kPassBatch = kPasses < 16 / kVecsPerLane ? kPasses : 16 / kVecsPerLane;
   static_assert(D % kVec == 0 && kVecsPerRow % kLanesPerRow == 0, "head dim must fill whole vectors");
 };
 
@@ -152,15 +160,35 @@ struct RowSlice {
       for (int e = 0; e < G::kVec; ++e) acc += x[t][e] * other.x[t][e];
     return acc;
   }
-  // this += w * row, reading the row's slice straight from memory.
-  __device__ __forceinline__ void add_scaled(float w, const typename Element<ET>::Storage* row, int sub) {
+  // this += w * row, for a row slice held as raw vectors.
+  __device__ __forceinline__ void add_scaled(float w, const uint4 (&raw)[G::kVecsPerLane]) {
 #pragma unroll
     for (int t = 0; t < G::kVecsPerLane; ++t) {
       float r[G::kVec];
-      load_vec<ET>(row + (sub + t * G::kLanesPerRow) * G::kVec, r);
+      unpack_vec<ET>(raw[t], r);
 #pragma unroll
       for (int e = 0; e < G::kVec; ++e) x[t][e] += w * r[e];
     }
+  }
+  // this += w * row, reading the row's slice from memory.
+  __device__ __forceinline__ void add_scaled(float w, const typename Element<ET>::Storage* row, int sub) {
+    uint4 raw[G::kVecsPerLane];
+#pragma unroll
+    for (int t = 0; t < G::kVecsPerLane; ++t)
+      raw[t] = *reinterpret_cast<const uint4*>(row + (sub + t * G::kLanesPerRow) * G::kVec);
+    add_scaled(w, raw);
+  }
+  // The dot product with a row slice held as raw vectors (this lane's part).
+  __device__ __forceinline__ float dot(const uint4 (&raw)[G::kVecsPerLane]) const {
+    float acc = 0.0f;
+#pragma unroll
+    for (int t = 0; t < G::kVecsPerLane; ++t) {
+      float r[G::kVec];
+      unpack_vec<ET>(raw[t], r);
+#pragma unroll
+      for (int e = 0; e < G::kVec; ++e) acc += x[t][e] * r[e];
+    }
+    return acc;
   }
   // Sums the slices of all teams (lanes with the same `sub`).
   __device__ __forceinline__ void sum_across_teams() {
@@ -216,25 +244,54 @@ __device__ __forceinline__ const typename Element<ET>::Storage* kv_row(const typ
   return base + bshd_offset(t.b, t.start + j, t.kv_head, 0, p.seqlen_kv, p.kv_heads, D);
 }
 
+// Calls f(pass, raw) for every pass over the task's key rows of `base` (k or v): this
+// lane's slice of row j = pass * kRowsPerPass + team as raw vectors (zeros beyond len).
+// The loads of a batch of passes are all issued before any use, so a warp waits for
+// memory once per batch instead of once per row.
+template <ElementType ET, int D, int MAX_KV, class F>
+__device__ __forceinline__ void for_each_key_row(const typename Element<ET>::Storage* base,
+                                                 const SmallSeqParams& p, const Task& t, int team, int sub,
+                                                 F&& f) {
+  using G = Geometry<ET, D, MAX_KV>;
+#pragma unroll
+  for (int first = 0; first < G::kPasses; first += G::kPassBatch) {
+    uint4 raw[G::kPassBatch][G::kVecsPerLane];
+#pragma unroll
+    for (int b = 0; b < G::kPassBatch; ++b) {
+      const int j = (first + b) * G::kRowsPerPass + team;
+      const bool live = first + b < G::kPasses && j < t.len;
+      const typename Element<ET>::Storage* row = kv_row<ET, D>(base, p, t, live ? j : 0);
+#pragma unroll
+      for (int v = 0; v < G::kVecsPerLane; ++v) {
+        raw[b][v] = live ? *reinterpret_cast<const uint4*>(row + (sub + v * G::kLanesPerRow) * G::kVec)
+                         : make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < G::kPassBatch; ++b) {
+      if (first + b < G::kPasses) f(first + b, raw[b]);
+    }
+  }
+}
+
+// Values of one slot per team gathered into every lane: out[pass * kRowsPerPass + r] is
+// the team-reduced `partial` of team r in that pass.
+template <class G>
+__device__ __forceinline__ void gather_team_values(float partial, int pass, float (&out)[G::kRows]) {
+  partial = sum_within_team<G::kLanesPerRow>(partial);
+#pragma unroll
+  for (int r = 0; r < G::kRowsPerPass; ++r) out[pass * G::kRowsPerPass + r] = warp_shfl(partial, r * G::kLanesPerRow);
+}
+
 // Scaled scores s[j] = scale * q.k_j of the task's keys (0 beyond len), for every lane.
 template <ElementType ET, int D, int MAX_KV>
 __device__ __forceinline__ void scores(const SmallSeqParams& p, const Task& t, const RowSlice<ET, D, MAX_KV>& q,
                                        const typename Element<ET>::Storage* k, int team, int sub,
                                        float (&s)[Geometry<ET, D, MAX_KV>::kRows]) {
   using G = Geometry<ET, D, MAX_KV>;
-#pragma unroll
-  for (int pass = 0; pass < G::kPasses; ++pass) {
-    const int j = pass * G::kRowsPerPass + team;
-    float partial = 0.0f;
-    if (j < t.len) {
-      RowSlice<ET, D, MAX_KV> key;
-      key.load(kv_row<ET, D>(k, p, t, j), sub);
-      partial = q.dot(key);
-    }
-    partial = sum_within_team<G::kLanesPerRow>(partial);
-#pragma unroll
-    for (int r = 0; r < G::kRowsPerPass; ++r) s[pass * G::kRowsPerPass + r] = warp_shfl(partial, r * G::kLanesPerRow) * p.scale;
-  }
+  for_each_key_row<ET, D, MAX_KV>(k, p, t, team, sub, [&](int pass, const uint4 (&raw)[G::kVecsPerLane]) {
+    gather_team_values<G>(q.dot(raw) * p.scale, pass, s);
+  });
 }
 
 // Dropout factors of keys 0..kRows-1 for head h: lane j draws key j, then all lanes share.
@@ -291,12 +348,9 @@ __global__ void __launch_bounds__(kForwardThreads)
     float f[G::kRows];
     dropout_factors(p, t, h, lane, f);
     acc.fill(0.0f);
-#pragma unroll
-    for (int pass = 0; pass < G::kPasses; ++pass) {
-      const int j = pass * G::kRowsPerPass + team;
-      const float w = team_value<G::kRowsPerPass>(s, pass, team) * team_value<G::kRowsPerPass>(f, pass, team);
-      if (j < t.len) acc.add_scaled(w, kv_row<ET, D>(v, p, t, j), sub);
-    }
+    for_each_key_row<ET, D, MAX_KV>(v, p, t, team, sub, [&](int pass, const uint4 (&raw)[G::kVecsPerLane]) {
+      acc.add_scaled(team_value<G::kRowsPerPass>(s, pass, team) * team_value<G::kRowsPerPass>(f, pass, team), raw);
+    });
     acc.sum_across_teams();
     if (team == 0) acc.store(o + row, sub);
   }
@@ -346,19 +400,9 @@ __global__ void __launch_bounds__(kBackwardThreads)
     float f[G::kRows];
     dropout_factors(p, t, h, lane, f);
     float dp[G::kRows];
-#pragma unroll
-    for (int pass = 0; pass < G::kPasses; ++pass) {
-      const int j = pass * G::kRowsPerPass + team;
-      float partial = 0.0f;
-      if (j < t.len) {
-        Slice value;
-        value.load(kv_row<ET, D>(v, p, t, j), sub);
-        partial = dos.dot(value);
-      }
-      partial = sum_within_team<G::kLanesPerRow>(partial);
-#pragma unroll
-      for (int r = 0; r < G::kRowsPerPass; ++r) dp[pass * G::kRowsPerPass + r] = warp_shfl(partial, r * G::kLanesPerRow);
-    }
+    for_each_key_row<ET, D, MAX_KV>(v, p, t, team, sub, [&](int pass, const uint4 (&raw)[G::kVecsPerLane]) {
+      gather_team_values<G>(dos.dot(raw), pass, dp);
+    });
     float ds[G::kRows];
 #pragma unroll
     for (int j = 0; j < G::kRows; ++j) {
@@ -369,11 +413,9 @@ __global__ void __launch_bounds__(kBackwardThreads)
       }
     }
     acc.fill(0.0f);
-#pragma unroll
-    for (int pass = 0; pass < G::kPasses; ++pass) {
-      const int j = pass * G::kRowsPerPass + team;
-      if (j < t.len) acc.add_scaled(team_value<G::kRowsPerPass>(ds, pass, team), kv_row<ET, D>(k, p, t, j), sub);
-    }
+    for_each_key_row<ET, D, MAX_KV>(k, p, t, team, sub, [&](int pass, const uint4 (&raw)[G::kVecsPerLane]) {
+      acc.add_scaled(team_value<G::kRowsPerPass>(ds, pass, team), raw);
+    });
     acc.sum_across_teams();
     if (team == 0) acc.store(dq + row, sub);
   }

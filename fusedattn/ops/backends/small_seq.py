@@ -129,9 +129,10 @@ def _occurrences(ids: jax.Array, pool: jax.Array):
     """
     if ids.shape[0] == 1:
         same = pool[None, :] == ids[:, None]
+        index = jnp.arange(pool.shape[0])
         count = jnp.sum(same, axis=-1)
-        first = jnp.argmax(same, axis=-1)
-        last = pool.shape[0] - 1 - jnp.argmax(same[:, ::-1], axis=-1)
+        first = jnp.min(jnp.where(same, index, pool.shape[0]), axis=-1)
+        last = jnp.max(jnp.where(same, index, -1), axis=-1)
         return count, first, last
     order = jnp.argsort(pool, stable=True)
     ordered = pool[order]
