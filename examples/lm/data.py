@@ -3,7 +3,7 @@
 Every document is printable ASCII between a BOS byte (0x02) and an EOS byte
 (0x03), e.g. (BOS/EOS not shown)::
 
-    K=7,B=2,P=0;tha ing then t.?B=2,P=0,K=7
+    A=6,O=2,D=1,J=9,L=6,H=1;tsipfoqtrcawagyng.?O=2,A=6,J=9,H=1,D=1,L=6
 
 1. Facts: n key=value pairs, n uniform in [min_pairs, max_pairs]; keys are
    distinct uppercase letters drawn uniformly from the first `num_keys`,
