@@ -2,7 +2,8 @@
 
 One query token per batch row, s_kv keys, padding mask from key lengths (all
 full here so every implementation reads every byte), bf16. Impls:
-"small_seq" (fusedattn, backend small_seq), "xla" and "cudnn"
+"small_seq" (fusedattn, backend small_seq; "small_seq_kernel" is the same
+kernels without the key-range pre-pass and guard, a diagnostic), "xla" and "cudnn"
 (jax.nn.dot_product_attention implementation=...; cuDNN has no backward for
 s_q = 1). Passes "fwd" and "fwd+bwd" (the VJP with a random cotangent).
 
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 
 import fusedattn
 from fusedattn.ops import SequenceDescriptor, fused_attn
+from fusedattn.ops.backends import small_seq
 
 from common import H200_HBM_BYTES_PER_S, median_ms, parse_args, random_normal, write_results
 
@@ -45,7 +47,15 @@ def jax_attention(implementation):
     return attend
 
 
-IMPLS = {"small_seq": ours, "xla": jax_attention("xla"), "cudnn": jax_attention("cudnn")}
+def ours_kernel_only(q, k, v, kv_len):
+    """Diagnostic: the kernels alone, without the descriptor -> key-range pre-pass and guard."""
+    kv_start = jnp.zeros((q.shape[0], 1), jnp.int32)
+    return small_seq._small_seq(q, k, v, kv_start, kv_len[:, None], jnp.zeros((2,), jnp.uint32),
+                                q.shape[-1] ** -0.5, 0.0, k.shape[1])
+
+
+IMPLS = {"small_seq": ours, "small_seq_kernel": ours_kernel_only, "xla": jax_attention("xla"),
+         "cudnn": jax_attention("cudnn")}
 
 
 def passes(attend):
@@ -119,14 +129,16 @@ def summarize(rows):
 
 
 def print_table(rows, summary):
-    print(f"\n{'shape':<22}{'pass':<9}{'ours ms':>9}{'xla ms':>9}{'cudnn ms':>10}"
+    print(f"\n{'shape':<22}{'pass':<9}{'ours ms':>9}{'kernel':>8}{'xla ms':>9}{'cudnn ms':>10}"
           f"{'vs xla':>8}{'vs cudnn':>9}{'floor%':>8}")
     times = {(r["name"], r["impl"], r["pass"]): r["ms"] for r in rows}
     for s in summary:
         xla_ms = times.get((s["name"], "xla", s["pass"]))
         cudnn_ms = times.get((s["name"], "cudnn", s["pass"]))
+        kernel_ms = times.get((s["name"], "small_seq_kernel", s["pass"]))
         fmt = lambda x: "n/a" if x is None else f"{x:.3f}"
-        print(f"{s['name']:<22}{s['pass']:<9}{s['ms']:>9.3f}{fmt(xla_ms):>9}{fmt(cudnn_ms):>10}"
+        print(f"{s['name']:<22}{s['pass']:<9}{s['ms']:>9.3f}{fmt(kernel_ms):>8}{fmt(xla_ms):>9}"
+              f"{fmt(cudnn_ms):>10}"
               f"{fmt(s['speedup_vs_xla']):>8}{fmt(s['speedup_vs_cudnn']):>9}"
               f"{100 * s['fraction_of_floor']:>7.0f}%")
 

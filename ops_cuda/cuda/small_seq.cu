@@ -126,9 +126,12 @@ struct Geometry {
   static constexpr int kRowsPerPass = kWarpSize / kLanesPerRow;                 // teams per warp
   static constexpr int kPasses = (MAX_KV + kRowsPerPass - 1) / kRowsPerPass;
   static constexpr int kRows = kPasses * kRowsPerPass;                         // score slots
-  // Key rows are loaded a batch of passes at a time, all loads in flight together,
-  // at most 16 raw vectors (64 registers) per lane.
+  // Key rows are streamed a batch of passes at a time, all loads of a batch in flight
+  // together, at most 16 raw vectors (64 registers) per lane.
   static constexpr int kPassBatch = kPasses < 16 / kVecsPerLane ? kPasses : 16 / kVecsPerLane;
+  // Whether all key and value rows of a task fit in 16 raw vectors (64 registers): then
+  // they are loaded once, every load in flight at once, and reused by every head.
+  static constexpr bool kResident = 2 * kPasses * kVecsPerLane <= 16;
   static_assert(D % kVec == 0 && kVecsPerRow % kLanesPerRow == 0, "head dim must fill whole vectors");
 };
 
@@ -214,6 +217,7 @@ struct Task {
   int64_t token, b, i, kv_head, start;
   int32_t len;
   bool ok;
+  int32_t live_rows;  // rows that may be read: len when ok, else 0
   uint32_t seed0, seed1;
   int64_t philox_b;
 };
@@ -230,6 +234,7 @@ __device__ __forceinline__ Task make_task(const SmallSeqParams& p, int64_t task_
   t.len = kv_len[t.token];
   t.ok = small_seq_len_ok(t.len, p.max_keys) && t.len <= MAX_KV && t.start >= 0 &&
          t.start + t.len <= p.seqlen_kv;
+  t.live_rows = t.ok ? t.len : 0;
   const int64_t seed_row = broadcast_row(t.b, p.batch, p.seed_rows);
   t.seed0 = seed[2 * seed_row];
   t.seed1 = seed[2 * seed_row + 1];
@@ -244,35 +249,68 @@ __device__ __forceinline__ const typename Element<ET>::Storage* kv_row(const typ
   return base + bshd_offset(t.b, t.start + j, t.kv_head, 0, p.seqlen_kv, p.kv_heads, D);
 }
 
-// Calls f(pass, raw) for every pass over the task's key rows of `base` (k or v): this
-// lane's slice of row j = pass * kRowsPerPass + team as raw vectors (zeros beyond len).
-// The loads of a batch of passes are all issued before any use, so a warp waits for
-// memory once per batch instead of once per row.
-template <ElementType ET, int D, int MAX_KV, class F>
-__device__ __forceinline__ void for_each_key_row(const typename Element<ET>::Storage* base,
-                                                 const SmallSeqParams& p, const Task& t, int team, int sub,
-                                                 F&& f) {
+// The task's key (or value) rows of `base` as this lane sees them: row j = pass *
+// kRowsPerPass + team, as raw vectors, zeros beyond the live rows. With
+// Geometry::kResident the rows are loaded at construction, all loads in flight
+// together, and every for_each reuses them; otherwise each for_each streams them a
+// batch of passes at a time (again all loads of a batch before any use), so a warp
+// waits for memory once per batch instead of once per row.
+template <ElementType ET, int D, int MAX_KV>
+class KeyRows {
   using G = Geometry<ET, D, MAX_KV>;
+  using Storage = typename Element<ET>::Storage;
+  using Raw = uint4[G::kVecsPerLane];
+
+ public:
+  __device__ __forceinline__ KeyRows(const Storage* base, const SmallSeqParams& p, const Task& t, int team,
+                                     int sub)
+      : base_(base), p_(p), t_(t), team_(team), sub_(sub) {
+    if constexpr (G::kResident) {
 #pragma unroll
-  for (int first = 0; first < G::kPasses; first += G::kPassBatch) {
-    uint4 raw[G::kPassBatch][G::kVecsPerLane];
-#pragma unroll
-    for (int b = 0; b < G::kPassBatch; ++b) {
-      const int j = (first + b) * G::kRowsPerPass + team;
-      const bool live = first + b < G::kPasses && j < t.len;
-      const typename Element<ET>::Storage* row = kv_row<ET, D>(base, p, t, live ? j : 0);
-#pragma unroll
-      for (int v = 0; v < G::kVecsPerLane; ++v) {
-        raw[b][v] = live ? *reinterpret_cast<const uint4*>(row + (sub + v * G::kLanesPerRow) * G::kVec)
-                         : make_uint4(0u, 0u, 0u, 0u);
-      }
-    }
-#pragma unroll
-    for (int b = 0; b < G::kPassBatch; ++b) {
-      if (first + b < G::kPasses) f(first + b, raw[b]);
+      for (int pass = 0; pass < G::kPasses; ++pass) load(pass, held_[pass]);
     }
   }
-}
+
+  // Calls f(pass, raw) for every pass.
+  template <class F>
+  __device__ __forceinline__ void for_each(F&& f) const {
+    if constexpr (G::kResident) {
+#pragma unroll
+      for (int pass = 0; pass < G::kPasses; ++pass) f(pass, held_[pass]);
+    } else {
+#pragma unroll
+      for (int first = 0; first < G::kPasses; first += G::kPassBatch) {
+        uint4 raw[G::kPassBatch][G::kVecsPerLane];
+#pragma unroll
+        for (int b = 0; b < G::kPassBatch; ++b) {
+          if (first + b < G::kPasses) load(first + b, raw[b]);
+        }
+#pragma unroll
+        for (int b = 0; b < G::kPassBatch; ++b) {
+          if (first + b < G::kPasses) f(first + b, raw[b]);
+        }
+      }
+    }
+  }
+
+ private:
+  __device__ __forceinline__ void load(int pass, Raw& raw) const {
+    const int j = pass * G::kRowsPerPass + team_;
+    const bool live = j < t_.live_rows;
+    const Storage* row = kv_row<ET, D>(base_, p_, t_, live ? j : 0);
+#pragma unroll
+    for (int v = 0; v < G::kVecsPerLane; ++v) {
+      raw[v] = live ? *reinterpret_cast<const uint4*>(row + (sub_ + v * G::kLanesPerRow) * G::kVec)
+                    : make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+
+  const Storage* base_;
+  const SmallSeqParams& p_;
+  const Task& t_;
+  int team_, sub_;
+  uint4 held_[G::kResident ? G::kPasses : 1][G::kVecsPerLane];
+};
 
 // Values of one slot per team gathered into every lane: out[pass * kRowsPerPass + r] is
 // the team-reduced `partial` of team r in that pass.
@@ -285,11 +323,11 @@ __device__ __forceinline__ void gather_team_values(float partial, int pass, floa
 
 // Scaled scores s[j] = scale * q.k_j of the task's keys (0 beyond len), for every lane.
 template <ElementType ET, int D, int MAX_KV>
-__device__ __forceinline__ void scores(const SmallSeqParams& p, const Task& t, const RowSlice<ET, D, MAX_KV>& q,
-                                       const typename Element<ET>::Storage* k, int team, int sub,
+__device__ __forceinline__ void scores(const SmallSeqParams& p, const RowSlice<ET, D, MAX_KV>& q,
+                                       const KeyRows<ET, D, MAX_KV>& keys,
                                        float (&s)[Geometry<ET, D, MAX_KV>::kRows]) {
   using G = Geometry<ET, D, MAX_KV>;
-  for_each_key_row<ET, D, MAX_KV>(k, p, t, team, sub, [&](int pass, const uint4 (&raw)[G::kVecsPerLane]) {
+  keys.for_each([&](int pass, const uint4 (&raw)[G::kVecsPerLane]) {
     gather_team_values<G>(q.dot(raw) * p.scale, pass, s);
   });
 }
@@ -314,7 +352,9 @@ __device__ __forceinline__ float team_value(const float (&values)[ROWS], int pas
   return w;
 }
 
-constexpr int kForwardThreads = 256;
+// No occupancy floor: a warp holding all of its task's rows (one wait for memory per
+// task) beats twice the warps that wait three times (measured on the H200).
+constexpr int kForwardThreads = 128;
 constexpr int kBackwardThreads = 128;
 
 template <ElementType ET, int D, int MAX_KV>
@@ -330,6 +370,7 @@ __global__ void __launch_bounds__(kForwardThreads)
   if (task_index >= p.batch * p.seqlen_q * p.kv_heads) return;  // uniform per warp
   const int team = lane / G::kLanesPerRow, sub = lane % G::kLanesPerRow;
   const Task t = make_task<MAX_KV>(p, task_index, kv_start, kv_len, seed);
+  const KeyRows<ET, D, MAX_KV> keys(k, p, t, team, sub), values(v, p, t, team, sub);
   const int64_t group = p.heads / p.kv_heads;
   for (int64_t g = 0; g < group; ++g) {
     const int64_t h = t.kv_head * group + g;
@@ -343,12 +384,12 @@ __global__ void __launch_bounds__(kForwardThreads)
     RowSlice<ET, D, MAX_KV> qs;
     qs.load(q + row, sub);
     float s[G::kRows];
-    scores<ET, D, MAX_KV>(p, t, qs, k, team, sub, s);
+    scores<ET, D, MAX_KV>(p, qs, keys, s);
     small_seq_softmax(s, t.len);
     float f[G::kRows];
     dropout_factors(p, t, h, lane, f);
     acc.fill(0.0f);
-    for_each_key_row<ET, D, MAX_KV>(v, p, t, team, sub, [&](int pass, const uint4 (&raw)[G::kVecsPerLane]) {
+    values.for_each([&](int pass, const uint4 (&raw)[G::kVecsPerLane]) {
       acc.add_scaled(team_value<G::kRowsPerPass>(s, pass, team) * team_value<G::kRowsPerPass>(f, pass, team), raw);
     });
     acc.sum_across_teams();
@@ -375,6 +416,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
   if (task_index >= p.batch * p.seqlen_q * p.kv_heads) return;  // uniform per warp
   const int team = lane / G::kLanesPerRow, sub = lane % G::kLanesPerRow;
   const Task t = make_task<MAX_KV>(p, task_index, kv_start, kv_len, seed);
+  const KeyRows<ET, D, MAX_KV> keys(k, p, t, team, sub), values(v, p, t, team, sub);
   const int64_t group = p.heads / p.kv_heads;
   float* ds_shared = shared + warp * group * G::kRows * 2;
   float* pd_shared = ds_shared + group * G::kRows;
@@ -395,12 +437,12 @@ __global__ void __launch_bounds__(kBackwardThreads)
     os.load(o + row, sub);
     const float delta = sum_within_team<G::kLanesPerRow>(dos.dot(os));  // rowsum(dO * O)
     float s[G::kRows];
-    scores<ET, D, MAX_KV>(p, t, qs, k, team, sub, s);
+    scores<ET, D, MAX_KV>(p, qs, keys, s);
     small_seq_softmax(s, t.len);
     float f[G::kRows];
     dropout_factors(p, t, h, lane, f);
     float dp[G::kRows];
-    for_each_key_row<ET, D, MAX_KV>(v, p, t, team, sub, [&](int pass, const uint4 (&raw)[G::kVecsPerLane]) {
+    values.for_each([&](int pass, const uint4 (&raw)[G::kVecsPerLane]) {
       gather_team_values<G>(dos.dot(raw), pass, dp);
     });
     float ds[G::kRows];
@@ -413,7 +455,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
       }
     }
     acc.fill(0.0f);
-    for_each_key_row<ET, D, MAX_KV>(k, p, t, team, sub, [&](int pass, const uint4 (&raw)[G::kVecsPerLane]) {
+    keys.for_each([&](int pass, const uint4 (&raw)[G::kVecsPerLane]) {
       acc.add_scaled(team_value<G::kRowsPerPass>(ds, pass, team), raw);
     });
     acc.sum_across_teams();
@@ -422,7 +464,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
   warp_sync();
 
   // Phase 2, per key row: dk and dv summed over the group's heads.
-  const int32_t len = t.ok ? t.len : 0;
+  const int32_t len = t.live_rows;
   for (int pass = 0; pass < G::kPasses; ++pass) {
     const int j = pass * G::kRowsPerPass + team;
     if (j >= len) continue;
