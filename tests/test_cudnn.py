@@ -86,7 +86,8 @@ def test_padding_with_seqlens_format_passes_the_static_checks():
 # ---- GPU: against the XLA backend -------------------------------------------------------
 
 def run(config, qkv, *, bias=None, softmax_offset=None, sequence=None, cotangent=None, **kw):
-    """(output, grads of q, k, v[, bias][, softmax_offset]) of one fused_attn call."""
+    """(output, grads of the qkv arrays[, bias][, softmax_offset]) of one fused_attn call."""
+    n = len(qkv)
     diff = list(qkv)
     if bias is not None:
         diff.append(bias)
@@ -94,11 +95,11 @@ def run(config, qkv, *, bias=None, softmax_offset=None, sequence=None, cotangent
         diff.append(softmax_offset)
 
     def attend(*arrays):
-        q, k, v, *rest = arrays
+        rest = list(arrays[n:])
         b = rest.pop(0) if bias is not None else None
         o = rest.pop(0) if softmax_offset is not None else None
-        return fused_attn((q, k, v), config=config, bias=b, softmax_offset=o, sequence=sequence,
-                          **kw)
+        return fused_attn(tuple(arrays[:n]), config=config, bias=b, softmax_offset=o,
+                          sequence=sequence, **kw)
 
     out, vjp = jax.vjp(jax.jit(attend), *diff)
     if cotangent is None:
@@ -121,7 +122,7 @@ def compare(config, qkv, rng, *, tol_factor=1.0, **kw):
     config.backend = "cudnn"
     tol = tolerance(dtype) * tol_factor
     assert_close(out, ref_out, tol, "output")
-    names = ["dq", "dk", "dv"] + (["dbias"] if kw.get("bias") is not None else []) + (
+    names = ["dq", "dk", "dv"][:len(qkv)] + (["dbias"] if kw.get("bias") is not None else []) + (
         ["dsoftmax_offset"] if kw.get("softmax_offset") is not None else [])
     for name, grad, ref in zip(names, grads, ref_grads):
         assert_close(grad, ref, tol, name)

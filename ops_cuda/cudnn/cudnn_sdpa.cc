@@ -488,7 +488,7 @@ ffi::Error parse(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffer& 
       return invalid(op, "bias must have q's dtype and shape [..., B or 1, H or 1, Sq, Skv]; got " +
                              dims_string(bd));
     }
-    const int64_t rows = leading(bd, 2);
+    const int64_t rows = leading(bd, 3);
     if (rows != p->b && rows != 1) {
       return invalid(op, "bias batch rows " + std::to_string(rows) + " must be 1 or the batch " +
                              std::to_string(p->b) +
@@ -542,7 +542,8 @@ ffi::Error execute(const char* op, const Params& p, bool backward, cudaStream_t 
   }
   void* workspace = nullptr;
   if (entry->workspace > 0) {
-    auto allocation = scratch.Allocate(static_cast<size_t>(entry->workspace), 256);
+    // XLA's FFI allocator accepts alignments up to 16 (its blocks are 256-aligned in practice).
+    auto allocation = scratch.Allocate(static_cast<size_t>(entry->workspace), 16);
     if (!allocation.has_value()) {
       return ffi::Error(ffi::ErrorCode::kResourceExhausted,
                         std::string(op) + ": could not allocate " + std::to_string(entry->workspace) +
