@@ -129,9 +129,10 @@ struct Geometry {
   // Key rows are streamed a batch of passes at a time, all loads of a batch in flight
   // together, at most 16 raw vectors (64 registers) per lane.
   static constexpr int kPassBatch = kPasses < 16 / kVecsPerLane ? kPasses : 16 / kVecsPerLane;
-  // Whether all key and value rows of a task fit in 16 raw vectors (64 registers): then
-  // they are loaded once, every load in flight at once, and reused by every head.
-  static constexpr bool kResident = 2 * kPasses * kVecsPerLane <= 16;
+  // Whether a task's key and value rows stay in registers for all heads. Off: measured
+  // on the H200, the registers it takes halve the warps per SM and cost more than the
+  // memory waits it saves (b=30720, d=128, 16 keys: 2.0 ms against 1.2 ms streaming).
+  static constexpr bool kResident = false;
   static_assert(D % kVec == 0 && kVecsPerRow % kLanesPerRow == 0, "head dim must fill whole vectors");
 };
 
@@ -337,10 +338,15 @@ template <int ROWS>
 __device__ __forceinline__ void dropout_factors(const SmallSeqParams& p, const Task& t, int64_t h, int lane,
                                                 float (&f)[ROWS]) {
   static_assert(ROWS <= kWarpSize, "one lane per key");
+  if (!p.dropout) {
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) f[j] = 1.0f;
+    return;
+  }
   const float mine = lane < t.len ? small_seq_dropout_factor(p, t.seed0, t.seed1, t.philox_b, h, t.i, t.start + lane)
                                   : 0.0f;
 #pragma unroll
-  for (int j = 0; j < ROWS; ++j) f[j] = p.dropout ? warp_shfl(mine, j) : 1.0f;
+  for (int j = 0; j < ROWS; ++j) f[j] = warp_shfl(mine, j);
 }
 
 // The score slot of this lane's team in a pass, selected without dynamic register indexing.
@@ -352,13 +358,15 @@ __device__ __forceinline__ float team_value(const float (&values)[ROWS], int pas
   return w;
 }
 
-// No occupancy floor: a warp holding all of its task's rows (one wait for memory per
-// task) beats twice the warps that wait three times (measured on the H200).
+// Small blocks and an occupancy floor for the forward: the kernel is bound by how many
+// loads are in flight, i.e. by warps per SM (at least 20 here, at most 102 registers).
 constexpr int kForwardThreads = 128;
+constexpr int kForwardMinBlocks = 5;
 constexpr int kBackwardThreads = 128;
+constexpr int kBackwardMinBlocks = 4;  // at least 16 warps per SM, at most 128 registers
 
 template <ElementType ET, int D, int MAX_KV>
-__global__ void __launch_bounds__(kForwardThreads)
+__global__ void __launch_bounds__(kForwardThreads, kForwardMinBlocks)
     small_seq_forward(SmallSeqParams p, const typename Element<ET>::Storage* __restrict__ q,
                       const typename Element<ET>::Storage* __restrict__ k,
                       const typename Element<ET>::Storage* __restrict__ v, const int32_t* __restrict__ kv_start,
@@ -398,7 +406,7 @@ __global__ void __launch_bounds__(kForwardThreads)
 }
 
 template <ElementType ET, int D, int MAX_KV>
-__global__ void __launch_bounds__(kBackwardThreads)
+__global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks)
     small_seq_backward(SmallSeqParams p, const typename Element<ET>::Storage* __restrict__ q,
                        const typename Element<ET>::Storage* __restrict__ k,
                        const typename Element<ET>::Storage* __restrict__ v, const int32_t* __restrict__ kv_start,
