@@ -7,6 +7,8 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
+# Headers only, for compiling the cuDNN backend (libcudnn itself is loaded at run time).
+python -m pip install -q --no-deps nvidia-cudnn-frontend nvidia-cudnn-cu13
 python -m pip install -q -e ".[test]"
 set +e
 python -m pytest -q -p no:cacheprovider "$@"
