@@ -8,6 +8,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__HIPCC__)
+#include <hip/hip_runtime.h>  // device memcpy and __umulhi; nvcc provides its own implicitly
+#endif
+
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define FA_HOST_DEVICE __host__ __device__
 #define FA_DEVICE_COMPILE 1
