@@ -124,8 +124,10 @@ class SequenceDescriptor:
         """Per-token segment ids, positions and diagonal shifts (see base.TokenInfo)."""
         if self.format == SequenceFormat.SEGMENT_IDS:
             q_seg, kv_seg = self.q_segment_ids, self.kv_segment_ids
-            q_pos = _positions_within_segments(q_seg) if self.q_segment_pos is None else self.q_segment_pos
-            kv_pos = _positions_within_segments(kv_seg) if self.kv_segment_pos is None else self.kv_segment_pos
+            q_pos = (_positions_within_segments(q_seg) if self.q_segment_pos is None
+                     else self.q_segment_pos)
+            kv_pos = (_positions_within_segments(kv_seg) if self.kv_segment_pos is None
+                      else self.kv_segment_pos)
             q_diag = (_tokens_in_own_segment(q_seg, kv_seg) - _tokens_in_own_segment(q_seg, q_seg)
                       if spec.mask.is_bottom_right else jnp.zeros_like(q_seg))
             return _int32_tokens(q_seg, q_pos, q_diag, kv_seg, kv_pos)
@@ -183,12 +185,30 @@ def _positions_within_segments(segment_ids):
 
 
 def _tokens_in_own_segment(ids, pool):
-    """For each token of `ids` [b, s], how many tokens of `pool` [b, p] carry its id (sorted search)."""
-    def per_row(row_ids, row_pool):
-        sorted_pool = jnp.sort(row_pool)
-        return (jnp.searchsorted(sorted_pool, row_ids, side="right")
-                - jnp.searchsorted(sorted_pool, row_ids, side="left"))
-    return jax.vmap(per_row)(ids, pool)
+    """For each token of `ids` [b, s], how many tokens of `pool` [b, p] carry its id."""
+    count, _, _ = jax.vmap(segment_occurrences)(ids, pool)
+    return count
+
+
+def segment_occurrences(ids: jax.Array, pool: jax.Array):
+    """For each id of one row [s]: how often it occurs in `pool` [p], first and last index.
+
+    A [s, p] comparison when the row has one id (the common case, cheapest);
+    otherwise a stable sort of the pool and binary searches.
+    """
+    if ids.shape[0] == 1:
+        same = pool[None, :] == ids[:, None]
+        index = jnp.arange(pool.shape[0])
+        count = jnp.sum(same, axis=-1)
+        first = jnp.min(jnp.where(same, index, pool.shape[0]), axis=-1)
+        last = jnp.max(jnp.where(same, index, -1), axis=-1)
+        return count, first, last
+    order = jnp.argsort(pool, stable=True)
+    ordered = pool[order]
+    left = jnp.searchsorted(ordered, ids, side="left")
+    right = jnp.searchsorted(ordered, ids, side="right")
+    top = pool.shape[0] - 1
+    return right - left, order[jnp.clip(left, 0, top)], order[jnp.clip(right - 1, 0, top)]
 
 
 def _int_array(value, name: str) -> jax.Array:

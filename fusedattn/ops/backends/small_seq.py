@@ -40,6 +40,7 @@ from jax.experimental import checkify
 from fusedattn.ops import _library
 from fusedattn.ops.backends.base import CallShapes, CanonicalArgs, TokenInfo
 from fusedattn.ops.enums import BiasType, MaskType, SoftmaxType
+from fusedattn.ops.sequence import segment_occurrences
 from fusedattn.ops.spec import AttentionSpec
 
 MAX_KEYS = 16
@@ -112,34 +113,13 @@ def key_ranges(tokens: TokenInfo, max_keys: int) -> tuple[jax.Array, jax.Array]:
     contiguous in the row).
     """
     q_seg, kv_seg = tokens.q_seg, tokens.kv_seg
-    kv_count, kv_first, kv_last = jax.vmap(_occurrences)(q_seg, kv_seg)
-    q_count, _, _ = jax.vmap(_occurrences)(q_seg, q_seg)
+    kv_count, kv_first, kv_last = jax.vmap(segment_occurrences)(q_seg, kv_seg)
+    q_count, _, _ = jax.vmap(segment_occurrences)(q_seg, q_seg)
     is_query = q_seg != 0
     contiguous = (kv_count == 0) | (kv_last - kv_first + 1 == kv_count)
     broken = is_query & ((kv_count > max_keys) | (q_count > 1) | ~contiguous)
     kv_len = jnp.where(broken, -1, jnp.where(is_query, kv_count, 0))
     return jnp.where(is_query, kv_first, 0).astype(jnp.int32), kv_len.astype(jnp.int32)
-
-
-def _occurrences(ids: jax.Array, pool: jax.Array):
-    """For each id of one row: how often it occurs in `pool`, first and last index.
-
-    A [sq, skv] comparison when the row has one query token (the common case,
-    cheapest); otherwise a stable sort of the pool and binary searches.
-    """
-    if ids.shape[0] == 1:
-        same = pool[None, :] == ids[:, None]
-        index = jnp.arange(pool.shape[0])
-        count = jnp.sum(same, axis=-1)
-        first = jnp.min(jnp.where(same, index, pool.shape[0]), axis=-1)
-        last = jnp.max(jnp.where(same, index, -1), axis=-1)
-        return count, first, last
-    order = jnp.argsort(pool, stable=True)
-    ordered = pool[order]
-    left = jnp.searchsorted(ordered, ids, side="left")
-    right = jnp.searchsorted(ordered, ids, side="right")
-    top = pool.shape[0] - 1
-    return right - left, order[jnp.clip(left, 0, top)], order[jnp.clip(right - 1, 0, top)]
 
 
 def _guard_message(spec: AttentionSpec, max_keys: int) -> str:
