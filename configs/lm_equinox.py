@@ -5,15 +5,14 @@ The same trainer and settings as configs/lm_nnx.py (variants too:
 the blocks use fusedattn.layers.equinox.MultiheadAttention, vmapped over the batch.
 """
 
-import importlib.util
 import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import config_lib  # noqa: E402  (configs/ is not a package: config files load by path)
 
 
 def get_config(arg: str = ""):
-    path = pathlib.Path(__file__).resolve().parent / "lm_nnx.py"
-    spec = importlib.util.spec_from_file_location("_lm_nnx_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config(arg)
+    config = config_lib.load("lm_nnx.py").get_config(arg)
     config.model.framework = "equinox"
     return config

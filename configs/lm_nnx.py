@@ -15,21 +15,16 @@ by the mask "padding_causal" with sequence.format "segment_ids"; with packing
 off the trainer switches to plain "causal" (one document per row).
 """
 
-import importlib.util
 import pathlib
+import sys
 
 import ml_collections
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import config_lib  # noqa: E402  (configs/ is not a package: config files load by path)
 from fusedattn.configs import attention_config
 
 _PRESETS = ("xla", "cudnn", "flash")
-
-
-def _attention_preset(name: str) -> ml_collections.ConfigDict:
-    path = pathlib.Path(__file__).resolve().parent / "attention" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"_attention_preset_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
 
 
 def get_config(arg: str = ""):
@@ -69,33 +64,14 @@ def get_config(arg: str = ""):
     attention = attention_config()
     for name in variants:
         if name in _PRESETS:
-            attention = _attention_preset(name)
+            attention = config_lib.attention_preset(name)
     attention.mask = "padding_causal"
     attention.sequence.format = "segment_ids"
     config.model.attention = attention
 
-    config.optim = ml_collections.ConfigDict()
-    config.optim.learning_rate = 3e-3
-    config.optim.warmup_steps = 50
-    config.optim.end_lr_ratio = 0.05
-    config.optim.weight_decay = 0.05
-    config.optim.b1 = 0.9
-    config.optim.b2 = 0.98
-    config.optim.eps = 1e-8
-    config.optim.grad_clip = 1.0
-
-    config.trainer = ml_collections.ConfigDict()
-    config.trainer.num_steps = 400
-    config.trainer.log_every = 10
-    config.trainer.eval_every = 100
-    config.trainer.eval_batches = 8
-    config.trainer.checkpoint_every = 200
-    config.trainer.keep_checkpoints = 2
-    config.trainer.progress = True
-    config.trainer.prefetch = 2
-    config.trainer.peak_flops = 989e12  # dense bf16 peak of an H100/H200 SXM, for MFU
-    config.trainer.halt_after_step = -1  # >= 0: stop there without a final checkpoint
-                                         # (simulates a killed run; for tests)
+    config.optim = config_lib.optim_config(weight_decay=0.05)
+    config.trainer = config_lib.trainer_config(num_steps=400, log_every=10, eval_every=100,
+                                               checkpoint_every=200)
 
     if gpu:
         config.data.batch_size = 16

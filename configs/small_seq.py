@@ -12,18 +12,13 @@ per row instead (q [b, 1], kv [b, 16]).
 Variant: --config=configs/small_seq.py:gpu (larger model and batch, bf16).
 """
 
-import importlib.util
 import pathlib
+import sys
 
 import ml_collections
 
-
-def _attention_preset(name: str) -> ml_collections.ConfigDict:
-    path = pathlib.Path(__file__).resolve().parent / "attention" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"_attention_preset_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import config_lib  # noqa: E402  (configs/ is not a package: config files load by path)
 
 
 def get_config(arg: str = ""):
@@ -55,30 +50,12 @@ def get_config(arg: str = ""):
     config.model.num_kv_heads = 2
     config.model.mlp_dim = 256
     config.model.dtype = "float32"
-    config.model.attention = _attention_preset("small_seq")
+    config.model.attention = config_lib.attention_preset("small_seq")
     config.model.attention.sequence.max_segments_per_seq = config.data.get_ref("users_per_row")
 
-    config.optim = ml_collections.ConfigDict()
-    config.optim.learning_rate = 3e-3
-    config.optim.warmup_steps = 50
-    config.optim.end_lr_ratio = 0.05
-    config.optim.weight_decay = 0.01
-    config.optim.b1 = 0.9
-    config.optim.b2 = 0.98
-    config.optim.eps = 1e-8
-    config.optim.grad_clip = 1.0
-
-    config.trainer = ml_collections.ConfigDict()
-    config.trainer.num_steps = 800
-    config.trainer.log_every = 20
-    config.trainer.eval_every = 200
-    config.trainer.eval_batches = 8
-    config.trainer.checkpoint_every = 400
-    config.trainer.keep_checkpoints = 2
-    config.trainer.progress = True
-    config.trainer.prefetch = 2
-    config.trainer.peak_flops = 989e12  # dense bf16 peak of an H100/H200 SXM, for MFU
-    config.trainer.halt_after_step = -1  # >= 0: stop there without a final checkpoint
+    config.optim = config_lib.optim_config(weight_decay=0.01)
+    config.trainer = config_lib.trainer_config(num_steps=800, log_every=20, eval_every=200,
+                                               checkpoint_every=400)
 
     if arg == "gpu":
         config.data.batch_size = 256
