@@ -9,29 +9,13 @@ import numpy as np
 import pytest
 
 import fusedattn.ops
-from fusedattn.configs import attention_config
 from fusedattn.layers import equinox
 from fusedattn.ops import SequenceDescriptor
 
-B, S, F, H = 2, 6, 16, 4
-D = F // H
-X = jax.random.normal(jax.random.key(0), (B, S, F), jnp.float32)
-Y = jax.random.normal(jax.random.key(1), (B, 4, 12), jnp.float32)
+from layer_helpers import B, D, F, H, S, X, Y, close, config
+
 CAUSAL = jnp.tril(jnp.ones((S, S), bool))
-TOL = dict(rtol=2e-5, atol=2e-5)
 PROJECTIONS = lambda m: (m.query_proj, m.key_proj, m.value_proj, m.output_proj)
-
-
-def config(**changes):
-    c = attention_config()
-    for key, value in changes.items():
-        c[key] = value
-    return c
-
-
-def close(a, b, **tol):
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                               **(tol or TOL))
 
 
 def pair(mask_type="causal", key_size=None, **kwargs):

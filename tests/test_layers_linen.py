@@ -9,27 +9,11 @@ import numpy as np
 import pytest
 
 import fusedattn.ops
-from fusedattn.configs import attention_config
 from fusedattn.layers import attention_fn, linen
 
-B, S, F, H = 2, 6, 16, 4
-D = F // H
-X = jax.random.normal(jax.random.key(0), (B, S, F), jnp.float32)
-Y = jax.random.normal(jax.random.key(1), (B, 4, 12), jnp.float32)
+from layer_helpers import B, D, F, H, S, X, Y, close, config
+
 CAUSAL = nn.make_causal_mask(jnp.ones((B, S)), dtype=bool)
-TOL = dict(rtol=2e-5, atol=2e-5)
-
-
-def config(**changes):
-    c = attention_config()
-    for key, value in changes.items():
-        c[key] = value
-    return c
-
-
-def close(a, b, **tol):
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                               **(tol or TOL))
 
 
 def stock_params(**kwargs):

@@ -8,27 +8,11 @@ import numpy as np
 import pytest
 from flax import nnx as fnnx
 
-from fusedattn.configs import attention_config
 from fusedattn.layers import attention_fn, nnx
 
-B, S, F, H = 2, 6, 16, 4
-D = F // H
-X = jax.random.normal(jax.random.key(0), (B, S, F), jnp.float32)
-Y = jax.random.normal(jax.random.key(1), (B, 4, 12), jnp.float32)
+from layer_helpers import B, D, F, H, S, X, Y, close, config
+
 CAUSAL = fnnx.make_causal_mask(jnp.ones((B, S)), dtype=bool)
-TOL = dict(rtol=2e-5, atol=2e-5)
-
-
-def config(**changes):
-    c = attention_config()
-    for key, value in changes.items():
-        c[key] = value
-    return c
-
-
-def close(a, b, **tol):
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                               **(tol or TOL))
 
 
 def pair(mask_type="causal", **kwargs):
