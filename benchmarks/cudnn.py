@@ -2,12 +2,14 @@
 
 Impls: "cudnn" (fusedattn.ops.fused_attn with backend "cudnn"), "jax_cudnn"
 (jax.nn.dot_product_attention(implementation="cudnn")), "xla"
-(jax.nn.dot_product_attention(implementation="xla")), and "cudnn_dropout"
-(ours with dropout 0.1, training). Passes "fwd" and "fwd+bwd" (the VJP with a
+(jax.nn.dot_product_attention(implementation="xla")), "cudnn_dropout"
+(ours with dropout 0.1, training) and "cudnn_thd4" (ours on the thd_thd_thd
+layout, each row packing 4 sequences of s/4 tokens: a quarter of the FLOPs,
+which JAX's path cannot run). Passes "fwd" and "fwd+bwd" (the VJP with a
 random cotangent, all of dq, dk, dv). bf16, BSHD.
 
-TF/s counts matmul FLOPs only: forward 4*b*h*sq*skv*d, halved for causal;
-fwd+bwd 3.5x the forward. "of_peak" is the fraction of ~790 TF/s, a large
+TF/s counts matmul FLOPs only: forward 4*b*h*sq*skv*d, halved for causal
+(a quarter of that for cudnn_thd4); fwd+bwd 3.5x the forward. "of_peak" is the fraction of ~790 TF/s, a large
 bf16 matmul measured on the H200.
 
     python benchmarks/cudnn.py --out benchmarks/results/cudnn.json
@@ -19,11 +21,12 @@ import jax
 import jax.numpy as jnp
 
 import fusedattn
-from fusedattn.ops import fused_attn
+from fusedattn.ops import SequenceDescriptor, fused_attn
 
 from common import H200_MEASURED_MATMUL_FLOPS, median_ms, parse_args, random_normal, write_results
 
 SHAPES = [(4, 2048, 2048, 16, 128), (1, 8192, 8192, 16, 128), (16, 512, 512, 16, 64)]
+THD_SEGMENTS = 4
 
 
 def ours(causal: bool, dropout: float = 0.0):
@@ -39,6 +42,29 @@ def ours(causal: bool, dropout: float = 0.0):
     return attend
 
 
+def ours_thd(causal: bool):
+    """Ours on THD rows packing THD_SEGMENTS equal sequences (q, k, v [b, t, h, d])."""
+    config = fusedattn.configs.attention_config()
+    config.backend = "cudnn"
+    config.qkv_layout = "thd_thd_thd"
+    config.mask = "padding_causal" if causal else "padding"
+    config.sequence.format = "seqlens_offsets"
+    config.sequence.max_segments_per_seq = THD_SEGMENTS
+
+    def declare_lengths(t):  # cuDNN's work per segment follows the declared bound
+        config.sequence.max_seqlen_q = config.sequence.max_seqlen_kv = t // THD_SEGMENTS
+
+    def attend(q, k, v):
+        b, t = q.shape[:2]
+        declare_lengths(t)
+        lengths = jnp.full((b, THD_SEGMENTS), t // THD_SEGMENTS, jnp.int32)
+        offsets = jnp.broadcast_to(jnp.arange(THD_SEGMENTS + 1, dtype=jnp.int32) * (t // THD_SEGMENTS),
+                                   (b, THD_SEGMENTS + 1))
+        sequence = SequenceDescriptor.from_seqlens_and_offsets(lengths, lengths, offsets, offsets)
+        return fused_attn((q, k, v), config=config, sequence=sequence)
+    return attend
+
+
 def jax_attention(implementation: str, causal: bool):
     def attend(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal,
@@ -48,7 +74,8 @@ def jax_attention(implementation: str, causal: bool):
 
 def impls(causal: bool) -> dict:
     return {"cudnn": ours(causal), "jax_cudnn": jax_attention("cudnn", causal),
-            "xla": jax_attention("xla", causal), "cudnn_dropout": ours(causal, 0.1)}
+            "xla": jax_attention("xla", causal), "cudnn_dropout": ours(causal, 0.1),
+            "cudnn_thd4": ours_thd(causal)}
 
 
 def passes(attend):
@@ -62,8 +89,10 @@ def passes(attend):
     return {"fwd": lambda q, k, v, do: forward(q, k, v), "fwd+bwd": forward_backward}
 
 
-def flops(b, sq, skv, h, d, causal, pass_name):
+def flops(b, sq, skv, h, d, causal, pass_name, impl):
     forward = 4 * b * h * sq * skv * d / (2 if causal else 1)
+    if impl == "cudnn_thd4":
+        forward /= THD_SEGMENTS
     return forward if pass_name == "fwd" else 3.5 * forward
 
 
@@ -88,7 +117,7 @@ def main():
                     except Exception as error:  # an implementation that cannot run the case
                         row.update(ms=None, unsupported=str(error).splitlines()[0][:300])
                     else:
-                        tflops = flops(b, sq, skv, h, d, causal, pass_name) / (ms * 1e-3) / 1e12
+                        tflops = flops(b, sq, skv, h, d, causal, pass_name, impl) / (ms * 1e-3) / 1e12
                         row.update(ms=round(ms, 4), tflops=round(tflops, 1),
                                    of_peak=round(tflops * 1e12 / H200_MEASURED_MATMUL_FLOPS, 3))
                     rows.append(row)
@@ -111,10 +140,14 @@ def summarize(rows):
             continue
         entry = {"name": r["name"], "pass": r["pass"], "ms": r["ms"], "tflops": r.get("tflops"),
                  "of_peak": r.get("of_peak")}
-        for peer in ("jax_cudnn", "xla", "cudnn_dropout"):
+        for peer in ("jax_cudnn", "xla", "cudnn_dropout", "cudnn_thd4"):
             other = times.get((r["name"], peer, r["pass"]), {})
             entry[f"{peer}_ms"] = other.get("ms")
             entry[f"{peer}_tflops"] = other.get("tflops")
+        for variant in ("cudnn_dropout", "cudnn_thd4"):  # throughput against the plain call
+            tflops = entry[f"{variant}_tflops"]
+            entry[f"{variant}_of_plain"] = (round(tflops / r["tflops"], 3)
+                                            if tflops and r.get("tflops") else None)
         jax_ms = entry["jax_cudnn_ms"]
         entry["time_vs_jax_cudnn"] = (round(r["ms"] / jax_ms, 3) if r["ms"] and jax_ms else None)
         out.append(entry)
@@ -124,13 +157,16 @@ def summarize(rows):
 def print_table(summary):
     fmt = lambda x, f="{:.2f}": "n/a" if x is None else f.format(x)
     print(f"\n{'case':<26}{'pass':<8}{'ours ms':>8}{'TF/s':>6}{'peak':>6}{'jax_cudnn':>10}"
-          f"{'ratio':>7}{'xla ms':>8}{'drop.1':>8}")
+          f"{'ratio':>7}{'xla ms':>8}{'drop.1':>8}{'thd4':>7}")
     for s in summary:
         print(f"{s['name']:<26}{s['pass']:<8}{fmt(s['ms'], '{:.3f}'):>8}"
               f"{fmt(s['tflops'], '{:.0f}'):>6}{fmt(s['of_peak'] and 100 * s['of_peak'], '{:.0f}%'):>6}"
               f"{fmt(s['jax_cudnn_ms'], '{:.3f}'):>10}{fmt(s['time_vs_jax_cudnn'], '{:.3f}'):>7}"
-              f"{fmt(s['xla_ms'], '{:.2f}'):>8}{fmt(s['cudnn_dropout_ms'], '{:.3f}'):>8}")
-    print("ratio = ours / jax_cudnn time (<= 1.03 is the target); drop.1 = ours with dropout 0.1 (ms)")
+              f"{fmt(s['xla_ms'], '{:.2f}'):>8}{fmt(s['cudnn_dropout_of_plain'], '{:.2f}'):>8}"
+              f"{fmt(s['cudnn_thd4_of_plain'], '{:.2f}'):>7}")
+    print("ratio = ours / jax_cudnn time (<= 1.03 is the target); drop.1 and thd4 = throughput "
+          "(TF/s) of ours with dropout 0.1 and of ours on THD with 4 sequences per row, as a "
+          "fraction of ours plain (target >= 0.85)")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import pytest
 from conftest import assert_close, make_config, random_array, tolerance
 from fusedattn.ops import AttentionSpec, SequenceDescriptor, explain, fused_attn
 from fusedattn.ops.backends import cudnn
-from fusedattn.ops.backends.base import CallShapes
+from fusedattn.ops.backends.base import CallShapes, TokenInfo
 
 ON_GPU = jax.devices()[0].platform == "gpu"
 
@@ -53,13 +53,11 @@ def test_explain_on_cpu_and_named_backend_error():
 
 
 @pytest.mark.parametrize("overrides, call, expected", [
-    (dict(qkv_layout="thd_thd_thd", mask="padding"), {}, "THD (packed) layouts are not served"),
     (dict(bias="alibi", mask="causal"), {}, "ALiBi is not served"),
-    (dict(mask="padding"), {}, "config.sequence.format = 'seqlens'"),
-    (dict(mask="padding_causal", sequence={"format": "segment_ids"}), {},
-     "got 'segment_ids'"),
     (dict(mask="padding", sequence={"format": "seqlens"}, bias="post_scale_bias"),
-     dict(bias=True), "padding masks with config.bias 'post_scale_bias' are not served"),
+     dict(bias=True), "padding masks and THD layouts with config.bias 'post_scale_bias'"),
+    (dict(qkv_layout="thd_thd_thd", mask="causal", bias="pre_scale_bias"),
+     dict(bias=True), "padding masks and THD layouts with config.bias 'pre_scale_bias'"),
     ({}, dict(dtype=jnp.float32), "needs bfloat16 or float16 inputs, got float32"),
     ({}, dict(d=72 + 4), "head dim must be a multiple of 8"),
     ({}, dict(d=320), "at most 256"),
@@ -77,10 +75,39 @@ def test_no_cuda_backend_reason():
     assert reason == "cudnn: jax has no CUDA backend in this process"
 
 
-def test_padding_with_seqlens_format_passes_the_static_checks():
-    reason = cudnn.BACKEND.supports(spec(mask="padding_causal", sequence={"format": "seqlens"}),
-                                    shapes(), "cuda")
-    assert reason is None or "sequence.format" not in reason
+@pytest.mark.parametrize("overrides", [
+    dict(mask="padding_causal", sequence={"format": "seqlens"}),
+    dict(mask="padding_causal", sequence={"format": "segment_ids", "max_segments_per_seq": 4}),
+    dict(qkv_layout="thd_thd_thd", mask="padding", sequence={"format": "seqlens_offsets"}),
+])
+def test_padding_and_packing_pass_the_static_checks(overrides):
+    reason = cudnn.BACKEND.supports(spec(**overrides), shapes(), "cuda")
+    assert reason is None or "jax has no CUDA backend" in reason, reason
+
+
+def test_ragged_offsets_must_fit_int32():
+    reason = cudnn.BACKEND.supports(
+        spec(mask="padding", sequence={"format": "segment_ids"}),
+        shapes(b=1024, sq=4096, skv=4096, h=16, h_kv=16, d=128), "cuda")
+    assert "int32 element offsets" in reason, reason
+
+
+def test_segments_pair_runs_by_id_and_flag_broken_rows():
+    static = cudnn._static(spec(mask="padding_causal", sequence={"format": "segment_ids",
+                                                                   "max_segments_per_seq": 2}),
+                           0.125, dropout=False, has_bias=False, seqlen_q=6, seqlen_kv=6)
+    q_seg = jnp.array([[1, 1, 2, 2, 2, 0], [1, 1, 2, 2, 3, 3], [1, 1, 2, 2, 1, 1]], jnp.int32)
+    kv_seg = jnp.array([[2, 2, 1, 1, 1, 1], [1, 2, 2, 2, 3, 0], [1, 1, 2, 2, 1, 1]], jnp.int32)
+    pos = jnp.array([0, 1, 0, 1, 2, 0], jnp.int32)
+    tokens = TokenInfo(q_seg=q_seg, q_pos=jnp.broadcast_to(pos, (3, 6)),
+                       q_diag=jnp.zeros((3, 6), jnp.int32), kv_seg=kv_seg,
+                       kv_pos=jnp.array([[0, 1, 0, 1, 2, 3]] * 3, jnp.int32))
+    segments = cudnn._segments(static, tokens)
+    # row 0: q segment 1 (tokens 0-1) pairs with kv run 1 (tokens 2-5), q segment 2 with kv run 0
+    np.testing.assert_array_equal(segments.slots[0], [[0, 2], [2, 3], [2, 0], [4, 2]])
+    # row 1 has three segments (> 2 slots); row 2 repeats id 1 in two runs
+    np.testing.assert_array_equal(segments.broken, [False, True, True])
+    assert segments.q_keys[0].tolist() == [True] * 5 + [False]
 
 
 # ---- GPU: against the XLA backend -------------------------------------------------------
@@ -212,6 +239,120 @@ def test_padding_with_empty_rows(rng):
     out, grads = compare(config, qkv, rng, sequence=sequence)
     assert np.all(np.asarray(out[0], np.float32) == 0)
     assert np.all(np.asarray(grads[0][0], np.float32) == 0)
+
+
+def packed_segment_ids(rng, b, s, max_segments):
+    """Segment ids [b, s]: each row packs 1..max_segments documents of random lengths."""
+    ids = np.zeros((b, s), np.int32)
+    for row in range(b):
+        n = rng.integers(1, max_segments + 1)
+        cuts = np.sort(rng.choice(np.arange(1, s), size=n, replace=False))
+        ends = np.append(cuts[1:], s) if n > 1 else np.array([cuts[0]])
+        starts = np.append(0, cuts[:-1]) if n > 1 else np.array([0])
+        for i, (a, e) in enumerate(zip(starts, ends)):
+            ids[row, a:e] = i + 1  # the tail after the last cut stays padding when n == 1
+    return ids
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", ["padding", "padding_causal", "padding_causal_bottom_right"])
+def test_packed_segment_ids(rng, mask):
+    b, s = 3, 160
+    qkv = inputs(rng, b, s, s, 4, 2, 64, jnp.bfloat16)
+    ids = packed_segment_ids(rng, b, s, max_segments=5)
+    sequence = SequenceDescriptor.from_segment_ids_and_pos(ids, ids)
+    config = make_config(mask=mask, sequence={"format": "segment_ids", "max_segments_per_seq": 5})
+    out, grads = compare(config, qkv, rng, sequence=sequence)
+    pad = ids == 0
+    assert np.all(np.asarray(out, np.float32)[pad] == 0)
+    assert np.all(np.asarray(grads[1], np.float32)[pad] == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", ["padding", "padding_causal_bottom_right"])
+def test_thd_with_offsets_and_cross_lengths(rng, mask):
+    b, t_q, t_kv = 2, 96, 128
+    q_len = np.array([[30, 0, 50, -1], [10, 20, 5, 40]], np.int32)
+    kv_len = np.array([[40, 8, 60, -1], [10, 0, 40, 70]], np.int32)
+    q_off = np.array([[0, 30, 30, 80, -1], [0, 10, 30, 35, 75]], np.int32)
+    kv_off = np.array([[4, 44, 52, 112, -1], [0, 10, 10, 50, 120]], np.int32)
+    sequence = SequenceDescriptor.from_seqlens_and_offsets(q_len, kv_len, q_off, kv_off)
+    qkv = inputs(rng, b, t_q, t_kv, 4, 4, 64, jnp.bfloat16)
+    config = make_config(qkv_layout="thd_thd_thd", mask=mask,
+                         sequence={"format": "seqlens_offsets", "max_segments_per_seq": 4})
+    compare(config, qkv, rng, sequence=sequence)
+
+
+@pytest.mark.gpu
+def test_packing_guard_raises_eagerly_and_gives_nan_under_jit(rng):
+    b, s = 2, 64
+    qkv = inputs(rng, b, s, s, 2, 2, 64, jnp.bfloat16)
+    ids = np.repeat(np.arange(1, 5, dtype=np.int32), 16)[None].repeat(b, 0)  # 4 segments per row
+    sequence = SequenceDescriptor.from_segment_ids_and_pos(ids, ids)
+    config = make_config(mask="padding", backend="cudnn",
+                         sequence={"format": "segment_ids", "max_segments_per_seq": 3})
+    with pytest.raises(ValueError, match="max_segments_per_seq=3"):
+        fused_attn(qkv, config=config, sequence=sequence)
+    out = jax.jit(lambda *a: fused_attn(a, config=config, sequence=sequence))(*qkv)
+    assert np.all(np.isnan(np.asarray(out, np.float32)))
+
+
+@pytest.mark.gpu
+def test_declared_segment_length_bounds(rng):
+    b, s, bound = 2, 128, 40
+    qkv = inputs(rng, b, s, s, 2, 2, 64, jnp.bfloat16)
+    ids = np.repeat(np.arange(1, 5, dtype=np.int32), 32)[None].repeat(b, 0)  # 4 x 32 tokens
+    sequence = SequenceDescriptor.from_segment_ids_and_pos(ids, ids)
+    config = make_config(mask="padding_causal", sequence={
+        "format": "segment_ids", "max_segments_per_seq": 4, "max_seqlen_q": bound,
+        "max_seqlen_kv": bound})
+    compare(config, qkv, rng, sequence=sequence)
+    longer = ids.copy()
+    longer[:, 32:40] = 1  # segment 1 now spans 40 tokens, segment 2 keeps 24: still fits
+    longer[1, :] = np.repeat(np.arange(1, 3, dtype=np.int32), 64)  # row 1: 64 > bound
+    config.backend = "cudnn"
+    with pytest.raises(ValueError, match="max_seqlen_q=40"):
+        fused_attn(qkv, config=config,
+                   sequence=SequenceDescriptor.from_segment_ids_and_pos(longer, longer))
+
+
+@pytest.mark.gpu
+def test_vmap_of_packed_rows_equals_the_batched_call(rng):
+    b, s = 4, 96
+    q, k, v = inputs(rng, b, s, s, 4, 4, 64, jnp.bfloat16)
+    ids = packed_segment_ids(rng, b, s, max_segments=3)
+    config = make_config(mask="padding_causal", backend="cudnn",
+                         sequence={"format": "segment_ids", "max_segments_per_seq": 3})
+
+    def one(q, k, v, ids):
+        sequence = SequenceDescriptor.from_segment_ids_and_pos(ids[None], ids[None])
+        return fused_attn((q[None], k[None], v[None]), config=config, sequence=sequence)[0]
+
+    batched = jax.jit(jax.vmap(one))(q, k, v, ids)
+    direct = fused_attn((q, k, v), config=config,
+                        sequence=SequenceDescriptor.from_segment_ids_and_pos(ids, ids))
+    np.testing.assert_array_equal(np.asarray(batched, np.float32), np.asarray(direct, np.float32))
+
+
+@pytest.mark.gpu
+def test_vmap_over_learnable_offsets_uses_each_examples_offsets(rng):
+    q, k, v = inputs(rng, 2, 64, 64, 4, 4, 64, jnp.bfloat16)
+    offsets = jnp.asarray(rng.standard_normal((3, 4)) * 2, jnp.float32)
+    config = make_config(mask="causal", softmax="learnable", backend="cudnn")
+    skip_if_cudnn_refuses(config, (q, k, v))
+    config.backend = "cudnn"
+
+    def attend(offset):
+        return fused_attn((q, k, v), config=config, softmax_offset=offset)
+
+    batched = jax.jit(jax.vmap(attend))(offsets)
+    for i in range(3):
+        np.testing.assert_array_equal(np.asarray(batched[i], np.float32),
+                                      np.asarray(attend(offsets[i]), np.float32))
+    grads = jax.vmap(jax.grad(lambda o: jnp.sum(attend(o).astype(jnp.float32))))(offsets)
+    for i in range(3):
+        expected = jax.grad(lambda o: jnp.sum(attend(o).astype(jnp.float32)))(offsets[i])
+        assert_close(grads[i], expected, 1e-3, f"dsoftmax_offset[{i}]")
 
 
 @pytest.mark.gpu

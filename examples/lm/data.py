@@ -169,8 +169,12 @@ def grammar_from_config(data_config) -> Grammar:
 
 
 def make_batch(grammar: Grammar, rng: np.random.Generator, batch_size: int, seq_len: int,
-               packing: bool) -> dict[str, np.ndarray]:
+               packing: bool, max_docs_per_row: int, max_doc_len: int) -> dict[str, np.ndarray]:
     """One batch of next-token examples, [batch_size, seq_len] each.
+
+    Documents longer than max_doc_len (or a row) are cut. With packing a row takes
+    documents while they fit and it holds fewer than max_docs_per_row. Both are the
+    attention's static sequence bounds.
 
     inputs/targets: int32 bytes; weights: float32 1 for real targets, 0 for padding;
     segment_ids: 1, 2, ... per packed document, 0 for padding; positions: 0.. within a
@@ -195,9 +199,9 @@ def make_batch(grammar: Grammar, rng: np.random.Generator, batch_size: int, seq_
         if not pending:
             pending = grammar.sample(rng, chunk)[::-1]
         doc = pending.pop()
-        length = min(len(doc.tokens) - 1, seq_len)  # documents longer than a row are cut
+        length = min(len(doc.tokens) - 1, seq_len, max_doc_len)
         if packing:
-            room = np.nonzero(fill + length <= seq_len)[0]
+            room = np.nonzero((fill + length <= seq_len) & (segments < max_docs_per_row))[0]
             if room.size == 0:
                 misses += 1
                 continue
@@ -228,11 +232,13 @@ class Batches:
 
     def train(self, step: int) -> dict[str, np.ndarray]:
         rng = np.random.default_rng([self.config.seed, 0, step])
-        return make_batch(self.grammar, rng, self.batch_size, self.seq_len, self.config.packing)
+        return make_batch(self.grammar, rng, self.batch_size, self.seq_len, self.config.packing,
+                          self.config.max_docs_per_row, self.config.max_doc_len)
 
     def eval(self, index: int) -> dict[str, np.ndarray]:
         rng = np.random.default_rng([self.config.seed, 1, index])
-        return make_batch(self.grammar, rng, self.batch_size, self.seq_len, self.config.packing)
+        return make_batch(self.grammar, rng, self.batch_size, self.seq_len, self.config.packing,
+                          self.config.max_docs_per_row, self.config.max_doc_len)
 
 
 def expected_entropy_per_token(grammar: Grammar, samples: int = 20000, seed: int = 12345):

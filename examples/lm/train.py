@@ -15,7 +15,10 @@ from fusedattn import ops
 def attention_for_data(config) -> ml_collections.ConfigDict:
     """config.model.attention, made consistent with config.data.packing.
 
-    Packing needs a padding causal mask over segment ids; without packing the rows
+    Packing needs a padding causal mask over segment ids, and declares the data's
+    bounds (config.data.max_docs_per_row, max_doc_len) as the attention's static
+    sequence bounds (max_segments_per_seq, max_seqlen_q/kv; cuDNN's packed path sizes
+    its work by them); without packing the rows
     hold one document each, left-aligned, so plain causal attention is exact (the
     padding after a document is never attended by its tokens, and its loss weight is 0).
     """
@@ -25,6 +28,9 @@ def attention_for_data(config) -> ml_collections.ConfigDict:
             attention.mask = "padding_causal"
         if attention.sequence.format == "none":
             attention.sequence.format = "segment_ids"
+        attention.sequence.max_segments_per_seq = config.data.max_docs_per_row
+        longest = min(config.data.max_doc_len, config.data.seq_len)
+        attention.sequence.max_seqlen_q = attention.sequence.max_seqlen_kv = longest
         if attention.mask not in ("padding_causal", "padding_causal_bottom_right"):
             raise ValueError(
                 f"config.model.attention.mask: {attention.mask!r} does not keep packed "

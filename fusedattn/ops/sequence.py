@@ -7,6 +7,7 @@ backends/base.py), so every backend handles every form with one mask predicate.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -209,6 +210,48 @@ def segment_occurrences(ids: jax.Array, pool: jax.Array):
     right = jnp.searchsorted(ordered, ids, side="right")
     top = pool.shape[0] - 1
     return right - left, order[jnp.clip(left, 0, top)], order[jnp.clip(right - 1, 0, top)]
+
+
+class SegmentRuns(NamedTuple):
+    """Each row's segments as runs of consecutive tokens, in row order (int32).
+
+    start, length, id, first_pos: [b, slots] per run (length 0 and id 0 in unused
+    slots); count: [b] runs in the row (may exceed slots); slot: [b, s] each
+    token's run index, -1 for padding tokens.
+    """
+
+    start: jax.Array
+    length: jax.Array
+    id: jax.Array
+    first_pos: jax.Array
+    count: jax.Array
+    slot: jax.Array
+
+
+def segment_runs(ids: jax.Array, positions: jax.Array, slots: int) -> SegmentRuns:
+    """Splits rows of per-token segment ids and positions [b, s] into runs.
+
+    A run starts at a non-padding token whose id differs from the previous
+    token's or whose position does not continue it (previous + 1); runs past
+    `slots` are counted but not tabled.
+    """
+    b, s = ids.shape
+    prev_id = jnp.pad(ids[:, :-1], ((0, 0), (1, 0)))
+    prev_pos = jnp.pad(positions[:, :-1], ((0, 0), (1, 0)))
+    starts = (ids != 0) & ((ids != prev_id) | (positions != prev_pos + 1))
+    run = jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1
+    slot = jnp.where(ids != 0, run, -1)
+    # One-hot reductions over [b, s, slots] (fused by XLA; scatters would be separate kernels).
+    member = slot[:, :, None] == jnp.arange(slots, dtype=jnp.int32)
+    token = jnp.arange(s, dtype=jnp.int32)[None, :, None]
+    length = jnp.sum(member, axis=1, dtype=jnp.int32)
+    start = jnp.min(jnp.where(member, token, s), axis=1)
+    start = jnp.where(length > 0, start, 0).astype(jnp.int32)
+    run_id = jnp.max(jnp.where(member, ids[:, :, None], 0), axis=1).astype(jnp.int32)
+    first_pos = jnp.take_along_axis(positions, start, axis=1).astype(jnp.int32)
+    return SegmentRuns(start=start, length=length, id=run_id,
+                       first_pos=jnp.where(length > 0, first_pos, 0),
+                       count=jnp.sum(starts, axis=1, dtype=jnp.int32), slot=slot)
 
 
 def _int_array(value, name: str) -> jax.Array:

@@ -9,25 +9,32 @@
 // build after the first. Workspace comes from XLA's FFI scratch allocator.
 //
 // Operands are the canonical BSHD arrays of fusedattn/ops/backends/base.py,
-// given to cuDNN as strided [b, h, s, d] views (no copies). Leading dims
-// beyond the last three (jax.vmap with vmap_method="broadcast_all") fold into
-// the batch.
+// given to cuDNN as strided [b, h, s, d] views (no copies).
 //
-//   fusedattn_cudnn_fwd(q, k, v, bias, seqlen_q, seqlen_kv, rng, sink) -> (o, stats)
-//   fusedattn_cudnn_bwd(q, k, v, bias, seqlen_q, seqlen_kv, rng, sink, o, stats, do)
+//   fusedattn_cudnn_fwd(q, k, v, bias, seqlen_q, seqlen_kv, offsets, rng, sink) -> (o, stats)
+//   fusedattn_cudnn_bwd(q, k, v, bias, seqlen_q, seqlen_kv, offsets, rng, sink, o, stats, do)
 //       -> (dq, dk, dv, dbias, dsink)
 //
-//   q [..., Sq, H, D]; k [..., Skv, Hkv, D]; v [..., Skv, Hkv, Dv] (bf16 or f16)
-//   bias [..., Bb, Bh, Sq, Skv] in q's dtype (Bb in {1, B}, Bh in {1, H}); ignored unless has_bias
-//   seqlen_q / seqlen_kv S32 [...] (B values); ignored unless padding
-//   rng U32 [..., 4]: the first row's words (0,1) are cuDNN's int64 seed and (2,3) its
-//       int64 offset; ignored unless dropout_rate > 0
-//   sink F32 [..., H] (first row used); ignored unless has_sink
-//   stats F32 [..., H, Sq, 1]: log-sum-exp of the scaled scores (cuDNN's Stats)
-//   dbias like bias; dsink F32 like sink (row 0 holds the gradient, other rows 0)
+//   q [B, Sq, H, D]; k [B, Skv, Hkv, D]; v [B, Skv, Hkv, Dv] (bf16 or f16)
+//   bias [Bb, Bh, Sq, Skv] in q's dtype (Bb in {1, B}, Bh in {1, H}); ignored unless has_bias
+//   segments = M > 0 (padding): cuDNN's batch is the B * M segments (M per row, slot-major
+//       within a row); seqlen_q / seqlen_kv S32 [B * M] are their lengths (0: unused slot)
+//   ragged (needs segments): segments start anywhere in their row; offsets S32 [4, B * M + 1]
+//       are the element offsets of each segment's first token in q (and dq), o (and do), k
+//       (and dk) and v (and dv). Without ragged, segment i is row i from its first token.
+//       max_seqlen_q / max_seqlen_kv (ragged; 0: the row length) bound every segment's
+//       length: cuDNN's sequence extents, so its work scales with them, not with the row.
+//   rng U32 [4]: words (0,1) are cuDNN's int64 seed and (2,3) its int64 offset; ignored
+//       unless dropout_rate > 0
+//   sink F32 [H]; ignored unless has_sink
+//   stats F32 [B * max(M, 1), H, Sq', 1]: log-sum-exp of the scaled scores (cuDNN's Stats),
+//       Sq' = max_seqlen_q when ragged and given, else Sq
+//   dbias like bias; dsink like sink
 // attributes: scale f32, dropout_rate f32, causal bool, bottom_right bool,
-//   window_left i64, window_right i64 (inclusive, -1 unbounded), padding bool,
-//   has_bias bool, has_sink bool, deterministic bool
+//   window_left i64, window_right i64 (inclusive, -1 unbounded), segments i64, ragged bool,
+//   max_seqlen_q i64, max_seqlen_kv i64, has_bias bool, has_sink bool, deterministic bool
+// A jax.vmap reaches these handlers folded into B by the custom_vmap rule of
+// fusedattn/ops/backends/cudnn.py, so every operand has exactly the ranks above.
 #include <dlfcn.h>
 #include <execinfo.h>
 #include <signal.h>
@@ -144,7 +151,9 @@ std::string load_cudnn(const char* path) {
 struct Params {
   int64_t b = 0, h = 0, hkv = 0, sq = 0, skv = 0, d = 0, dv = 0;
   int64_t bf16 = 1;  // 1 bfloat16, 0 float16
-  int64_t causal = 0, bottom_right = 0, left = -1, right = -1, padding = 0;
+  int64_t causal = 0, bottom_right = 0, left = -1, right = -1;
+  int64_t segments = 0, ragged = 0;  // segments > 0: padding, cuDNN batch b * segments
+  int64_t seg_sq = 0, seg_skv = 0;   // cuDNN's sequence extents: sq, skv unless ragged bounds
   int64_t bias_b = 0, bias_h = 0;  // 0, 0: no bias
   int64_t sink = 0, deterministic = 0;
   float scale = 1.0f, dropout = 0.0f;
@@ -153,7 +162,7 @@ struct Params {
     std::ostringstream s;
     s << (backward ? "bwd" : "fwd") << ':' << device << ':' << b << ',' << h << ',' << hkv << ',' << sq << ','
       << skv << ',' << d << ',' << dv << ':' << bf16 << ':' << causal << bottom_right << ':' << left << ','
-      << right << ':' << padding << ':' << bias_b << ',' << bias_h << ':' << sink << deterministic << ':';
+      << right << ':' << segments << ragged << ',' << seg_sq << ',' << seg_skv << ':' << bias_b << ',' << bias_h << ':' << sink << deterministic << ':';
     s.precision(9);
     s << scale << ':' << dropout;
     return s.str();
@@ -162,22 +171,54 @@ struct Params {
 
 enum Uid : int64_t {
   kQ = 1, kK, kV, kO, kStats, kBias, kSeqQ, kSeqKv, kSeed, kOffset, kSink,
-  kDO, kDQ, kDK, kDV, kDBias, kDSink,
+  kDO, kDQ, kDK, kDV, kDBias, kDSink, kOffQ, kOffO, kOffK, kOffV,
 };
+
+// cuDNN's batch: one entry per segment slot under padding, else one per row.
+int64_t cudnn_batch(const Params& p) { return p.segments > 0 ? p.b * p.segments : p.b; }
 
 using Tensor = std::shared_ptr<fe::graph::Tensor_attributes>;
 
-// [b, heads, s, dim] view of a row-major [b, s, heads, dim] array.
-Tensor bshd(fe::graph::Graph& g, const char* name, Uid uid, int64_t b, int64_t heads, int64_t s, int64_t dim) {
-  return g.tensor(fe::graph::Tensor_attributes()
-                      .set_name(name)
-                      .set_uid(uid)
-                      .set_dim({b, heads, s, dim})
-                      .set_stride({s * heads * dim, dim, heads * dim, 1}));
+// Element offsets of the segments' first tokens in q, o, k and v (null unless ragged);
+// each gradient shares the offsets of its operand.
+struct RaggedOffsets {
+  Tensor q, o, k, v;
+};
+
+RaggedOffsets ragged_offsets(fe::graph::Graph& g, const Params& p) {
+  if (!p.ragged) return {};
+  auto offsets = [&](const char* name, Uid uid) {
+    return g.tensor(fe::graph::Tensor_attributes()
+                        .set_name(name)
+                        .set_uid(uid)
+                        .set_dim({cudnn_batch(p) + 1, 1, 1, 1})
+                        .set_stride({1, 1, 1, 1})
+                        .set_data_type(fe::DataType_t::INT32));
+  };
+  return {offsets("offsets_q", kOffQ), offsets("offsets_o", kOffO), offsets("offsets_k", kOffK),
+          offsets("offsets_v", kOffV)};
 }
 
-void set_bshd(const Tensor& t, Uid uid, int64_t b, int64_t heads, int64_t s, int64_t dim) {
-  t->set_output(true).set_uid(uid).set_dim({b, heads, s, dim}).set_stride({s * heads * dim, dim, heads * dim, 1});
+// Shapes [batch, heads, s, dim] and strides of a row-major [b, s, heads, dim] array;
+// ragged segments take their start from `offsets` instead of the batch stride.
+void shape_bshd(fe::graph::Tensor_attributes& t, const Params& p, const Tensor& offsets, int64_t heads,
+                int64_t s, int64_t dim) {
+  t.set_dim({cudnn_batch(p), heads, s, dim}).set_stride({s * heads * dim, dim, heads * dim, 1});
+  if (offsets) t.set_ragged_offset(offsets);
+}
+
+Tensor bshd(fe::graph::Graph& g, const char* name, Uid uid, const Params& p, const Tensor& offsets,
+            int64_t heads, int64_t s, int64_t dim) {
+  fe::graph::Tensor_attributes t;
+  t.set_name(name).set_uid(uid);
+  shape_bshd(t, p, offsets, heads, s, dim);
+  return g.tensor(t);
+}
+
+void set_bshd(const Tensor& t, Uid uid, const Params& p, const Tensor& offsets, int64_t heads, int64_t s,
+              int64_t dim) {
+  t->set_output(true).set_uid(uid);
+  shape_bshd(*t, p, offsets, heads, s, dim);
 }
 
 std::vector<int64_t> bias_dims(const Params& p) { return {p.bias_b, p.bias_h, p.sq, p.skv}; }
@@ -204,12 +245,12 @@ void set_common(fe::graph::Graph& g, Attributes& a, const Params& p) {
     a.set_diagonal_alignment(p.bottom_right ? fe::DiagonalAlignment_t::BOTTOM_RIGHT
                                             : fe::DiagonalAlignment_t::TOP_LEFT);
   }
-  if (p.padding) {
+  if (p.segments > 0) {
     auto lengths = [&](const char* name, Uid uid) {
       return g.tensor(fe::graph::Tensor_attributes()
                           .set_name(name)
                           .set_uid(uid)
-                          .set_dim({p.b, 1, 1, 1})
+                          .set_dim({cudnn_batch(p), 1, 1, 1})
                           .set_stride({1, 1, 1, 1})
                           .set_data_type(fe::DataType_t::INT32));
     };
@@ -247,36 +288,38 @@ Tensor stats_tensor(fe::graph::Graph& g, const Params& p) {
   return g.tensor(fe::graph::Tensor_attributes()
                       .set_name("stats")
                       .set_uid(kStats)
-                      .set_dim({p.b, p.h, p.sq, 1})
-                      .set_stride({p.h * p.sq, p.sq, 1, 1})
+                      .set_dim({cudnn_batch(p), p.h, p.seg_sq, 1})
+                      .set_stride({p.h * p.seg_sq, p.seg_sq, 1, 1})
                       .set_data_type(fe::DataType_t::FLOAT));
 }
 
 std::shared_ptr<fe::graph::Graph> forward_graph(const Params& p) {
   auto g = new_graph(p);
-  auto q = bshd(*g, "q", kQ, p.b, p.h, p.sq, p.d);
-  auto k = bshd(*g, "k", kK, p.b, p.hkv, p.skv, p.d);
-  auto v = bshd(*g, "v", kV, p.b, p.hkv, p.skv, p.dv);
+  const RaggedOffsets offsets = ragged_offsets(*g, p);
+  auto q = bshd(*g, "q", kQ, p, offsets.q, p.h, p.seg_sq, p.d);
+  auto k = bshd(*g, "k", kK, p, offsets.k, p.hkv, p.seg_skv, p.d);
+  auto v = bshd(*g, "v", kV, p, offsets.v, p.hkv, p.seg_skv, p.dv);
   fe::graph::SDPA_attributes a;
   a.set_name("fusedattn_sdpa").set_generate_stats(true);
   set_common(*g, a, p);
   auto [o, stats] = g->sdpa(q, k, v, a);
-  set_bshd(o, kO, p.b, p.h, p.sq, p.dv);
+  set_bshd(o, kO, p, offsets.o, p.h, p.seg_sq, p.dv);
   stats->set_output(true)
       .set_uid(kStats)
       .set_data_type(fe::DataType_t::FLOAT)
-      .set_dim({p.b, p.h, p.sq, 1})
-      .set_stride({p.h * p.sq, p.sq, 1, 1});
+      .set_dim({cudnn_batch(p), p.h, p.seg_sq, 1})
+      .set_stride({p.h * p.seg_sq, p.seg_sq, 1, 1});
   return g;
 }
 
 std::shared_ptr<fe::graph::Graph> backward_graph(const Params& p) {
   auto g = new_graph(p);
-  auto q = bshd(*g, "q", kQ, p.b, p.h, p.sq, p.d);
-  auto k = bshd(*g, "k", kK, p.b, p.hkv, p.skv, p.d);
-  auto v = bshd(*g, "v", kV, p.b, p.hkv, p.skv, p.dv);
-  auto o = bshd(*g, "o", kO, p.b, p.h, p.sq, p.dv);
-  auto d_o = bshd(*g, "do", kDO, p.b, p.h, p.sq, p.dv);
+  const RaggedOffsets offsets = ragged_offsets(*g, p);
+  auto q = bshd(*g, "q", kQ, p, offsets.q, p.h, p.seg_sq, p.d);
+  auto k = bshd(*g, "k", kK, p, offsets.k, p.hkv, p.seg_skv, p.d);
+  auto v = bshd(*g, "v", kV, p, offsets.v, p.hkv, p.seg_skv, p.dv);
+  auto o = bshd(*g, "o", kO, p, offsets.o, p.h, p.seg_sq, p.dv);
+  auto d_o = bshd(*g, "do", kDO, p, offsets.o, p.h, p.seg_sq, p.dv);
   auto stats = stats_tensor(*g, p);
   fe::graph::SDPA_backward_attributes a;
   a.set_name("fusedattn_sdpa_backward");
@@ -300,9 +343,9 @@ std::shared_ptr<fe::graph::Graph> backward_graph(const Params& p) {
   }
   if (p.deterministic) a.set_deterministic_algorithm(true);
   auto [dq, dk, dv] = g->sdpa_backward(q, k, v, o, d_o, stats, a);
-  set_bshd(dq, kDQ, p.b, p.h, p.sq, p.d);
-  set_bshd(dk, kDK, p.b, p.hkv, p.skv, p.d);
-  set_bshd(dv, kDV, p.b, p.hkv, p.skv, p.dv);
+  set_bshd(dq, kDQ, p, offsets.q, p.h, p.seg_sq, p.d);
+  set_bshd(dk, kDK, p, offsets.k, p.hkv, p.seg_skv, p.d);
+  set_bshd(dv, kDV, p, offsets.v, p.hkv, p.seg_skv, p.dv);
   return g;
 }
 
@@ -427,46 +470,44 @@ std::string dims_string(ffi::AnyBuffer::Dimensions dims) {
   return s + "]";
 }
 
-int64_t leading(ffi::AnyBuffer::Dimensions dims, size_t trailing) {
-  int64_t n = 1;
-  for (size_t i = 0; i + trailing < dims.size(); ++i) n *= dims[i];
-  return n;
-}
-
 struct Attrs {
   float scale;
   float dropout_rate;
   bool causal, bottom_right;
-  int64_t window_left, window_right;
-  bool padding, has_bias, has_sink, deterministic;
+  int64_t window_left, window_right, segments;
+  bool ragged;
+  int64_t max_seqlen_q, max_seqlen_kv;
+  bool has_bias, has_sink, deterministic;
 };
 
+// The operands both directions share.
+struct Inputs {
+  ffi::AnyBuffer q, k, v, bias, seqlen_q, seqlen_kv, offsets, rng, sink;
+};
+
+bool is_int32(const ffi::AnyBuffer& x, int64_t count) {
+  return x.element_type() == ffi::DataType::S32 && static_cast<int64_t>(x.element_count()) == count;
+}
+
 // Reads the shapes of the call into *p and checks them.
-ffi::Error parse(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
-                 const ffi::AnyBuffer& bias, const ffi::AnyBuffer& seqlen_q, const ffi::AnyBuffer& seqlen_kv,
-                 const ffi::AnyBuffer& rng, const ffi::AnyBuffer& sink, const Attrs& at, Params* p) {
-  const auto dtype = q.element_type();
+ffi::Error parse(const char* op, const Inputs& in, const Attrs& at, Params* p) {
+  const auto dtype = in.q.element_type();
   if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) {
     return invalid(op, "q must be bfloat16 or float16");
   }
-  if (k.element_type() != dtype || v.element_type() != dtype) {
+  if (in.k.element_type() != dtype || in.v.element_type() != dtype) {
     return invalid(op, "q, k and v must share one dtype");
   }
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  const size_t r = qd.size();
-  if (r < 4 || kd.size() != r || vd.size() != r) {
-    return invalid(op, "q, k and v must have shape [..., S, H, D] of one rank >= 4; got " + dims_string(qd) +
-                           ", " + dims_string(kd) + ", " + dims_string(vd));
+  const auto qd = in.q.dimensions(), kd = in.k.dimensions(), vd = in.v.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
+    return invalid(op, "q, k and v must have shape [B, S, H, D]; got " + dims_string(qd) + ", " +
+                           dims_string(kd) + ", " + dims_string(vd));
   }
-  p->b = leading(qd, 3);
-  p->sq = qd[r - 3];
-  p->h = qd[r - 2];
-  p->d = qd[r - 1];
-  p->skv = kd[r - 3];
-  p->hkv = kd[r - 2];
-  p->dv = vd[r - 1];
-  if (leading(kd, 3) != p->b || leading(vd, 3) != p->b || kd[r - 1] != p->d || vd[r - 3] != p->skv ||
-      vd[r - 2] != p->hkv || p->hkv < 1 || p->h % p->hkv != 0) {
+  *p = Params{};
+  p->b = qd[0], p->sq = qd[1], p->h = qd[2], p->d = qd[3];
+  p->skv = kd[1], p->hkv = kd[2], p->dv = vd[3];
+  if (kd[0] != p->b || vd[0] != p->b || kd[3] != p->d || vd[1] != p->skv || vd[2] != p->hkv || p->hkv < 1 ||
+      p->h % p->hkv != 0) {
     return invalid(op, "inconsistent q/k/v shapes " + dims_string(qd) + ", " + dims_string(kd) + ", " +
                            dims_string(vd));
   }
@@ -477,56 +518,82 @@ ffi::Error parse(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffer& 
   p->bottom_right = at.bottom_right;
   p->left = at.window_left;
   p->right = at.window_right;
-  p->padding = at.padding;
+  p->segments = at.segments;
+  p->ragged = at.ragged;
+  if ((at.max_seqlen_q || at.max_seqlen_kv) && !at.ragged) {
+    return invalid(op, "max_seqlen_q and max_seqlen_kv need ragged");
+  }
+  if (at.max_seqlen_q < 0 || at.max_seqlen_q > p->sq || at.max_seqlen_kv < 0 || at.max_seqlen_kv > p->skv) {
+    return invalid(op, "max_seqlen_q and max_seqlen_kv must be 0 or at most Sq and Skv");
+  }
+  p->seg_sq = at.max_seqlen_q ? at.max_seqlen_q : p->sq;
+  p->seg_skv = at.max_seqlen_kv ? at.max_seqlen_kv : p->skv;
   p->sink = at.has_sink;
   p->deterministic = at.deterministic;
   if (at.has_bias) {
-    const auto bd = bias.dimensions();
-    const size_t br = bd.size();
-    if (bias.element_type() != dtype || br < 4 || bd[br - 2] != p->sq || bd[br - 1] != p->skv ||
-        (bd[br - 3] != 1 && bd[br - 3] != p->h)) {
-      return invalid(op, "bias must have q's dtype and shape [..., B or 1, H or 1, Sq, Skv]; got " +
+    const auto bd = in.bias.dimensions();
+    if (in.bias.element_type() != dtype || bd.size() != 4 || (bd[0] != 1 && bd[0] != p->b) ||
+        (bd[1] != 1 && bd[1] != p->h) || bd[2] != p->sq || bd[3] != p->skv) {
+      return invalid(op, "bias must have q's dtype and shape [B or 1, H or 1, Sq, Skv]; got " +
                              dims_string(bd));
     }
-    const int64_t rows = leading(bd, 3);
-    if (rows != p->b && rows != 1) {
-      return invalid(op, "bias batch rows " + std::to_string(rows) + " must be 1 or the batch " +
-                             std::to_string(p->b) +
-                             " (under jax.vmap, give a batched call's bias a full batch axis)");
+    p->bias_b = bd[0];
+    p->bias_h = bd[1];
+  }
+  if (at.segments < 0 || (at.ragged && at.segments == 0)) {
+    return invalid(op, "segments must be >= 0, and > 0 with ragged");
+  }
+  if (at.segments > 0) {
+    const int64_t batch = cudnn_batch(*p);
+    if (!is_int32(in.seqlen_q, batch) || !is_int32(in.seqlen_kv, batch)) {
+      return invalid(op, "seqlen_q and seqlen_kv must be int32 with one value per segment slot (" +
+                             std::to_string(batch) + ")");
     }
-    p->bias_b = rows;
-    p->bias_h = bd[br - 3];
-  }
-  if (at.padding) {
-    if (seqlen_q.element_type() != ffi::DataType::S32 || seqlen_kv.element_type() != ffi::DataType::S32 ||
-        static_cast<int64_t>(seqlen_q.element_count()) != p->b ||
-        static_cast<int64_t>(seqlen_kv.element_count()) != p->b) {
-      return invalid(op, "seqlen_q and seqlen_kv must be int32 with one value per batch row (" +
-                             std::to_string(p->b) + ")");
+    if (at.ragged) {
+      if (!is_int32(in.offsets, 4 * (batch + 1))) {
+        return invalid(op, "offsets must be int32 [4, " + std::to_string(batch + 1) + "]");
+      }
+      const int64_t largest = std::max(p->b * p->sq * p->h * std::max(p->d, p->dv),
+                                       p->b * p->skv * p->hkv * std::max(p->d, p->dv));
+      if (largest > INT32_MAX) {
+        return invalid(op, "ragged offsets are int32: an operand of " + std::to_string(largest) +
+                               " elements is too large; split the batch");
+      }
     }
   }
-  if (at.dropout_rate > 0.0f && (rng.element_type() != ffi::DataType::U32 || rng.element_count() < 4)) {
-    return invalid(op, "rng must be uint32 [..., 4]");
+  if (at.dropout_rate > 0.0f && (in.rng.element_type() != ffi::DataType::U32 || in.rng.element_count() != 4)) {
+    return invalid(op, "rng must be uint32 [4]");
   }
-  if (at.has_sink && (sink.element_type() != ffi::DataType::F32 ||
-                      static_cast<int64_t>(sink.element_count()) < p->h)) {
-    return invalid(op, "sink must be float32 [..., H]");
+  if (at.has_sink && (in.sink.element_type() != ffi::DataType::F32 ||
+                      static_cast<int64_t>(in.sink.element_count()) != p->h)) {
+    return invalid(op, "sink must be float32 [H]");
   }
   return ffi::Error::Success();
 }
 
-void add_common(std::unordered_map<int64_t, void*>& pack, const Params& p, ffi::AnyBuffer& bias,
-                ffi::AnyBuffer& seqlen_q, ffi::AnyBuffer& seqlen_kv, ffi::AnyBuffer& rng, ffi::AnyBuffer& sink) {
-  if (p.bias_b > 0) pack[kBias] = bias.untyped_data();
-  if (p.padding) {
-    pack[kSeqQ] = seqlen_q.untyped_data();
-    pack[kSeqKv] = seqlen_kv.untyped_data();
+// The device pointers of the shared operands, by uid.
+std::unordered_map<int64_t, void*> common_pack(const Params& p, const Inputs& in) {
+  std::unordered_map<int64_t, void*> pack = {
+      {kQ, in.q.untyped_data()}, {kK, in.k.untyped_data()}, {kV, in.v.untyped_data()}};
+  if (p.bias_b > 0) pack[kBias] = in.bias.untyped_data();
+  if (p.segments > 0) {
+    pack[kSeqQ] = in.seqlen_q.untyped_data();
+    pack[kSeqKv] = in.seqlen_kv.untyped_data();
+  }
+  if (p.ragged) {
+    auto* offsets = static_cast<int32_t*>(in.offsets.untyped_data());
+    const int64_t stride = cudnn_batch(p) + 1;
+    pack[kOffQ] = offsets;
+    pack[kOffO] = offsets + stride;
+    pack[kOffK] = offsets + 2 * stride;
+    pack[kOffV] = offsets + 3 * stride;
   }
   if (p.dropout > 0.0f) {
-    pack[kSeed] = rng.untyped_data();
-    pack[kOffset] = static_cast<char*>(rng.untyped_data()) + 8;
+    pack[kSeed] = in.rng.untyped_data();
+    pack[kOffset] = static_cast<char*>(in.rng.untyped_data()) + 8;
   }
-  if (p.sink) pack[kSink] = sink.untyped_data();
+  if (p.sink) pack[kSink] = in.sink.untyped_data();
+  return pack;
 }
 
 ffi::Error execute(const char* op, const Params& p, bool backward, cudaStream_t stream, int device,
@@ -568,44 +635,48 @@ ffi::Error execute(const char* op, const Params& p, bool backward, cudaStream_t 
 
 ffi::Error ForwardImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
                        ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias, ffi::AnyBuffer seqlen_q,
-                       ffi::AnyBuffer seqlen_kv, ffi::AnyBuffer rng, ffi::AnyBuffer sink,
+                       ffi::AnyBuffer seqlen_kv, ffi::AnyBuffer offsets, ffi::AnyBuffer rng, ffi::AnyBuffer sink,
                        ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> stats, float scale,
                        float dropout_rate, bool causal, bool bottom_right, int64_t window_left,
-                       int64_t window_right, bool padding, bool has_bias, bool has_sink, bool deterministic) {
-  const Attrs at{scale, dropout_rate, causal, bottom_right, window_left, window_right,
-                 padding, has_bias, has_sink, deterministic};
+                       int64_t window_right, int64_t segments, bool ragged, int64_t max_seqlen_q,
+                       int64_t max_seqlen_kv, bool has_bias, bool has_sink, bool deterministic) {
+  const Attrs at{scale,    dropout_rate, causal,        bottom_right, window_left, window_right, segments,
+                 ragged,   max_seqlen_q, max_seqlen_kv, has_bias,     has_sink,    deterministic};
+  const Inputs in{q, k, v, bias, seqlen_q, seqlen_kv, offsets, rng, sink};
   Params p;
-  if (auto e = parse(kFwd, q, k, v, bias, seqlen_q, seqlen_kv, rng, sink, at, &p); e.failure()) return e;
+  if (auto e = parse(kFwd, in, at, &p); e.failure()) return e;
   p.deterministic = 0;  // the forward is deterministic anyway: one graph for both settings
   if (static_cast<int64_t>(o->element_count()) != p.b * p.sq * p.h * p.dv || o->element_type() != q.element_type() ||
       stats->element_type() != ffi::DataType::F32 ||
-      static_cast<int64_t>(stats->element_count()) != p.b * p.h * p.sq) {
-    return invalid(kFwd, "results must be o [..., Sq, H, Dv] in q's dtype and stats float32 [..., H, Sq, 1]");
+      static_cast<int64_t>(stats->element_count()) != cudnn_batch(p) * p.h * p.seg_sq) {
+    return invalid(kFwd, "results must be o [B, Sq, H, Dv] in q's dtype and stats float32 "
+                         "[B * max(segments, 1), H, Sq', 1]");
   }
-  std::unordered_map<int64_t, void*> pack = {
-      {kQ, q.untyped_data()}, {kK, k.untyped_data()}, {kV, v.untyped_data()},
-      {kO, o->untyped_data()}, {kStats, stats->untyped_data()}};
-  add_common(pack, p, bias, seqlen_q, seqlen_kv, rng, sink);
+  auto pack = common_pack(p, in);
+  pack[kO] = o->untyped_data();
+  pack[kStats] = stats->untyped_data();
   return execute(kFwd, p, false, stream, device, scratch, pack);
 }
 
 ffi::Error BackwardImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
                         ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias, ffi::AnyBuffer seqlen_q,
-                        ffi::AnyBuffer seqlen_kv, ffi::AnyBuffer rng, ffi::AnyBuffer sink, ffi::AnyBuffer o,
-                        ffi::AnyBuffer stats, ffi::AnyBuffer d_o, ffi::Result<ffi::AnyBuffer> dq,
+                        ffi::AnyBuffer seqlen_kv, ffi::AnyBuffer offsets, ffi::AnyBuffer rng, ffi::AnyBuffer sink,
+                        ffi::AnyBuffer o, ffi::AnyBuffer stats, ffi::AnyBuffer d_o, ffi::Result<ffi::AnyBuffer> dq,
                         ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                         ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> dsink, float scale,
                         float dropout_rate, bool causal, bool bottom_right, int64_t window_left,
-                        int64_t window_right, bool padding, bool has_bias, bool has_sink, bool deterministic) {
-  const Attrs at{scale, dropout_rate, causal, bottom_right, window_left, window_right,
-                 padding, has_bias, has_sink, deterministic};
+                        int64_t window_right, int64_t segments, bool ragged, int64_t max_seqlen_q,
+                        int64_t max_seqlen_kv, bool has_bias, bool has_sink, bool deterministic) {
+  const Attrs at{scale,    dropout_rate, causal,        bottom_right, window_left, window_right, segments,
+                 ragged,   max_seqlen_q, max_seqlen_kv, has_bias,     has_sink,    deterministic};
+  const Inputs in{q, k, v, bias, seqlen_q, seqlen_kv, offsets, rng, sink};
   Params p;
-  if (auto e = parse(kBwd, q, k, v, bias, seqlen_q, seqlen_kv, rng, sink, at, &p); e.failure()) return e;
+  if (auto e = parse(kBwd, in, at, &p); e.failure()) return e;
   if (o.element_count() != d_o.element_count() ||
       static_cast<int64_t>(o.element_count()) != p.b * p.sq * p.h * p.dv ||
-      static_cast<int64_t>(stats.element_count()) != p.b * p.h * p.sq || stats.element_type() != ffi::DataType::F32 ||
-      dq->element_count() != q.element_count() || dk->element_count() != k.element_count() ||
-      dv->element_count() != v.element_count()) {
+      static_cast<int64_t>(stats.element_count()) != cudnn_batch(p) * p.h * p.seg_sq ||
+      stats.element_type() != ffi::DataType::F32 || dq->element_count() != q.element_count() ||
+      dk->element_count() != k.element_count() || dv->element_count() != v.element_count()) {
     return invalid(kBwd, "o, do, stats and the gradients must match the forward's shapes");
   }
   if (p.bias_b > 0 && dbias->element_count() != bias.element_count()) {
@@ -614,20 +685,15 @@ ffi::Error BackwardImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocat
   if (p.sink && dsink->element_count() != sink.element_count()) {
     return invalid(kBwd, "dsink must have sink's shape");
   }
-  std::unordered_map<int64_t, void*> pack = {
-      {kQ, q.untyped_data()},      {kK, k.untyped_data()},         {kV, v.untyped_data()},
-      {kO, o.untyped_data()},      {kStats, stats.untyped_data()}, {kDO, d_o.untyped_data()},
-      {kDQ, dq->untyped_data()},   {kDK, dk->untyped_data()},      {kDV, dv->untyped_data()}};
-  add_common(pack, p, bias, seqlen_q, seqlen_kv, rng, sink);
+  auto pack = common_pack(p, in);
+  pack[kO] = o.untyped_data();
+  pack[kStats] = stats.untyped_data();
+  pack[kDO] = d_o.untyped_data();
+  pack[kDQ] = dq->untyped_data();
+  pack[kDK] = dk->untyped_data();
+  pack[kDV] = dv->untyped_data();
   if (p.bias_b > 0) pack[kDBias] = dbias->untyped_data();
-  if (p.sink) {
-    // Row 0 receives the gradient; the other rows (vmap broadcast copies) get 0, so the
-    // transpose of the broadcast sums to the right value.
-    if (cudaError_t e = cudaMemsetAsync(dsink->untyped_data(), 0, dsink->size_bytes(), stream); e != cudaSuccess) {
-      return ffi::Error::Internal(std::string(kBwd) + ": " + cuda_error("cudaMemsetAsync", e));
-    }
-    pack[kDSink] = dsink->untyped_data();
-  }
+  if (p.sink) pack[kDSink] = dsink->untyped_data();
   return execute(kBwd, p, true, stream, device, scratch, pack);
 }
 
@@ -636,15 +702,20 @@ ffi::Error BackwardImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocat
 
 // ---- exports ----------------------------------------------------------------------
 
+// Copies `error` into msg (truncated to msg_len) for the Python side.
+static void report(const std::string& error, char* msg, int64_t msg_len) {
+  if (msg != nullptr && msg_len > 0) {
+    std::strncpy(msg, error.c_str(), static_cast<size_t>(msg_len - 1));
+    msg[msg_len - 1] = '\0';
+  }
+}
+
 // Loads libcudnn (path, or the already-loaded libcudnn.so.9 when path is null or empty).
 // Returns cuDNN's version (e.g. 91000) or 0, with the reason in msg.
 FA_CUDNN_EXPORT int64_t FusedattnCudnnLoad(const char* path, char* msg, int64_t msg_len) {
   const std::string error = fusedattn_cudnn::load_cudnn(path);
   if (!error.empty()) {
-    if (msg != nullptr && msg_len > 0) {
-      std::strncpy(msg, error.c_str(), static_cast<size_t>(msg_len - 1));
-      msg[msg_len - 1] = '\0';
-    }
+    report(error, msg, msg_len);
     return 0;
   }
   return static_cast<int64_t>(fusedattn_cudnn::g_cudnn_version);
@@ -652,21 +723,22 @@ FA_CUDNN_EXPORT int64_t FusedattnCudnnLoad(const char* path, char* msg, int64_t 
 
 // Builds (and caches) the forward and backward graphs of a call on `device` without
 // running them. params: b, h, hkv, sq, skv, d, dv, bf16, causal, bottom_right, left, right,
-// padding, bias_b, bias_h, sink, deterministic (17 values). Returns 1 when both build,
-// else 0 with cuDNN's reason in msg.
+// segments, ragged, seg_sq, seg_skv, bias_b, bias_h, sink, deterministic (20 values).
+// Returns 1 when both build, else 0 with cuDNN's reason in msg.
 FA_CUDNN_EXPORT int64_t FusedattnCudnnCheck(const int64_t* params, int64_t n, float scale, float dropout,
                                             int64_t device, char* msg, int64_t msg_len) {
   using fusedattn_cudnn::Params;
+  constexpr int kCount = 20;
   std::string error;
-  if (n != 17) {
-    error = "FusedattnCudnnCheck expects 17 parameters, got " + std::to_string(n);
+  if (n != kCount) {
+    error = "FusedattnCudnnCheck expects " + std::to_string(kCount) + " parameters, got " + std::to_string(n);
   } else {
     Params p;
-    int64_t* fields[17] = {&p.b,    &p.h,         &p.hkv,          &p.sq,   &p.skv,  &p.d,
-                           &p.dv,   &p.bf16,      &p.causal,       &p.bottom_right,  &p.left,
-                           &p.right, &p.padding,  &p.bias_b,       &p.bias_h,        &p.sink,
-                           &p.deterministic};
-    for (int i = 0; i < 17; ++i) *fields[i] = params[i];
+    int64_t* fields[kCount] = {&p.b,      &p.h,     &p.hkv,    &p.sq,     &p.skv,    &p.d,
+                               &p.dv,     &p.bf16,  &p.causal, &p.bottom_right,      &p.left,
+                               &p.right,  &p.segments,         &p.ragged, &p.seg_sq, &p.seg_skv,
+                               &p.bias_b, &p.bias_h,           &p.sink,   &p.deterministic};
+    for (int i = 0; i < kCount; ++i) *fields[i] = params[i];
     p.scale = scale;
     p.dropout = dropout;
     for (bool backward : {false, true}) {
@@ -682,12 +754,24 @@ FA_CUDNN_EXPORT int64_t FusedattnCudnnCheck(const int64_t* params, int64_t n, fl
     }
   }
   if (error.empty()) return 1;
-  if (msg != nullptr && msg_len > 0) {
-    std::strncpy(msg, error.c_str(), static_cast<size_t>(msg_len - 1));
-    msg[msg_len - 1] = '\0';
-  }
+  report(error, msg, msg_len);
   return 0;
 }
+
+// The operands both directions share, in order, then the attributes.
+#define FA_CUDNN_INPUTS(binding)                     \
+  binding.Ctx<xla::ffi::PlatformStream<cudaStream_t>>() \
+      .Ctx<xla::ffi::DeviceOrdinal>()                \
+      .Ctx<xla::ffi::ScratchAllocator>()             \
+      .Arg<xla::ffi::AnyBuffer>() /* q */            \
+      .Arg<xla::ffi::AnyBuffer>() /* k */            \
+      .Arg<xla::ffi::AnyBuffer>() /* v */            \
+      .Arg<xla::ffi::AnyBuffer>() /* bias */         \
+      .Arg<xla::ffi::AnyBuffer>() /* seqlen_q */     \
+      .Arg<xla::ffi::AnyBuffer>() /* seqlen_kv */    \
+      .Arg<xla::ffi::AnyBuffer>() /* offsets */      \
+      .Arg<xla::ffi::AnyBuffer>() /* rng */          \
+      .Arg<xla::ffi::AnyBuffer>() /* sink */
 
 #define FA_CUDNN_ATTRS(binding)            \
   binding.Attr<float>("scale")             \
@@ -696,42 +780,23 @@ FA_CUDNN_EXPORT int64_t FusedattnCudnnCheck(const int64_t* params, int64_t n, fl
       .Attr<bool>("bottom_right")          \
       .Attr<int64_t>("window_left")        \
       .Attr<int64_t>("window_right")       \
-      .Attr<bool>("padding")               \
+      .Attr<int64_t>("segments")           \
+      .Attr<bool>("ragged")                \
+      .Attr<int64_t>("max_seqlen_q")       \
+      .Attr<int64_t>("max_seqlen_kv")      \
       .Attr<bool>("has_bias")              \
       .Attr<bool>("has_sink")              \
       .Attr<bool>("deterministic")
 
 FA_CUDNN_EXPORT XLA_FFI_Error* FusedattnCudnnFwd(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnCudnnFwd, fusedattn_cudnn::ForwardImpl,
-                              FA_CUDNN_ATTRS(xla::ffi::Ffi::Bind()
-                                                 .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                                 .Ctx<xla::ffi::DeviceOrdinal>()
-                                                 .Ctx<xla::ffi::ScratchAllocator>()
-                                                 .Arg<xla::ffi::AnyBuffer>()    // q
-                                                 .Arg<xla::ffi::AnyBuffer>()    // k
-                                                 .Arg<xla::ffi::AnyBuffer>()    // v
-                                                 .Arg<xla::ffi::AnyBuffer>()    // bias
-                                                 .Arg<xla::ffi::AnyBuffer>()    // seqlen_q
-                                                 .Arg<xla::ffi::AnyBuffer>()    // seqlen_kv
-                                                 .Arg<xla::ffi::AnyBuffer>()    // rng
-                                                 .Arg<xla::ffi::AnyBuffer>()    // sink
+                              FA_CUDNN_ATTRS(FA_CUDNN_INPUTS(xla::ffi::Ffi::Bind())
                                                  .Ret<xla::ffi::AnyBuffer>()    // o
                                                  .Ret<xla::ffi::AnyBuffer>()));  // stats
 
 FA_CUDNN_EXPORT XLA_FFI_Error* FusedattnCudnnBwd(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnCudnnBwd, fusedattn_cudnn::BackwardImpl,
-                              FA_CUDNN_ATTRS(xla::ffi::Ffi::Bind()
-                                                 .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                                 .Ctx<xla::ffi::DeviceOrdinal>()
-                                                 .Ctx<xla::ffi::ScratchAllocator>()
-                                                 .Arg<xla::ffi::AnyBuffer>()    // q
-                                                 .Arg<xla::ffi::AnyBuffer>()    // k
-                                                 .Arg<xla::ffi::AnyBuffer>()    // v
-                                                 .Arg<xla::ffi::AnyBuffer>()    // bias
-                                                 .Arg<xla::ffi::AnyBuffer>()    // seqlen_q
-                                                 .Arg<xla::ffi::AnyBuffer>()    // seqlen_kv
-                                                 .Arg<xla::ffi::AnyBuffer>()    // rng
-                                                 .Arg<xla::ffi::AnyBuffer>()    // sink
+                              FA_CUDNN_ATTRS(FA_CUDNN_INPUTS(xla::ffi::Ffi::Bind())
                                                  .Arg<xla::ffi::AnyBuffer>()    // o
                                                  .Arg<xla::ffi::AnyBuffer>()    // stats
                                                  .Arg<xla::ffi::AnyBuffer>()    // do

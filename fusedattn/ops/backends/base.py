@@ -23,6 +23,7 @@ from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import checkify
 
 from fusedattn.ops.spec import AttentionSpec
 
@@ -101,3 +102,20 @@ def visible_mask(spec: AttentionSpec, tokens: TokenInfo) -> jax.Array:
     if right >= 0:
         visible &= kv_pos <= diagonal + right
     return visible[:, None]
+
+
+def guard(broken: jax.Array, message: str) -> None:
+    """Surfaces data that breaks a backend's declared bounds, without a host sync.
+
+    `broken` is a boolean array computed on the device. With concrete values (eager
+    use) a true entry raises ValueError(message) at once; under tracing the same
+    message goes through jax.experimental.checkify (reported when the caller wraps
+    the function with checkify.checkify). Either way the backend also marks the
+    broken outputs NaN, so they never pass as plausible numbers.
+    """
+    broken = jnp.any(broken)
+    if not isinstance(broken, jax.core.Tracer):
+        if bool(broken):
+            raise ValueError(message)
+        return
+    checkify.debug_check(jnp.logical_not(broken), message)

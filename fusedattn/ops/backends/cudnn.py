@@ -64,8 +64,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from fusedattn.ops import _library
-from fusedattn.ops.backends.base import CallShapes, CanonicalArgs
+from fusedattn.ops.backends.base import CallShapes, CanonicalArgs, TokenInfo, guard
 from fusedattn.ops.enums import BiasType, SequenceFormat, SoftmaxType
+from fusedattn.ops.sequence import SegmentRuns, segment_runs
 from fusedattn.ops.spec import AttentionSpec
 
 FWD_TARGET = "fusedattn_cudnn_fwd"
@@ -217,7 +218,15 @@ def _check(params: tuple[int, ...], scale: float, dropout: float, device: int) -
 # ---- the static configuration of a call ---------------------------------------------
 
 class _Static(NamedTuple):
-    """The attributes of both FFI calls (hashable: a nondiff argument)."""
+    """The attributes of both FFI calls (hashable: a nondiff argument).
+
+    segments: 0 without a padding mask or packing (one dense sequence per row);
+    else cuDNN runs one batch entry per segment slot, `segments` slots per row.
+    ragged: segments may start anywhere in their row (cuDNN's ragged offsets);
+    without it each row holds one segment from its first token (the seqlens form).
+    max_seqlen_q / max_seqlen_kv: with ragged, the declared bounds on a segment's
+    length when tighter than the row (0: the row); cuDNN's work scales with them.
+    """
 
     scale: float
     dropout_rate: float
@@ -225,7 +234,10 @@ class _Static(NamedTuple):
     bottom_right: bool
     window_left: int
     window_right: int
-    padding: bool
+    segments: int
+    ragged: bool
+    max_seqlen_q: int
+    max_seqlen_kv: int
     has_bias: bool
     has_sink: bool
     deterministic: bool
@@ -234,12 +246,25 @@ class _Static(NamedTuple):
         return dict(scale=np.float32(self.scale), dropout_rate=np.float32(self.dropout_rate),
                     causal=bool(self.causal), bottom_right=bool(self.bottom_right),
                     window_left=np.int64(self.window_left),
-                    window_right=np.int64(self.window_right), padding=bool(self.padding),
-                    has_bias=bool(self.has_bias), has_sink=bool(self.has_sink),
-                    deterministic=bool(self.deterministic))
+                    window_right=np.int64(self.window_right), segments=np.int64(self.segments),
+                    ragged=bool(self.ragged), max_seqlen_q=np.int64(self.max_seqlen_q),
+                    max_seqlen_kv=np.int64(self.max_seqlen_kv), has_bias=bool(self.has_bias),
+                    has_sink=bool(self.has_sink), deterministic=bool(self.deterministic))
+
+    @property
+    def batch_per_row(self) -> int:
+        """cuDNN batch entries (and rows of stats) per row of q."""
+        return max(self.segments, 1)
 
 
-def _static(spec: AttentionSpec, scale: float, dropout: bool, has_bias: bool) -> _Static:
+def _static(spec: AttentionSpec, scale: float, dropout: bool, has_bias: bool, seqlen_q: int,
+            seqlen_kv: int) -> _Static:
+    seqlens = spec.sequence_format == SequenceFormat.SEQLENS
+    ragged = spec.uses_segments and not seqlens
+
+    def bound(declared, extent):
+        return declared if ragged and declared and declared < extent else 0
+
     return _Static(
         scale=float(scale),
         dropout_rate=float(spec.dropout_rate) if dropout else 0.0,
@@ -247,7 +272,10 @@ def _static(spec: AttentionSpec, scale: float, dropout: bool, has_bias: bool) ->
         bottom_right=spec.mask.is_bottom_right,
         window_left=int(spec.window_size[0]),
         window_right=int(spec.window_size[1]),
-        padding=spec.mask.is_padding,
+        segments=(1 if seqlens else spec.max_segments_per_seq) if spec.uses_segments else 0,
+        ragged=ragged,
+        max_seqlen_q=bound(spec.max_seqlen_q, seqlen_q),
+        max_seqlen_kv=bound(spec.max_seqlen_kv, seqlen_kv),
         has_bias=has_bias,
         has_sink=spec.softmax != SoftmaxType.VANILLA,
         deterministic=spec.deterministic_backward,
@@ -258,84 +286,241 @@ def _default_scale(spec: AttentionSpec, head_dim: int) -> float:
     return spec.scale if spec.scale is not None else 1.0 / math.sqrt(head_dim)
 
 
-# ---- the op --------------------------------------------------------------------------
+# ---- segments: from per-token vectors to cuDNN's per-slot lengths and offsets --------
 
-def _row_has_keys(static: _Static, q_len, kv_len, seqlen_q: int):
-    """bool [b, sq]: query i < q_len has at least one visible key (padding form)."""
-    i = jnp.arange(seqlen_q, dtype=jnp.int32)[None, :]
-    q_len, kv_len = q_len[:, None], kv_len[:, None]
-    diagonal = i + (kv_len - q_len if static.bottom_right else 0)
-    high = kv_len - 1
+class _Segments(NamedTuple):
+    """cuDNN's view of a packed or padded call, and what the backend masks around it.
+
+    slots: int32 [b, 4, M]: per segment slot its q start, q length, kv start and kv
+    length (q slot i pairs with the kv segment of the same id). q_keys: bool [b, sq],
+    the query sees at least one key; kv_used: bool [b, skv], the key belongs to a
+    paired segment. broken: bool [b], the row breaks what cuDNN can express.
+    """
+
+    slots: jax.Array
+    q_keys: jax.Array
+    kv_used: jax.Array
+    broken: jax.Array
+
+
+def _segments(static: _Static, tokens: TokenInfo) -> _Segments:
+    """Pairs each row's query and key segments (runs of tokens) into cuDNN's slots.
+
+    A row is broken when it has more segments than slots, a segment longer than a
+    declared bound, a segment that does not start at position 0, two segments with
+    one id, or (without ragged offsets) a segment that does not start at the row's
+    first token.
+    """
+    slots = static.segments
+    q = segment_runs(tokens.q_seg, tokens.q_pos, slots)
+    kv = segment_runs(tokens.kv_seg, tokens.kv_pos, slots)
+    pair = (q.id[:, :, None] == kv.id[:, None, :]) & (q.id[:, :, None] != 0)
+    kv_start = jnp.sum(jnp.where(pair, kv.start[:, None, :], 0), axis=2)
+    kv_len = jnp.sum(jnp.where(pair, kv.length[:, None, :], 0), axis=2)
+
+    def repeated_ids(ids):
+        same = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] != 0)
+        return jnp.any(same & ~jnp.eye(slots, dtype=bool), axis=(1, 2))
+
+    broken = ((q.count > slots) | (kv.count > slots) | repeated_ids(q.id) | repeated_ids(kv.id)
+              | jnp.any(q.first_pos != 0, axis=1) | jnp.any(kv.first_pos != 0, axis=1))
+    if not static.ragged:
+        broken |= jnp.any(q.start != 0, axis=1) | jnp.any(kv.start != 0, axis=1)
+    if static.max_seqlen_q:
+        broken |= jnp.any(q.length > static.max_seqlen_q, axis=1)
+    if static.max_seqlen_kv:
+        broken |= jnp.any(kv.length > static.max_seqlen_kv, axis=1)
+    q_keys = _has_keys(static, q, kv_len)
+    paired = jnp.any(pair, axis=1)  # [b, slots]: kv run i is some query segment's partner
+    kv_used = (kv.slot >= 0) & jnp.take_along_axis(
+        jnp.pad(paired, ((0, 0), (0, 1))), jnp.where(kv.slot >= 0, jnp.minimum(kv.slot, slots), slots),
+        axis=1)
+    return _Segments(slots=jnp.stack([q.start, q.length, kv_start, kv_len], axis=1),
+                     q_keys=q_keys, kv_used=kv_used, broken=broken)
+
+
+def _has_keys(static: _Static, q: SegmentRuns, kv_len: jax.Array) -> jax.Array:
+    """bool [b, sq]: the query token sees at least one key of its paired segment."""
+    slots = q.start.shape[1]
+    table = jnp.where((q.slot >= 0) & (q.slot < slots), q.slot, 0)
+
+    def per_token(per_slot):
+        return jnp.take_along_axis(per_slot, table, axis=1)
+
+    position = jnp.arange(q.slot.shape[1], dtype=jnp.int32)[None, :] - per_token(q.start)
+    keys = per_token(kv_len)
+    diagonal = position + (keys - per_token(q.length) if static.bottom_right else 0)
+    high = keys - 1
     if static.causal:
         high = jnp.minimum(high, diagonal)
     elif static.window_right >= 0:
         high = jnp.minimum(high, diagonal + static.window_right)
     low = jnp.maximum(diagonal - static.window_left, 0) if static.window_left >= 0 else 0
-    return (i < q_len) & (low <= high)
+    return (q.slot >= 0) & (q.slot < slots) & (low <= high)
 
 
-def _forward_call(static: _Static, q, k, v, bias, q_len, kv_len, rng, sink):
+def _lengths_and_offsets(static: _Static, slots, q_shape, k_shape, v_shape):
+    """cuDNN's int32 seqlen_q, seqlen_kv [B'] and element offsets [4, B' + 1] (q, o, k, v)."""
+    b, sq, h, d = q_shape
+    _, skv, h_kv, _ = k_shape
+    dv = v_shape[3]
+    if not static.segments:
+        dummy = jnp.zeros((1,), jnp.int32)
+        return dummy, dummy, jnp.zeros((4, 1), jnp.int32)
+    q_start, q_len, kv_start, kv_len = (slots[:, i] for i in range(4))
+    if not static.ragged:
+        return q_len.reshape(-1), kv_len.reshape(-1), jnp.zeros((4, 1), jnp.int32)
+    rows = jnp.arange(b, dtype=jnp.int32)[:, None]
+    q_token = (rows * sq + q_start).reshape(-1)
+    kv_token = (rows * skv + kv_start).reshape(-1)
+
+    def offsets(tokens, total_tokens, width):
+        return jnp.concatenate([tokens, jnp.full((1,), total_tokens, jnp.int32)]) * width
+
+    return q_len.reshape(-1), kv_len.reshape(-1), jnp.stack([
+        offsets(q_token, b * sq, h * d), offsets(q_token, b * sq, h * dv),
+        offsets(kv_token, b * skv, h_kv * d), offsets(kv_token, b * skv, h_kv * dv)])
+
+
+# ---- the FFI calls, batched by folding ------------------------------------------------
+
+def _forward_ffi(static: _Static, q, k, v, bias, slots, rng, sink):
     b, sq, h, _ = q.shape
-    call = jax.ffi.ffi_call(
+    seqlen_q, seqlen_kv, offsets = _lengths_and_offsets(static, slots, q.shape, k.shape, v.shape)
+    return jax.ffi.ffi_call(
         FWD_TARGET,
         (jax.ShapeDtypeStruct((b, sq, h, v.shape[-1]), q.dtype),
-         jax.ShapeDtypeStruct((b, h, sq, 1), jnp.float32)),
-        vmap_method="broadcast_all",
-    )
-    o, stats = call(q, k, v, bias, q_len, kv_len, rng, sink, **static.attributes())
-    if static.padding:
-        rows = _row_has_keys(static, q_len, kv_len, sq)
-        o = jnp.where(rows[:, :, None, None], o, jnp.zeros((), o.dtype))
-    return o, stats
+         jax.ShapeDtypeStruct((b * static.batch_per_row, h, static.max_seqlen_q or sq, 1),
+                              jnp.float32)),
+    )(q, k, v, bias, seqlen_q, seqlen_kv, offsets, rng, sink, **static.attributes())
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _cudnn(static: _Static, q, k, v, bias, q_len, kv_len, rng, sink):
-    return _forward_call(static, q, k, v, bias, q_len, kv_len, rng, sink)[0]
-
-
-def _cudnn_fwd(static: _Static, q, k, v, bias, q_len, kv_len, rng, sink):
-    o, stats = _forward_call(static, q, k, v, bias, q_len, kv_len, rng, sink)
-    return o, (q, k, v, bias, q_len, kv_len, rng, sink, o, stats)
-
-
-def _cudnn_bwd(static: _Static, residuals, do):
-    q, k, v, bias, q_len, kv_len, rng, sink, o, stats = residuals
-    do = do.astype(o.dtype)
-    if static.padding:
-        rows = _row_has_keys(static, q_len, kv_len, q.shape[1])
-        do = jnp.where(rows[:, :, None, None], do, jnp.zeros((), do.dtype))
-        # A row without keys contributes nothing: exp(s - huge) = 0 whatever cuDNN left there.
-        stats = jnp.where(rows[:, None, :, None], stats, jnp.float32(1e30))
-    call = jax.ffi.ffi_call(
+def _backward_ffi(static: _Static, q, k, v, bias, slots, rng, sink, o, stats, do):
+    seqlen_q, seqlen_kv, offsets = _lengths_and_offsets(static, slots, q.shape, k.shape, v.shape)
+    return jax.ffi.ffi_call(
         BWD_TARGET,
         (jax.ShapeDtypeStruct(q.shape, q.dtype),
          jax.ShapeDtypeStruct(k.shape, k.dtype),
          jax.ShapeDtypeStruct(v.shape, v.dtype),
          jax.ShapeDtypeStruct(bias.shape, bias.dtype),
          jax.ShapeDtypeStruct(sink.shape, jnp.float32)),
-        vmap_method="broadcast_all",
-    )
-    dq, dk, dv, dbias, dsink = call(q, k, v, bias, q_len, kv_len, rng, sink, o, stats, do,
-                                    **static.attributes())
-    if static.padding:
-        dq = jnp.where(rows[:, :, None, None], dq, jnp.zeros((), dq.dtype))
-        keys = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :] < kv_len[:, None]
-        dk = jnp.where(keys[:, :, None, None], dk, jnp.zeros((), dk.dtype))
-        dv = jnp.where(keys[:, :, None, None], dv, jnp.zeros((), dv.dtype))
+    )(q, k, v, bias, seqlen_q, seqlen_kv, offsets, rng, sink, o, stats, do,
+      **static.attributes())
+
+
+_RNG, _SINK = 5, 6      # positions of the per-call operands: one dropout seed, one offset row
+_BIAS, _DBIAS = 3, 3    # the bias operand and its gradient among the outputs
+_PER_CALL_OUTPUTS = {4}  # dsink: cuDNN sums it over the batch
+
+
+@functools.lru_cache(maxsize=None)
+def _folding_op(static: _Static, backward: bool):
+    """The FFI call of one direction, whose jax.vmap folds the mapped axis into the batch.
+
+    Row-wise operands (q, k, v, slots, o, stats, do and a bias with a batch axis)
+    are broadcast where unmapped and reshaped [n, b, ...] -> [n * b, ...]; the
+    segment offsets are computed after folding, so they index the folded arrays.
+    cuDNN takes one dropout seed and one row of softmax offsets per call, so when
+    either is mapped the rule runs one call per mapped example (jax.lax.map): exact,
+    but sequential.
+    """
+    op = jax.custom_batching.custom_vmap(
+        functools.partial(_backward_ffi if backward else _forward_ffi, static))
+
+    @op.def_vmap
+    def rule(axis_size, in_batched, *args):
+        if in_batched[_RNG] or in_batched[_SINK]:
+            mapped = [a for a, batched in zip(args, in_batched) if batched]
+
+            def one(example):
+                values = iter(example)
+                return op(*(next(values) if batched else a for a, batched in zip(args, in_batched)))
+
+            outs = jax.lax.map(one, mapped)
+            return outs, jax.tree.map(lambda _: True, outs)
+        rows = args[0].shape[1] if in_batched[0] else args[0].shape[0]
+        bias_rows = args[_BIAS].shape[1] if in_batched[_BIAS] else args[_BIAS].shape[0]
+        shared_bias = not in_batched[_BIAS] and bias_rows == 1
+        folded = []
+        for i, (a, batched) in enumerate(zip(args, in_batched)):
+            if i in (_RNG, _SINK) or (i == _BIAS and shared_bias):
+                folded.append(a)
+                continue
+            if not batched:
+                a = jnp.broadcast_to(a, (axis_size,) + a.shape)
+            if i == _BIAS:
+                a = jnp.broadcast_to(a, (axis_size, rows) + a.shape[2:])
+            folded.append(a.reshape((-1,) + a.shape[2:]))
+        outs = op(*folded)
+        unfolded, batched_out = [], []
+        for i, out in enumerate(outs):
+            if i in _PER_CALL_OUTPUTS or (backward and i == _DBIAS and shared_bias):
+                unfolded.append(out)
+                batched_out.append(False)
+                continue
+            out = out.reshape((axis_size, -1) + out.shape[1:])
+            if backward and i == _DBIAS and bias_rows == 1:
+                out = jnp.sum(out, axis=1, keepdims=True)
+            unfolded.append(out)
+            batched_out.append(True)
+        return tuple(unfolded), tuple(batched_out)
+
+    return op
+
+
+# ---- the op --------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _cudnn(static: _Static, q, k, v, bias, rng, sink, segments: _Segments | None):
+    return _cudnn_fwd(static, q, k, v, bias, rng, sink, segments)[0]
+
+
+def _cudnn_fwd(static: _Static, q, k, v, bias, rng, sink, segments: _Segments | None):
+    slots = segments.slots if segments else jnp.zeros((q.shape[0], 4, 1), jnp.int32)
+    o, stats = _folding_op(static, False)(q, k, v, bias, slots, rng, sink)
+    if segments:
+        o = _mask_rows(o, segments.q_keys, segments.broken)
+    return o, (q, k, v, bias, rng, sink, segments, slots, o, stats)
+
+
+def _cudnn_bwd(static: _Static, residuals, do):
+    q, k, v, bias, rng, sink, segments, slots, o, stats = residuals
+    do = do.astype(o.dtype)
+    if segments:
+        # Rows without keys contribute nothing whatever cuDNN left in their statistics.
+        do = _mask_rows(do, segments.q_keys, jnp.zeros_like(segments.broken))
+    dq, dk, dv, dbias, dsink = _folding_op(static, True)(q, k, v, bias, slots, rng, sink, o,
+                                                          stats, do)
+    if segments:
+        dq = _mask_rows(dq, segments.q_keys, segments.broken)
+        dk = _mask_rows(dk, segments.kv_used, segments.broken)
+        dv = _mask_rows(dv, segments.kv_used, segments.broken)
     if not static.has_bias:
         dbias = jnp.zeros_like(bias)
     if not static.has_sink:
         dsink = jnp.zeros_like(sink)
-    return dq, dk, dv, dbias, None, None, None, dsink
+    return dq, dk, dv, dbias, None, dsink, None
 
 
 _cudnn.defvjp(_cudnn_fwd, _cudnn_bwd)
 
 
-def _lengths(segments) -> jax.Array:
-    """Per-row count of tokens in a segment (int32 [b]): the length in the seqlens form."""
-    return jnp.sum(jnp.asarray(segments) != 0, axis=1, dtype=jnp.int32)
+def _mask_rows(x, keep, broken):
+    """x [b, s, h, d]: zero where not `keep` [b, s]; NaN over rows `broken` [b]."""
+    x = jnp.where(keep[:, :, None, None], x, jnp.zeros((), x.dtype))
+    return jnp.where(broken[:, None, None, None], jnp.full((), jnp.nan, x.dtype), x)
+
+
+def _guard_message(spec: AttentionSpec, static: _Static) -> str:
+    layout = ("each row packs its segments one after another" if static.ragged else
+              "each row holds one segment from its first token (the seqlens form)")
+    return (f"cudnn: the sequence descriptor breaks what the cuDNN backend was configured for: "
+            f"{layout}, at most config.sequence.max_segments_per_seq="
+            f"{spec.max_segments_per_seq} segments per row, each at most "
+            f"config.sequence.max_seqlen_q={spec.max_seqlen_q} query and max_seqlen_kv="
+            f"{spec.max_seqlen_kv} key tokens long, a contiguous run of tokens with positions "
+            "0, 1, ..., and one run per segment id. The broken rows' outputs are NaN. Raise the "
+            "bounds to fit the data, or use backend='xla'.")
 
 
 class CudnnBackend:
@@ -345,20 +530,11 @@ class CudnnBackend:
         platform = (platform or "").lower()
         if platform not in ("cuda", "gpu"):
             return f"cudnn: needs a CUDA GPU; this computation runs on {platform}"
-        if spec.qkv_layout.is_thd:
-            return (f"cudnn: THD (packed) layouts are not served by this version, got "
-                    f"{str(spec.qkv_layout)!r}; use backend 'flash' or 'xla'")
         if spec.bias == BiasType.ALIBI:
             return "cudnn: ALiBi is not served (cuDNN's ALiBi differs); use backend 'xla'"
-        if spec.mask.is_padding:
-            if spec.sequence_format != SequenceFormat.SEQLENS:
-                return ("cudnn: padding masks need config.sequence.format = 'seqlens' (one "
-                        "left-aligned sequence per row, SequenceDescriptor.from_seqlens), got "
-                        f"{str(spec.sequence_format)!r}; other descriptor forms are not expressible "
-                        "as cuDNN sequence lengths")
-            if spec.bias != BiasType.NO_BIAS:
-                return (f"cudnn: padding masks with config.bias {str(spec.bias)!r} are not served "
-                        "(cuDNN's bias gradient is not defined at padded positions)")
+        if spec.uses_segments and spec.bias != BiasType.NO_BIAS:
+            return (f"cudnn: padding masks and THD layouts with config.bias {str(spec.bias)!r} are "
+                    "not served (cuDNN's bias is not defined per segment)")
         if shapes is not None:
             dtype = jnp.dtype(shapes.dtype)
             if dtype not in _DTYPES:
@@ -370,6 +546,12 @@ class CudnnBackend:
                             f"(128 before Hopper), got {dim}")
             if shapes.seqlen_q < 1 or shapes.seqlen_kv < 1:
                 return "cudnn: empty sequences"
+            widest = max(shapes.seqlen_q * shapes.num_heads, shapes.seqlen_kv * shapes.num_kv_heads)
+            elements = shapes.batch * widest * max(shapes.head_dim_qk, shapes.head_dim_v)
+            ragged = spec.uses_segments and spec.sequence_format != SequenceFormat.SEQLENS
+            if ragged and elements >= 2 ** 31:
+                return (f"cudnn: packed segments are addressed by int32 element offsets, but an "
+                        f"operand has {elements} elements; split the batch")
         reason = available()
         if reason is not None:
             return f"cudnn: {reason}"
@@ -381,12 +563,13 @@ class CudnnBackend:
             return None
         dropout = shapes.dropout and spec.dropout_rate > 0
         static = _static(spec, _default_scale(spec, shapes.head_dim_qk), dropout,
-                         shapes.has_bias_array)
+                         shapes.has_bias_array, shapes.seqlen_q, shapes.seqlen_kv)
         params = (shapes.batch, shapes.num_heads, shapes.num_kv_heads, shapes.seqlen_q,
                   shapes.seqlen_kv, shapes.head_dim_qk, shapes.head_dim_v,
                   int(jnp.dtype(shapes.dtype) == jnp.bfloat16), int(static.causal),
                   int(static.bottom_right), static.window_left, static.window_right,
-                  int(static.padding), shapes.batch if static.has_bias else 0,
+                  static.segments, int(static.ragged), static.max_seqlen_q or shapes.seqlen_q,
+                  static.max_seqlen_kv or shapes.seqlen_kv, shapes.batch if static.has_bias else 0,
                   shapes.num_heads if static.has_bias else 0, int(static.has_sink),
                   int(static.deterministic))
         why = _check(params, static.scale, static.dropout_rate, _device_ordinal())
@@ -403,7 +586,7 @@ class CudnnBackend:
         if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
             raise ValueError(f"cudnn: q, k and v must share one dtype, bfloat16 or float16; got "
                              f"{q.dtype}, {k.dtype} and {v.dtype}. Cast them, or use backend='xla'.")
-        b, sq, h, _ = q.shape
+        h = q.shape[2]
         if spec.bias in (BiasType.PRE_SCALE_BIAS, BiasType.POST_SCALE_BIAS):
             if args.bias is None:
                 raise ValueError(f"bias: config.bias {str(spec.bias)!r} needs a bias array")
@@ -430,12 +613,12 @@ class CudnnBackend:
             sink = jnp.asarray(args.softmax_offset, jnp.float32).reshape(h)
         else:
             sink = jnp.zeros((h,), jnp.float32)
-        if spec.mask.is_padding:
-            q_len, kv_len = _lengths(args.tokens.q_seg), _lengths(args.tokens.kv_seg)
-        else:
-            q_len = kv_len = jnp.zeros((b,), jnp.int32)
-        static = _static(spec, scale, dropout, has_bias)
-        return _cudnn(static, q, k, v, bias, q_len, kv_len, rng, sink)
+        static = _static(spec, scale, dropout, has_bias, q.shape[1], k.shape[1])
+        segments = None
+        if static.segments:
+            segments = _segments(static, args.tokens)
+            guard(segments.broken, _guard_message(spec, static))
+        return _cudnn(static, q, k, v, bias, rng, sink, segments)
 
 
 def _device_ordinal() -> int:

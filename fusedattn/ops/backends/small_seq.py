@@ -35,10 +35,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
 
 from fusedattn.ops import _library
-from fusedattn.ops.backends.base import CallShapes, CanonicalArgs, TokenInfo
+from fusedattn.ops.backends.base import CallShapes, CanonicalArgs, TokenInfo, guard
 from fusedattn.ops.enums import BiasType, MaskType, SoftmaxType
 from fusedattn.ops.sequence import segment_occurrences
 from fusedattn.ops.spec import AttentionSpec
@@ -97,7 +96,7 @@ class SmallSeqBackend:
     def attention(self, spec: AttentionSpec, args: CanonicalArgs, scale: float) -> jax.Array:
         max_keys = key_bound(spec, args.k.shape[1])
         kv_start, kv_len = key_ranges(args.tokens, max_keys)
-        _guard(kv_len, spec, max_keys)
+        guard(kv_len < 0, _guard_message(spec, max_keys))
         rate = spec.dropout_rate if args.dropout_seed is not None else 0.0
         seed = (jnp.zeros((2,), jnp.uint32) if args.dropout_seed is None
                 else args.dropout_seed.astype(jnp.uint32))
@@ -128,15 +127,6 @@ def _guard_message(spec: AttentionSpec, max_keys: int) -> str:
             f"one query token (config.sequence.max_seqlen_q={spec.max_seqlen_q}), or keys that "
             "are not contiguous in their row. Its outputs are NaN. Raise the bounds to fit the "
             "data, or use backend='xla'.")
-
-
-def _guard(kv_len: jax.Array, spec: AttentionSpec, max_keys: int) -> None:
-    broken = jnp.any(kv_len < 0)
-    if not isinstance(broken, jax.core.Tracer):
-        if bool(broken):
-            raise ValueError(_guard_message(spec, max_keys))
-        return
-    checkify.debug_check(jnp.logical_not(broken), _guard_message(spec, max_keys))
 
 
 def _forward_call(q, k, v, kv_start, kv_len, seed, scale, rate, max_keys):

@@ -1,0 +1,71 @@
+"""The LM trainer on the GPU config: tokens/s and model FLOP utilisation per backend.
+
+Runs examples/lm/main.py --config=configs/lm_nnx.py:gpu (12 layers, d_model 1024,
+sequence 2048, packed documents, bf16) for a short run per attention backend
+("xla" and "auto"; more with --backends) and, with --framework equinox, the Equinox
+model. Steady-state rates come from the trainer's own summary (intervals after
+the first, which holds compilation). Writes the summaries and the runs' metrics.
+
+    python benchmarks/lm_train.py --out benchmarks/results/lm_train.json --steps 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common import write_results
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(backend: str, framework: str, steps: int, extra: list[str]) -> dict:
+    workdir = Path(tempfile.mkdtemp(prefix=f"lm_{framework}_{backend}_"))
+    command = [sys.executable, str(ROOT / "examples/lm/main.py"), f"--workdir={workdir}",
+               "--config=" + str(ROOT / f"configs/lm_{framework}.py") + ":gpu",
+               f"--config.model.attention.backend={backend}",
+               f"--config.trainer.num_steps={steps}", "--config.trainer.log_every=10",
+               f"--config.trainer.eval_every={steps}", f"--config.trainer.checkpoint_every={steps}",
+               "--config.trainer.progress=False", *extra]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    print(done.stdout[-3000:], done.stderr[-3000:], sep="\n", flush=True)
+    if done.returncode != 0:
+        return {"backend": backend, "framework": framework, "error": done.stderr[-500:]}
+    summary = json.loads((workdir / "summary.json").read_text())
+    metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {"backend": backend, "framework": framework, "steps": steps, "summary": summary,
+            "metrics": metrics}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="benchmarks/results/lm_train.json")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--backends", default="xla,auto")
+    parser.add_argument("--framework", default="nnx", choices=("nnx", "equinox"))
+    parser.add_argument("overrides", nargs="*", help="extra --config.a.b=value flags")
+    args = parser.parse_args()
+    runs = [run(b, args.framework, args.steps, args.overrides) for b in args.backends.split(",")]
+    rates = {r["backend"]: r["summary"].get("tokens_per_s") for r in runs if "summary" in r}
+    summary = {r["backend"]: {k: r["summary"].get(k) for k in ("tokens_per_s", "mfu", "final_loss")}
+               for r in runs if "summary" in r}
+    if rates.get("xla") and rates.get("auto"):
+        summary["auto_speedup_vs_xla"] = round(rates["auto"] / rates["xla"], 2)
+    write_results(args.out, runs, summary=summary, config=f"configs/lm_{args.framework}.py:gpu",
+                  overrides=args.overrides)
+    print(f"\n{'backend':<8}{'tokens/s':>12}{'MFU':>8}")
+    for name, s in summary.items():
+        if isinstance(s, dict):
+            mfu = s.get("mfu")
+            print(f"{name:<8}{s.get('tokens_per_s') or 0:>12.0f}"
+                  f"{'n/a' if mfu is None else format(100 * mfu, '.1f') + '%':>8}")
+    if "auto_speedup_vs_xla" in summary:
+        print(f"auto / xla tokens/s: {summary['auto_speedup_vs_xla']}x")
+
+
+if __name__ == "__main__":
+    main()
