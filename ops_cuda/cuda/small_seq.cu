@@ -126,13 +126,8 @@ struct Geometry {
   static constexpr int kRowsPerPass = kWarpSize / kLanesPerRow;                 // teams per warp
   static constexpr int kPasses = (MAX_KV + kRowsPerPass - 1) / kRowsPerPass;
   static constexpr int kRows = kPasses * kRowsPerPass;                         // score slots
-  // Key rows are streamed a batch of passes at a time, all loads of a batch in flight
-  // together, at most 16 raw vectors (64 registers) per lane.
-  static constexpr int kPassBatch = kPasses < 16 / kVecsPerLane ? kPasses : 16 / kVecsPerLane;
-  // Whether a task's key and value rows stay in registers for all heads. Off: measured
-  // on the H200, the registers it takes halve the warps per SM and cost more than the
-  // memory waits it saves (b=30720, d=128, 16 keys: 2.0 ms against 1.2 ms streaming).
-  static constexpr bool kResident = false;
+  // Raw vectors per lane that one task's key and value rows take when held in registers.
+  static constexpr int kTaskVecs = 2 * kPasses * kVecsPerLane;
   static_assert(D % kVec == 0 && kVecsPerRow % kLanesPerRow == 0, "head dim must fill whole vectors");
 };
 
@@ -251,12 +246,11 @@ __device__ __forceinline__ const typename Element<ET>::Storage* kv_row(const typ
 }
 
 // The task's key (or value) rows of `base` as this lane sees them: row j = pass *
-// kRowsPerPass + team, as raw vectors, zeros beyond the live rows. With
-// Geometry::kResident the rows are loaded at construction, all loads in flight
-// together, and every for_each reuses them; otherwise each for_each streams them a
-// batch of passes at a time (again all loads of a batch before any use), so a warp
-// waits for memory once per batch instead of once per row.
-template <ElementType ET, int D, int MAX_KV>
+// kRowsPerPass + team, as raw vectors, zeros beyond the live rows. RESIDENT: the rows are
+// loaded at construction, all loads in flight together, and every for_each reuses them.
+// Otherwise each for_each streams them a batch of passes at a time (again all loads of a
+// batch before any use), so a warp waits for memory once per batch instead of once per row.
+template <ElementType ET, int D, int MAX_KV, bool RESIDENT>
 class KeyRows {
   using G = Geometry<ET, D, MAX_KV>;
   using Storage = typename Element<ET>::Storage;
@@ -266,7 +260,7 @@ class KeyRows {
   __device__ __forceinline__ KeyRows(const Storage* base, const SmallSeqParams& p, const Task& t, int team,
                                      int sub)
       : base_(base), p_(p), t_(t), team_(team), sub_(sub) {
-    if constexpr (G::kResident) {
+    if constexpr (RESIDENT) {
 #pragma unroll
       for (int pass = 0; pass < G::kPasses; ++pass) load(pass, held_[pass]);
     }
@@ -275,19 +269,21 @@ class KeyRows {
   // Calls f(pass, raw) for every pass.
   template <class F>
   __device__ __forceinline__ void for_each(F&& f) const {
-    if constexpr (G::kResident) {
+    if constexpr (RESIDENT) {
 #pragma unroll
       for (int pass = 0; pass < G::kPasses; ++pass) f(pass, held_[pass]);
     } else {
+      // At most 16 raw vectors (64 registers) per lane in flight.
+      constexpr int kBatch = G::kPasses < 16 / G::kVecsPerLane ? G::kPasses : 16 / G::kVecsPerLane;
 #pragma unroll
-      for (int first = 0; first < G::kPasses; first += G::kPassBatch) {
-        uint4 raw[G::kPassBatch][G::kVecsPerLane];
+      for (int first = 0; first < G::kPasses; first += kBatch) {
+        uint4 raw[kBatch][G::kVecsPerLane];
 #pragma unroll
-        for (int b = 0; b < G::kPassBatch; ++b) {
+        for (int b = 0; b < kBatch; ++b) {
           if (first + b < G::kPasses) load(first + b, raw[b]);
         }
 #pragma unroll
-        for (int b = 0; b < G::kPassBatch; ++b) {
+        for (int b = 0; b < kBatch; ++b) {
           if (first + b < G::kPasses) f(first + b, raw[b]);
         }
       }
@@ -310,7 +306,7 @@ class KeyRows {
   const SmallSeqParams& p_;
   const Task& t_;
   int team_, sub_;
-  uint4 held_[G::kResident ? G::kPasses : 1][G::kVecsPerLane];
+  uint4 held_[RESIDENT ? G::kPasses : 1][G::kVecsPerLane];
 };
 
 // Values of one slot per team gathered into every lane: out[pass * kRowsPerPass + r] is
@@ -323,9 +319,8 @@ __device__ __forceinline__ void gather_team_values(float partial, int pass, floa
 }
 
 // Scaled scores s[j] = scale * q.k_j of the task's keys (0 beyond len), for every lane.
-template <ElementType ET, int D, int MAX_KV>
-__device__ __forceinline__ void scores(const SmallSeqParams& p, const RowSlice<ET, D, MAX_KV>& q,
-                                       const KeyRows<ET, D, MAX_KV>& keys,
+template <ElementType ET, int D, int MAX_KV, class Keys>
+__device__ __forceinline__ void scores(const SmallSeqParams& p, const RowSlice<ET, D, MAX_KV>& q, const Keys& keys,
                                        float (&s)[Geometry<ET, D, MAX_KV>::kRows]) {
   using G = Geometry<ET, D, MAX_KV>;
   keys.for_each([&](int pass, const uint4 (&raw)[G::kVecsPerLane]) {
@@ -334,11 +329,13 @@ __device__ __forceinline__ void scores(const SmallSeqParams& p, const RowSlice<E
 }
 
 // Dropout factors of keys 0..kRows-1 for head h: lane j draws key j, then all lanes share.
-template <int ROWS>
+// DRAW is false only without dropout; a template argument because the Philox registers
+// would otherwise lower the occupancy of every call, dropout or not (see Plan).
+template <bool DRAW, int ROWS>
 __device__ __forceinline__ void dropout_factors(const SmallSeqParams& p, const Task& t, int64_t h, int lane,
                                                 float (&f)[ROWS]) {
   static_assert(ROWS <= kWarpSize, "one lane per key");
-  if (!p.dropout) {
+  if constexpr (!DRAW) {
 #pragma unroll
     for (int j = 0; j < ROWS; ++j) f[j] = 1.0f;
     return;
@@ -365,7 +362,25 @@ constexpr int kForwardMinBlocks = 5;
 constexpr int kBackwardThreads = 128;
 constexpr int kBackwardMinBlocks = 4;  // at least 16 warps per SM, at most 128 registers
 
-template <ElementType ET, int D, int MAX_KV>
+// How the kernels treat a task, by the raw vectors per lane its key and value rows take;
+// measured on the H200 (b=30720, h=16, bf16).
+// - Whether KeyRows holds them in registers (RESIDENT). Forward: up to 4 (d=128, 2 and 4
+//   keys: 0.40 -> 0.33 and 0.48 -> 0.45 ms); at 8 the registers cost as much as the loads
+//   in flight gain, at 16 they spill. Backward, which reads the keys twice per head: up to
+//   8 (its share of fwd+bwd 0.71 -> 0.57 ms at 2 keys, 1.88 -> 1.58 ms at 8); with dropout
+//   the Philox registers make 8 spill.
+// - Whether the backward is compiled to draw dropout factors (small_seq_dropout_factor then
+//   tests p.dropout at run time). Beyond 16 (d 256 and 512 with 16 keys, d 512 with 8) ptxas
+//   spills more without the draws than with them (d=256, 16 keys: 8.28 -> 9.04 ms fwd+bwd).
+template <ElementType ET, int D, int MAX_KV, bool DROPOUT>
+struct Plan {
+  static constexpr int kTaskVecs = Geometry<ET, D, MAX_KV>::kTaskVecs;
+  static constexpr bool kForwardResident = kTaskVecs <= 4;
+  static constexpr bool kBackwardResident = kTaskVecs <= (DROPOUT ? 4 : 8);
+  static constexpr bool kBackwardDraws = DROPOUT || kTaskVecs > 16;
+};
+
+template <ElementType ET, int D, int MAX_KV, bool DROPOUT>
 __global__ void __launch_bounds__(kForwardThreads, kForwardMinBlocks)
     small_seq_forward(SmallSeqParams p, const typename Element<ET>::Storage* __restrict__ q,
                       const typename Element<ET>::Storage* __restrict__ k,
@@ -378,7 +393,8 @@ __global__ void __launch_bounds__(kForwardThreads, kForwardMinBlocks)
   if (task_index >= p.batch * p.seqlen_q * p.kv_heads) return;  // uniform per warp
   const int team = lane / G::kLanesPerRow, sub = lane % G::kLanesPerRow;
   const Task t = make_task<MAX_KV>(p, task_index, kv_start, kv_len, seed);
-  const KeyRows<ET, D, MAX_KV> keys(k, p, t, team, sub), values(v, p, t, team, sub);
+  using Rows = KeyRows<ET, D, MAX_KV, Plan<ET, D, MAX_KV, DROPOUT>::kForwardResident>;
+  const Rows keys(k, p, t, team, sub), values(v, p, t, team, sub);
   const int64_t group = p.heads / p.kv_heads;
   for (int64_t g = 0; g < group; ++g) {
     const int64_t h = t.kv_head * group + g;
@@ -395,7 +411,7 @@ __global__ void __launch_bounds__(kForwardThreads, kForwardMinBlocks)
     scores<ET, D, MAX_KV>(p, qs, keys, s);
     small_seq_softmax(s, t.len);
     float f[G::kRows];
-    dropout_factors(p, t, h, lane, f);
+    dropout_factors<DROPOUT>(p, t, h, lane, f);
     acc.fill(0.0f);
     values.for_each([&](int pass, const uint4 (&raw)[G::kVecsPerLane]) {
       acc.add_scaled(team_value<G::kRowsPerPass>(s, pass, team) * team_value<G::kRowsPerPass>(f, pass, team), raw);
@@ -405,7 +421,7 @@ __global__ void __launch_bounds__(kForwardThreads, kForwardMinBlocks)
   }
 }
 
-template <ElementType ET, int D, int MAX_KV>
+template <ElementType ET, int D, int MAX_KV, bool DROPOUT>
 __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks)
     small_seq_backward(SmallSeqParams p, const typename Element<ET>::Storage* __restrict__ q,
                        const typename Element<ET>::Storage* __restrict__ k,
@@ -424,7 +440,9 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks)
   if (task_index >= p.batch * p.seqlen_q * p.kv_heads) return;  // uniform per warp
   const int team = lane / G::kLanesPerRow, sub = lane % G::kLanesPerRow;
   const Task t = make_task<MAX_KV>(p, task_index, kv_start, kv_len, seed);
-  const KeyRows<ET, D, MAX_KV> keys(k, p, t, team, sub), values(v, p, t, team, sub);
+  using P = Plan<ET, D, MAX_KV, DROPOUT>;
+  using Rows = KeyRows<ET, D, MAX_KV, P::kBackwardResident>;
+  const Rows keys(k, p, t, team, sub), values(v, p, t, team, sub);
   const int64_t group = p.heads / p.kv_heads;
   float* ds_shared = shared + warp * group * G::kRows * 2;
   float* pd_shared = ds_shared + group * G::kRows;
@@ -448,7 +466,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks)
     scores<ET, D, MAX_KV>(p, qs, keys, s);
     small_seq_softmax(s, t.len);
     float f[G::kRows];
-    dropout_factors(p, t, h, lane, f);
+    dropout_factors<P::kBackwardDraws>(p, t, h, lane, f);
     float dp[G::kRows];
     values.for_each([&](int pass, const uint4 (&raw)[G::kVecsPerLane]) {
       gather_team_values<G>(dos.dot(raw), pass, dp);
@@ -503,13 +521,18 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks)
 
 // ---- dispatch ------------------------------------------------------------------
 
+// Calls f(element type, head dim, key bound, dropout) as compile-time constants.
 template <typename F>
-bool dispatch(ElementType et, int64_t head_dim, int64_t max_keys, F&& f) {
+bool dispatch(ElementType et, int64_t head_dim, int64_t max_keys, bool dropout, F&& f) {
+  auto with_dropout = [&](auto et_tag, auto d_tag, auto n_tag) {
+    if (dropout) return f(et_tag, d_tag, n_tag, std::true_type{});
+    return f(et_tag, d_tag, n_tag, std::false_type{});
+  };
   auto with_bound = [&](auto et_tag, auto d_tag) {
-    if (max_keys <= 2) return f(et_tag, d_tag, std::integral_constant<int, 2>{}), true;
-    if (max_keys <= 4) return f(et_tag, d_tag, std::integral_constant<int, 4>{}), true;
-    if (max_keys <= 8) return f(et_tag, d_tag, std::integral_constant<int, 8>{}), true;
-    return f(et_tag, d_tag, std::integral_constant<int, 16>{}), true;
+    if (max_keys <= 2) return with_dropout(et_tag, d_tag, std::integral_constant<int, 2>{}), true;
+    if (max_keys <= 4) return with_dropout(et_tag, d_tag, std::integral_constant<int, 4>{}), true;
+    if (max_keys <= 8) return with_dropout(et_tag, d_tag, std::integral_constant<int, 8>{}), true;
+    return with_dropout(et_tag, d_tag, std::integral_constant<int, 16>{}), true;
   };
   auto with_dim = [&](auto et_tag) {
     switch (head_dim) {
@@ -556,13 +579,15 @@ ffi::Error SmallSeqFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
   }
   const int64_t blocks = blocks_for(p, kForwardThreads);
   if (blocks == 0) return ffi::Error::Success();
-  const bool known = dispatch(element_type_of(q.element_type()), p.head_dim, p.max_keys, [&](auto et, auto d, auto n) {
+  const bool known = dispatch(element_type_of(q.element_type()), p.head_dim, p.max_keys, p.dropout,
+                              [&](auto et, auto d, auto n, auto dropout) {
     constexpr ElementType kET = decltype(et)::value;
     using Storage = typename Element<kET>::Storage;
-    small_seq_forward<kET, decltype(d)::value, decltype(n)::value><<<blocks, kForwardThreads, 0, stream>>>(
-        p, static_cast<const Storage*>(q.untyped_data()), static_cast<const Storage*>(k.untyped_data()),
-        static_cast<const Storage*>(v.untyped_data()), kv_start.typed_data<int32_t>(), kv_len.typed_data<int32_t>(),
-        seed.typed_data<uint32_t>(), static_cast<Storage*>(o->untyped_data()));
+    small_seq_forward<kET, decltype(d)::value, decltype(n)::value, decltype(dropout)::value>
+        <<<blocks, kForwardThreads, 0, stream>>>(
+            p, static_cast<const Storage*>(q.untyped_data()), static_cast<const Storage*>(k.untyped_data()),
+            static_cast<const Storage*>(v.untyped_data()), kv_start.typed_data<int32_t>(),
+            kv_len.typed_data<int32_t>(), seed.typed_data<uint32_t>(), static_cast<Storage*>(o->untyped_data()));
   });
   if (!known) return unsupported_head_dim(kOp, p.head_dim);
   return launch_status(kOp);
@@ -595,10 +620,11 @@ ffi::Error SmallSeqBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
   }
   const int64_t blocks = blocks_for(p, kBackwardThreads);
   if (blocks == 0) return ffi::Error::Success();
-  const bool known = dispatch(element_type_of(q.element_type()), p.head_dim, p.max_keys, [&](auto et, auto d, auto n) {
+  const bool known = dispatch(element_type_of(q.element_type()), p.head_dim, p.max_keys, p.dropout,
+                              [&](auto et, auto d, auto n, auto dropout) {
     constexpr ElementType kET = decltype(et)::value;
     using Storage = typename Element<kET>::Storage;
-    small_seq_backward<kET, decltype(d)::value, decltype(n)::value>
+    small_seq_backward<kET, decltype(d)::value, decltype(n)::value, decltype(dropout)::value>
         <<<blocks, kBackwardThreads, shared_bytes, stream>>>(
             p, static_cast<const Storage*>(q.untyped_data()), static_cast<const Storage*>(k.untyped_data()),
             static_cast<const Storage*>(v.untyped_data()), kv_start.typed_data<int32_t>(),
