@@ -5,14 +5,16 @@
         --config.model.attention.backend=xla --config.data.packing=False
 
 The config argument after ':' is a comma-separated list of variants:
-  gpu                 ~12 layers, d_model 1024, seq 2048, bf16, remat (H100/H200 class)
+  gpu                 ~12 layers, d_model 1024, seq 2048, bf16 (H100/H200 class)
   xla, cudnn, flash   take config.model.attention from configs/attention/<name>.py
 e.g. --config=configs/lm_nnx.py:gpu,cudnn.
 
 config.model.attention is a fusedattn.configs.attention_config(); with packing
 (config.data.packing, the default) documents are packed into rows and separated
-by the mask "padding_causal" with sequence.format "segment_ids"; with packing
-off the trainer switches to plain "causal" (one document per row).
+by the mask "padding_causal" with sequence.format "seqlens_offsets" (per-document
+lengths and offsets, computed once per step from the segment ids; "segment_ids"
+works too, at the cost of reading the rows token by token in every layer); with
+packing off the trainer switches to plain "causal" (one document per row).
 """
 
 import pathlib
@@ -68,7 +70,7 @@ def get_config(arg: str = ""):
         if name in _PRESETS:
             attention = config_lib.attention_preset(name)
     attention.mask = "padding_causal"
-    attention.sequence.format = "segment_ids"
+    attention.sequence.format = "seqlens_offsets"
     config.model.attention = attention
 
     config.optim = config_lib.optim_config(weight_decay=0.05)
@@ -88,7 +90,6 @@ def get_config(arg: str = ""):
         config.model.num_kv_heads = 16
         config.model.mlp_dim = 4096
         config.model.dtype = "bfloat16"
-        config.model.remat = True
         config.optim.learning_rate = 3e-4
         config.optim.warmup_steps = 200
         config.optim.weight_decay = 0.1

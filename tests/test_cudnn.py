@@ -18,7 +18,7 @@ import pytest
 from conftest import assert_close, make_config, random_array, tolerance
 from fusedattn.ops import AttentionSpec, SequenceDescriptor, explain, fused_attn
 from fusedattn.ops.backends import cudnn
-from fusedattn.ops.backends.base import CallShapes, TokenInfo
+from fusedattn.ops.backends.base import CallShapes, CanonicalArgs, TokenInfo, visible_mask
 
 ON_GPU = jax.devices()[0].platform == "gpu"
 
@@ -92,6 +92,14 @@ def test_ragged_offsets_must_fit_int32():
     assert "int32 element offsets" in reason, reason
 
 
+def segments_of(static, tokens, sequence=None):
+    b, sq = tokens.q_seg.shape
+    skv = tokens.kv_seg.shape[1]
+    args = CanonicalArgs(q=jnp.zeros((b, sq, 1, 8)), k=jnp.zeros((b, skv, 1, 8)),
+                         v=jnp.zeros((b, skv, 1, 8)), tokens=tokens, sequence=sequence)
+    return cudnn._segments(static, args)
+
+
 def test_segments_pair_runs_by_id_and_flag_broken_rows():
     static = cudnn._static(spec(mask="padding_causal", sequence={"format": "segment_ids",
                                                                    "max_segments_per_seq": 2}),
@@ -102,12 +110,72 @@ def test_segments_pair_runs_by_id_and_flag_broken_rows():
     tokens = TokenInfo(q_seg=q_seg, q_pos=jnp.broadcast_to(pos, (3, 6)),
                        q_diag=jnp.zeros((3, 6), jnp.int32), kv_seg=kv_seg,
                        kv_pos=jnp.array([[0, 1, 0, 1, 2, 3]] * 3, jnp.int32))
-    segments = cudnn._segments(static, tokens)
+    segments = segments_of(static, tokens)
     # row 0: q segment 1 (tokens 0-1) pairs with kv run 1 (tokens 2-5), q segment 2 with kv run 0
     np.testing.assert_array_equal(segments.slots[0], [[0, 2], [2, 3], [2, 0], [4, 2]])
     # row 1 has three segments (> 2 slots); row 2 repeats id 1 in two runs
     np.testing.assert_array_equal(segments.broken, [False, True, True])
     assert segments.q_keys[0].tolist() == [True] * 5 + [False]
+    assert segments.kv_used[0].tolist() == [True] * 6
+
+
+def thd_descriptor_and_ids(rng, b, s, slots):
+    """One packing two ways: lengths + offsets [b, slots] (unused -1) and segment ids [b, s]."""
+    lengths = np.full((b, slots), -1, np.int32)
+    offsets = np.full((b, slots + 1), -1, np.int32)
+    ids = np.zeros((b, s), np.int32)
+    for row in range(b):
+        n = rng.integers(1, slots + 1)
+        cuts = np.sort(rng.choice(np.arange(1, s), size=n, replace=False))
+        starts = np.append(0, cuts[:-1])
+        for i, (start, end) in enumerate(zip(starts, cuts)):
+            lengths[row, i], offsets[row, i] = end - start, start
+            ids[row, start:end] = i + 1
+        offsets[row, n] = cuts[-1]
+    return lengths, offsets, ids
+
+
+@pytest.mark.parametrize("mask", ["padding", "padding_causal", "padding_causal_bottom_right"])
+@pytest.mark.parametrize("bound", [None, 24])
+def test_declared_slots_equal_the_per_token_reading(rng, mask, bound):
+    b, s, slots = 6, 64, 4
+    lengths, offsets, ids = thd_descriptor_and_ids(rng, b, s, slots)
+    # kv segment i: [2 * start, 2 * start + up to 2 * length) of a row twice as long
+    kv_lengths = np.where(lengths > 0, rng.integers(0, 2 * np.maximum(lengths, 0) + 1), -1)
+    kv_lengths = kv_lengths.astype(np.int32)
+    kv_offsets = np.where(offsets >= 0, 2 * offsets, -1).astype(np.int32)
+    kv_ids = np.zeros((b, 2 * s), np.int32)
+    for row, i in zip(*np.nonzero(kv_lengths > 0)):
+        kv_ids[row, kv_offsets[row, i]:kv_offsets[row, i] + kv_lengths[row, i]] = i + 1
+    last = np.sum(lengths > 0, axis=1) - 1
+    lengths[0, last[0]] = s - offsets[0, last[0]] + 5  # past the row's end: both cut it there
+    ids[0, offsets[0, last[0]]:] = last[0] + 1
+    thd = SequenceDescriptor.from_seqlens_and_offsets(lengths, kv_lengths, offsets, kv_offsets)
+    by_ids = SequenceDescriptor.from_segment_ids_and_pos(ids, kv_ids)
+    results = []
+    for sequence, fmt in ((thd, "seqlens_offsets"), (by_ids, "segment_ids")):
+        the_spec = spec(qkv_layout="thd_thd_thd", mask=mask, sequence={
+            "format": fmt, "max_segments_per_seq": slots, "max_seqlen_q": bound,
+            "max_seqlen_kv": bound})
+        static = cudnn._static(the_spec, 0.125, dropout=False, has_bias=False, seqlen_q=s,
+                               seqlen_kv=2 * s)
+        tokens = sequence.token_info(the_spec, s, 2 * s)
+        results.append(segments_of(static, tokens, sequence))
+    declared, per_token = results
+    visible = np.asarray(visible_mask(the_spec, tokens))[:, 0]  # [b, sq, skv]
+    np.testing.assert_array_equal(declared.q_keys, visible.any(axis=-1))
+    paired = [np.isin(kv_ids[r], ids[r]) & (kv_ids[r] > 0) for r in range(b)]
+    np.testing.assert_array_equal(declared.kv_used, np.stack(paired))
+    for name in ("q_keys", "kv_used", "broken"):
+        np.testing.assert_array_equal(getattr(declared, name), getattr(per_token, name), name)
+    longest = [max(np.bincount(row)[1:].max(initial=0) for row in (ids[r], kv_ids[r]))
+               for r in range(b)]
+    np.testing.assert_array_equal(declared.broken, bound is not None and np.array(longest) > bound)
+    assert np.any(declared.q_keys)
+    used = np.asarray(declared.slots[:, 1] > 0)  # the per-token reading lists only used slots
+    for row in range(b):
+        np.testing.assert_array_equal(np.asarray(declared.slots[row])[:, used[row]],
+                                      np.asarray(per_token.slots[row])[:, :used[row].sum()])
 
 
 # ---- GPU: against the XLA backend -------------------------------------------------------

@@ -19,8 +19,11 @@ import pathlib
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from fusedattn.ops import AttentionSpec
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -236,6 +239,25 @@ def test_lm_batches_pack_documents_exactly():
     digits = (batch["targets"] >= ord("0")) & (batch["targets"] <= ord("9"))
     assert np.all(digits[batch["recall"] > 0])
     assert np.all(batch["best_nll"][batch["recall"] > 0] == 0)   # recall is free for the oracle
+
+
+def test_lm_descriptor_forms_describe_the_same_packing():
+    """The lengths + offsets the LM computes from segment ids mean what the ids mean."""
+    from examples.lm import data, models
+    from examples.lm.train import attention_for_data
+    config = tiny_lm()
+    batch = data.Batches(config.data, batch_size=4, seq_len=64).train(1)
+    infos = []
+    for fmt in ("seqlens_offsets", "segment_ids"):
+        config.model.attention.sequence.format = fmt
+        attention = attention_for_data(config)
+        sequence = models.sequence_descriptor(attention, jnp.asarray(batch["segment_ids"]),
+                                              jnp.asarray(batch["positions"]))
+        assert str(sequence.format) == fmt
+        infos.append(sequence.token_info(AttentionSpec.from_config(attention), 64, 64))
+    for name, from_offsets, from_ids in zip(infos[0]._fields, *infos):
+        np.testing.assert_array_equal(from_offsets, from_ids, name)
+    assert np.max(infos[0].q_seg) > 1  # rows really pack several documents
 
 
 def test_lm_grammar_best_loss_is_a_true_likelihood():

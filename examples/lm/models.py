@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from examples.common import trainer
 from fusedattn.ops import SequenceDescriptor
+from fusedattn.ops.enums import SequenceFormat
 from fusedattn.ops.spec import AttentionSpec
 
 
@@ -33,12 +34,25 @@ class Model:
     num_embedding_params: int
 
 
-def sequence_descriptor(attention, segment_ids) -> SequenceDescriptor | None:
-    """The descriptor the attention config asks for: segment ids when packing, else none."""
+def sequence_descriptor(attention, segment_ids, positions) -> SequenceDescriptor | None:
+    """The descriptor the attention config asks for, from packed rows.
+
+    segment_ids, positions: int [b, s] as the data packs them (documents 1, 2, ...
+    one after another from each row's first token, 0 for padding). The
+    "seqlens_offsets" form (per-document lengths and offsets, computed once here
+    for all layers) lets the cudnn backend skip reading the rows token by token.
+    """
     spec = AttentionSpec.from_config(attention)
     if not spec.uses_segments:
         return None
-    return SequenceDescriptor.from_segment_ids_and_pos(segment_ids, segment_ids)
+    if spec.sequence_format == SequenceFormat.SEQLENS_OFFSETS:
+        documents = jnp.arange(1, spec.max_segments_per_seq + 1, dtype=segment_ids.dtype)
+        lengths = jnp.sum(segment_ids[:, :, None] == documents, axis=1, dtype=jnp.int32)
+        offsets = jnp.pad(jnp.cumsum(lengths, axis=1, dtype=jnp.int32), ((0, 0), (1, 0)))
+        lengths = jnp.where(lengths > 0, lengths, -1)
+        return SequenceDescriptor.from_seqlens_and_offsets(lengths, lengths, offsets, offsets)
+    return SequenceDescriptor.from_segment_ids_and_pos(segment_ids, segment_ids, positions,
+                                                       positions)
 
 
 def build(model_config, attention, seed: int) -> Model:
@@ -99,7 +113,7 @@ def _build_nnx(c, attention, seed: int) -> Model:
 
     def apply(named_params, inputs, positions, segment_ids, dropout_key=None):
         m = nnx.merge(graphdef, rebuild(named_params), rest)
-        return m(inputs, positions, sequence_descriptor(attention, segment_ids),
+        return m(inputs, positions, sequence_descriptor(attention, segment_ids, positions),
                  dropout_key if dropout else None)
 
     embedding = trainer.count_params([named["embed"], named["pos_embed"]])
@@ -174,7 +188,7 @@ def _build_equinox(c, attention, seed: int) -> Model:
         if dtype != jnp.float32:   # mixed precision: float32 master weights, compute in dtype
             params = trainer.cast_floating(params, dtype)
         m = eqx.combine(params, static)
-        sequence = sequence_descriptor(attention, segment_ids)
+        sequence = sequence_descriptor(attention, segment_ids, positions)
         keys = (None if not dropout or dropout_key is None
                 else jax.random.split(dropout_key, inputs.shape[0]))
         return jax.vmap(m, in_axes=(0, 0, 0, None if keys is None else 0))(

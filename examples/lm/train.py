@@ -27,7 +27,7 @@ def attention_for_data(config) -> ml_collections.ConfigDict:
         if attention.mask in ("causal", "no_mask"):
             attention.mask = "padding_causal"
         if attention.sequence.format == "none":
-            attention.sequence.format = "segment_ids"
+            attention.sequence.format = "seqlens_offsets"
         attention.sequence.max_segments_per_seq = config.data.max_docs_per_row
         longest = min(config.data.max_doc_len, config.data.seq_len)
         attention.sequence.max_seqlen_q = attention.sequence.max_seqlen_kv = longest
@@ -96,7 +96,8 @@ def make_task(config, verbose: bool = True) -> trainer.Task:
               f"{'on' if c.data.packing else 'off'} ({first['weights'].mean():.0%} of tokens "
               f"real); best possible eval loss {reference['eval_best_loss']:.4f} nats/token")
         print("example: " + lm_data.decode(first["inputs"][0][first["segment_ids"][0] == 1]))
-        sequence = models.sequence_descriptor(attention, first["segment_ids"])
+        sequence = models.sequence_descriptor(attention, first["segment_ids"],
+                                              first["positions"])
         print(ops.explain(models.attention_shapes(c.model, c.data.batch_size, c.data.seq_len),
                           config=attention, sequence=sequence))
     return trainer.Task(

@@ -58,6 +58,7 @@ def fused_attn(qkv, *, config, bias=None, softmax_offset=None, sequence=None,
         bias=bias,
         softmax_offset=_softmax_offset(spec, softmax_offset, shapes.num_heads),
         dropout_seed=dropout_seed,
+        sequence=sequence if spec.uses_segments else None,
     )
     scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(shapes.head_dim_qk)
     out = backend.attention(spec, args, scale)

@@ -19,7 +19,7 @@ kv_len - q_len bottom-right).
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +48,8 @@ class CanonicalArgs(NamedTuple):
     bias: None, [b|1, h|1, sq, skv] for pre/post-scale bias, or [h] ALiBi slopes.
     softmax_offset: None, or float32 [h] (learnable; off_by_one passes zeros).
     dropout_seed: None (no dropout) or uint32 [2], the Philox key.
+    sequence: the caller's SequenceDescriptor (None without padding or packing), for
+      backends that read its lengths and offsets directly instead of `tokens`.
     """
 
     q: jax.Array
@@ -57,6 +59,7 @@ class CanonicalArgs(NamedTuple):
     bias: jax.Array | None = None
     softmax_offset: jax.Array | None = None
     dropout_seed: jax.Array | None = None
+    sequence: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

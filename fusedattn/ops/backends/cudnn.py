@@ -6,26 +6,30 @@ headers are found at install time). libcudnn itself is loaded at run time: the
 libcudnn.so.9 JAX's CUDA plugin already loaded, else the one of the
 nvidia-cudnn wheel. Two XLA FFI calls around a `jax.custom_vjp`:
 
-    fusedattn_cudnn_fwd(q, k, v, bias, seqlen_q, seqlen_kv, rng, sink) -> (o, stats)
-    fusedattn_cudnn_bwd(q, k, v, bias, seqlen_q, seqlen_kv, rng, sink, o, stats, do)
+    fusedattn_cudnn_fwd(q, k, v, bias, seqlen_q, seqlen_kv, offsets, rng, sink) -> (o, stats)
+    fusedattn_cudnn_bwd(q, k, v, bias, seqlen_q, seqlen_kv, offsets, rng, sink, o, stats, do)
         -> (dq, dk, dv, dbias, dsink)
 
 q/k/v are the canonical [b, s, h, d] arrays, read by cuDNN as strided
 [b, h, s, d] views (no transposes); stats is cuDNN's float32 log-sum-exp
-[b, h, sq, 1], saved for the backward. Graphs are built once per static
+[b', h, sq', 1], saved for the backward. Graphs are built once per static
 configuration and device and cached in the library; `supports` builds them
 (forward and backward) at trace time, so a configuration cuDNN cannot run is
 rejected with cuDNN's own reason and "auto" moves on to flash or xla.
 
 What it serves (everything else is rejected by `supports` with the reason):
 
-- layouts that reduce to BSHD (bs3hd, bshd_*, sbhd_*; not THD), bf16/fp16,
-  head dims multiples of 8 up to 128 (256 on Hopper), GQA/MQA;
-- masks no_mask, causal, causal_bottom_right and, with
-  config.sequence.format = "seqlens" (one left-aligned sequence per row, from
-  SequenceDescriptor.from_seqlens), their padding variants; per-row lengths
-  are counted from the token vectors. Query rows with no visible key output
-  zeros and get zero gradients (masked here: cuDNN leaves padded rows unset);
+- every layout (THD through cuDNN's ragged offsets), bf16/fp16, head dims
+  multiples of 8 up to 128 (256 on Hopper), GQA/MQA;
+- all six masks. Padding and packing: cuDNN runs one batch entry per segment
+  slot (config.sequence.max_segments_per_seq per row) with per-slot lengths and,
+  unless the descriptor is the one-sequence-per-row seqlens form, ragged element
+  offsets. The lengths forms of the descriptor give the slots directly; segment
+  ids are paired into slots by id. Declared max_seqlen_q/kv bound cuDNN's work;
+  a row that breaks the configuration (too many segments, a segment over a bound,
+  ...) raises eagerly or reports through checkify, and its outputs are NaN
+  (`base.guard`). Query rows with no visible key output zeros and get zero
+  gradients (masked here: cuDNN leaves them unset);
 - sliding windows (window_size, inclusive, from the mask's diagonal);
 - post-scale bias [b|1, h|1, sq, skv] with its gradient, and pre-scale bias
   as the post-scale bias `bias * scale` (not combined with padding masks);
@@ -39,11 +43,9 @@ What it serves (everything else is rejected by `supports` with the reason):
 - deterministic backward (config.deterministic_backward) through cuDNN's
   deterministic algorithm.
 
-Under jax.vmap (vmap_method="broadcast_all") the mapped axes fold into the
-batch. The dropout seed and the sink offsets are read from the first mapped
-example, so a vmap over different dropout keys draws one mask stream for the
-folded batch (each example's rows still differ) and a vmap over different
-softmax offsets is not supported.
+Under jax.vmap a custom_vmap rule folds the mapped axis into the batch (one
+cuDNN call); a vmap over dropout keys or softmax offsets runs one call per
+example instead, since cuDNN takes one seed and one offset row per call.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ import numpy as np
 from fusedattn.ops import _library
 from fusedattn.ops.backends.base import CallShapes, CanonicalArgs, TokenInfo, guard
 from fusedattn.ops.enums import BiasType, SequenceFormat, SoftmaxType
-from fusedattn.ops.sequence import SegmentRuns, segment_runs
+from fusedattn.ops.sequence import segment_runs
 from fusedattn.ops.spec import AttentionSpec
 
 FWD_TARGET = "fusedattn_cudnn_fwd"
@@ -286,7 +288,7 @@ def _default_scale(spec: AttentionSpec, head_dim: int) -> float:
     return spec.scale if spec.scale is not None else 1.0 / math.sqrt(head_dim)
 
 
-# ---- segments: from per-token vectors to cuDNN's per-slot lengths and offsets --------
+# ---- segments: from the descriptor to cuDNN's per-slot lengths and offsets ----------
 
 class _Segments(NamedTuple):
     """cuDNN's view of a packed or padded call, and what the backend masks around it.
@@ -303,13 +305,59 @@ class _Segments(NamedTuple):
     broken: jax.Array
 
 
-def _segments(static: _Static, tokens: TokenInfo) -> _Segments:
-    """Pairs each row's query and key segments (runs of tokens) into cuDNN's slots.
+def _segments(static: _Static, args: CanonicalArgs) -> _Segments:
+    """The slot table of a call, its per-token masks, and the rows that break it.
 
-    A row is broken when it has more segments than slots, a segment longer than a
-    declared bound, a segment that does not start at position 0, two segments with
-    one id, or (without ragged offsets) a segment that does not start at the row's
-    first token.
+    The lengths (and offsets) forms of the descriptor give the table directly; the
+    segment-ids form is read from the per-token vectors (`_paired_runs`). Either
+    way a row is also broken when a segment exceeds a declared length bound.
+    """
+    b, sq = args.q.shape[:2]
+    skv = args.k.shape[1]
+    sequence = args.sequence
+    if sequence is not None and sequence.format != SequenceFormat.SEGMENT_IDS:
+        table, broken = _declared_slots(static, sequence, sq, skv), jnp.zeros((b,), bool)
+    else:
+        table, broken = _paired_runs(static, args.tokens)
+    _, q_len, _, kv_len = (table[:, i] for i in range(4))
+    if static.max_seqlen_q:
+        broken |= jnp.any(q_len > static.max_seqlen_q, axis=1)
+    if static.max_seqlen_kv:
+        broken |= jnp.any(kv_len > static.max_seqlen_kv, axis=1)
+    q_keys, kv_used = _token_masks(static, table, sq, skv)
+    return _Segments(slots=table, q_keys=q_keys, kv_used=kv_used, broken=broken)
+
+
+def _declared_slots(static: _Static, sequence, seqlen_q: int, seqlen_kv: int) -> jax.Array:
+    """int32 [b, 4, M] straight from the seqlens [b] or seqlens [b, m] + offsets form.
+
+    Slot i of q pairs with slot i of kv. Unused slots (-1) get length 0; a segment
+    is cut at the end of its row, as the per-token reading of the descriptor does.
+    """
+    def slot_starts_and_lengths(seqlens, offsets, extent):
+        if offsets is None:
+            seqlens = seqlens[:, None]
+            starts = jnp.zeros_like(seqlens)
+        else:
+            starts = offsets[:, :-1]
+        used = (seqlens > 0) & (starts >= 0) & (starts < extent)
+        starts = jnp.where(used, starts, 0)
+        lengths = jnp.where(used, jnp.minimum(seqlens, extent - starts), 0)
+        missing = static.batch_per_row - lengths.shape[1]
+        return (jnp.pad(x, ((0, 0), (0, missing))) for x in (starts, lengths))
+
+    q_start, q_len = slot_starts_and_lengths(sequence.q_seqlens, sequence.q_offsets, seqlen_q)
+    kv_start, kv_len = slot_starts_and_lengths(sequence.kv_seqlens, sequence.kv_offsets,
+                                               seqlen_kv)
+    return jnp.stack([q_start, q_len, kv_start, kv_len], axis=1).astype(jnp.int32)
+
+
+def _paired_runs(static: _Static, tokens: TokenInfo) -> tuple[jax.Array, jax.Array]:
+    """The slot table [b, 4, M] of per-token segment ids, pairing q and kv runs by id.
+
+    Also returns bool [b], the rows with more segments than slots, a segment that
+    does not start at position 0, two segments with one id, or (without ragged
+    offsets) a segment that does not start at the row's first token.
     """
     slots = static.segments
     q = segment_runs(tokens.q_seg, tokens.q_pos, slots)
@@ -326,37 +374,30 @@ def _segments(static: _Static, tokens: TokenInfo) -> _Segments:
               | jnp.any(q.first_pos != 0, axis=1) | jnp.any(kv.first_pos != 0, axis=1))
     if not static.ragged:
         broken |= jnp.any(q.start != 0, axis=1) | jnp.any(kv.start != 0, axis=1)
-    if static.max_seqlen_q:
-        broken |= jnp.any(q.length > static.max_seqlen_q, axis=1)
-    if static.max_seqlen_kv:
-        broken |= jnp.any(kv.length > static.max_seqlen_kv, axis=1)
-    q_keys = _has_keys(static, q, kv_len)
-    paired = jnp.any(pair, axis=1)  # [b, slots]: kv run i is some query segment's partner
-    kv_used = (kv.slot >= 0) & jnp.take_along_axis(
-        jnp.pad(paired, ((0, 0), (0, 1))), jnp.where(kv.slot >= 0, jnp.minimum(kv.slot, slots), slots),
-        axis=1)
-    return _Segments(slots=jnp.stack([q.start, q.length, kv_start, kv_len], axis=1),
-                     q_keys=q_keys, kv_used=kv_used, broken=broken)
+    return jnp.stack([q.start, q.length, kv_start, kv_len], axis=1), broken
 
 
-def _has_keys(static: _Static, q: SegmentRuns, kv_len: jax.Array) -> jax.Array:
-    """bool [b, sq]: the query token sees at least one key of its paired segment."""
-    slots = q.start.shape[1]
-    table = jnp.where((q.slot >= 0) & (q.slot < slots), q.slot, 0)
+def _token_masks(static: _Static, table: jax.Array, seqlen_q: int, seqlen_kv: int):
+    """(q_keys bool [b, sq], kv_used bool [b, skv]) of a slot table [b, 4, M].
 
-    def per_token(per_slot):
-        return jnp.take_along_axis(per_slot, table, axis=1)
-
-    position = jnp.arange(q.slot.shape[1], dtype=jnp.int32)[None, :] - per_token(q.start)
-    keys = per_token(kv_len)
-    diagonal = position + (keys - per_token(q.length) if static.bottom_right else 0)
-    high = keys - 1
+    q_keys: the query lies in a slot and sees at least one of its slot's keys
+    under the mask and window; kv_used: the key lies in some slot's kv range.
+    """
+    q_start, q_len, kv_start, kv_len = (table[:, i, None, :] for i in range(4))  # [b, 1, M]
+    token = jnp.arange(seqlen_q, dtype=jnp.int32)[None, :, None]
+    position = token - q_start
+    inside = (position >= 0) & (position < q_len)
+    diagonal = position + (kv_len - q_len if static.bottom_right else 0)
+    high = kv_len - 1
     if static.causal:
         high = jnp.minimum(high, diagonal)
     elif static.window_right >= 0:
         high = jnp.minimum(high, diagonal + static.window_right)
     low = jnp.maximum(diagonal - static.window_left, 0) if static.window_left >= 0 else 0
-    return (q.slot >= 0) & (q.slot < slots) & (low <= high)
+    q_keys = jnp.any(inside & (low <= high), axis=-1)
+    key = jnp.arange(seqlen_kv, dtype=jnp.int32)[None, :, None]
+    kv_used = jnp.any((key >= kv_start) & (key < kv_start + kv_len), axis=-1)
+    return q_keys, kv_used
 
 
 def _lengths_and_offsets(static: _Static, slots, q_shape, k_shape, v_shape):
@@ -616,7 +657,7 @@ class CudnnBackend:
         static = _static(spec, scale, dropout, has_bias, q.shape[1], k.shape[1])
         segments = None
         if static.segments:
-            segments = _segments(static, args.tokens)
+            segments = _segments(static, args)
             guard(segments.broken, _guard_message(spec, static))
         return _cudnn(static, q, k, v, bias, rng, sink, segments)
 
