@@ -1,17 +1,11 @@
-// fusedattn_dropout_mask for platform "CUDA": the device build of the shared
-// Philox dropout (fusedattn/philox.h). Same contract as the host handler:
-//
-// operand: seed U32 [..., 2] (leading product L dividing the batch B)
-// result:  keep PRED [..., H, Sq, Skv] (B = product of the leading dims)
-// attribute: dropout_rate f64
-//
-// fusedattn_philox (also for tests): the raw Philox4x32-10 words.
-// operands: counters U32 [..., 4], keys U32 [..., 2]; result U32 [..., 4]
-#include <cuda_runtime.h>
-
+// fusedattn_dropout_mask and fusedattn_philox for platform "CUDA": the device
+// build of the shared Philox dropout (fusedattn/philox.h). Contract:
+// fusedattn/dropout_mask_ffi.h.
+#include <algorithm>
 #include <cstdint>
-#include <string>
 
+#include "fusedattn/gpu_runtime.h"  // first: the HIP runtime declares the device intrinsics
+#include "fusedattn/dropout_mask_ffi.h"
 #include "fusedattn/ffi_args.h"
 #include "fusedattn/layout.h"
 #include "fusedattn/philox.h"
@@ -21,6 +15,13 @@ namespace fusedattn {
 namespace {
 
 namespace ffi = xla::ffi;
+
+// Both kernels loop over their work in grid strides, so a capped grid serves any size.
+constexpr int kThreads = 256;
+
+unsigned grid_stride_blocks(int64_t work) {
+  return static_cast<unsigned>(std::min<int64_t>((work + kThreads - 1) / kThreads, 65535));
+}
 
 // One thread per group of four keys (one Philox call) of one row (b, h, i).
 __global__ void dropout_mask_kernel(const uint32_t* seed, bool* keep, int64_t batch, int64_t seed_rows,
@@ -43,35 +44,17 @@ __global__ void dropout_mask_kernel(const uint32_t* seed, bool* keep, int64_t ba
   }
 }
 
-ffi::Error DropoutMaskCudaImpl(cudaStream_t stream, ffi::AnyBuffer seed, ffi::Result<ffi::AnyBuffer> keep,
+ffi::Error DropoutMaskCudaImpl(gpuStream_t stream, ffi::AnyBuffer seed, ffi::Result<ffi::AnyBuffer> keep,
                                double dropout_rate) {
-  constexpr const char* kOp = "fusedattn_dropout_mask (CUDA)";
-  if (keep->element_type() != ffi::DataType::PRED) {
-    return invalid(kOp, std::string("the result must be bool, got ") + dtype_name(keep->element_type()));
-  }
-  const auto dims = keep->dimensions();
-  if (dims.size() < 3) return invalid(kOp, "the result must have shape [..., H, Sq, Skv], got " + dims_string(dims));
-  const size_t r = dims.size();
-  const int64_t batch = product(leading_dims(dims, 3));
-  const int64_t heads = dims[r - 3], sq = dims[r - 2], skv = dims[r - 1];
-  int64_t seed_rows = 0;
-  if (auto e = check_rows(kOp, "seed", seed, ffi::DataType::U32, {2}, &seed_rows); e.failure()) return e;
-  if (auto e = check_divides(kOp, "seed", seed_rows, batch); e.failure()) return e;
-  if (!(dropout_rate >= 0.0 && dropout_rate < 1.0)) {
-    return invalid(kOp, "dropout_rate must be in [0, 1), got " + std::to_string(dropout_rate));
-  }
-  const int64_t total = batch * heads * sq * ((skv + 3) / 4);
+  constexpr const char* kOp = "fusedattn_dropout_mask (" FA_FFI_PLATFORM ")";
+  DropoutMaskShape s;
+  if (auto e = parse_dropout_mask_call(kOp, seed, *keep, dropout_rate, &s); e.failure()) return e;
+  const int64_t total = s.batch * s.heads * s.sq * ((s.skv + 3) / 4);
   if (total == 0) return ffi::Error::Success();
-  const int threads = 256;
-  const int64_t blocks = std::min<int64_t>((total + threads - 1) / threads, 65535);
-  dropout_mask_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
-      seed.typed_data<uint32_t>(), keep->typed_data<bool>(), batch, seed_rows, heads, sq, skv,
+  dropout_mask_kernel<<<grid_stride_blocks(total), kThreads, 0, stream>>>(
+      seed.typed_data<uint32_t>(), keep->typed_data<bool>(), s.batch, s.seed_rows, s.heads, s.sq, s.skv,
       dropout_threshold(dropout_rate));
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    return ffi::Error::Internal(std::string(kOp) + ": kernel launch failed: " + cudaGetErrorString(err));
-  }
-  return ffi::Error::Success();
+  return launch_status(kOp);
 }
 
 __global__ void philox_kernel(const uint32_t* c, const uint32_t* k, uint32_t* out, int64_t n) {
@@ -82,28 +65,15 @@ __global__ void philox_kernel(const uint32_t* c, const uint32_t* k, uint32_t* ou
   }
 }
 
-ffi::Error PhiloxCudaImpl(cudaStream_t stream, ffi::AnyBuffer counters, ffi::AnyBuffer keys,
+ffi::Error PhiloxCudaImpl(gpuStream_t stream, ffi::AnyBuffer counters, ffi::AnyBuffer keys,
                           ffi::Result<ffi::AnyBuffer> words) {
-  constexpr const char* kOp = "fusedattn_philox (CUDA)";
-  int64_t n = 0, n_keys = 0;
-  if (auto e = check_rows(kOp, "counters", counters, ffi::DataType::U32, {4}, &n); e.failure()) return e;
-  if (auto e = check_rows(kOp, "keys", keys, ffi::DataType::U32, {2}, &n_keys); e.failure()) return e;
-  if (n_keys != n) return invalid(kOp, "counters and keys must have the same leading dims");
-  if (auto e = check_exact(kOp, "the result", words->element_type(), words->dimensions(), ffi::DataType::U32,
-                           concat(leading_dims(counters.dimensions(), 1), {4}));
-      e.failure()) {
-    return e;
-  }
+  constexpr const char* kOp = "fusedattn_philox (" FA_FFI_PLATFORM ")";
+  int64_t n = 0;
+  if (auto e = parse_philox_call(kOp, counters, keys, *words, &n); e.failure()) return e;
   if (n == 0) return ffi::Error::Success();
-  const int threads = 256;
-  const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 65535);
-  philox_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+  philox_kernel<<<grid_stride_blocks(n), kThreads, 0, stream>>>(
       counters.typed_data<uint32_t>(), keys.typed_data<uint32_t>(), words->typed_data<uint32_t>(), n);
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    return ffi::Error::Internal(std::string(kOp) + ": kernel launch failed: " + cudaGetErrorString(err));
-  }
-  return ffi::Error::Success();
+  return launch_status(kOp);
 }
 
 }  // namespace
@@ -111,16 +81,10 @@ ffi::Error PhiloxCudaImpl(cudaStream_t stream, ffi::AnyBuffer counters, ffi::Any
 
 FA_FFI_EXPORT(FusedattnDropoutMaskCuda);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnDropoutMaskCuda, fusedattn::DropoutMaskCudaImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // seed
-                                  .Ret<xla::ffi::AnyBuffer>()  // keep
-                                  .Attr<double>("dropout_rate"));
+                              fusedattn::bind_dropout_mask(
+                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<gpuStream_t>>()));
 
 FA_FFI_EXPORT(FusedattnPhiloxCuda);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnPhiloxCuda, fusedattn::PhiloxCudaImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // counters
-                                  .Arg<xla::ffi::AnyBuffer>()  // keys
-                                  .Ret<xla::ffi::AnyBuffer>());  // words
+                              fusedattn::bind_philox(
+                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<gpuStream_t>>()));

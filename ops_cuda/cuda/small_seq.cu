@@ -32,12 +32,6 @@ namespace {
 
 namespace ffi = xla::ffi;
 
-#if defined(__HIPCC__)
-#define FA_FFI_PLATFORM "ROCM"
-#else
-#define FA_FFI_PLATFORM "CUDA"
-#endif
-
 // ---- 16-byte vectors of elements -------------------------------------------
 
 template <ElementType ET>
@@ -523,7 +517,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks)
 
 // Calls f(element type, head dim, key bound, dropout) as compile-time constants.
 template <typename F>
-bool dispatch(ElementType et, int64_t head_dim, int64_t max_keys, bool dropout, F&& f) {
+bool dispatch(ffi::DataType dtype, int64_t head_dim, int64_t max_keys, bool dropout, F&& f) {
   auto with_dropout = [&](auto et_tag, auto d_tag, auto n_tag) {
     if (dropout) return f(et_tag, d_tag, n_tag, std::true_type{});
     return f(et_tag, d_tag, n_tag, std::false_type{});
@@ -543,20 +537,7 @@ bool dispatch(ElementType et, int64_t head_dim, int64_t max_keys, bool dropout, 
       default: return false;
     }
   };
-  switch (et) {
-    case ElementType::kF32: return with_dim(std::integral_constant<ElementType, ElementType::kF32>{});
-    case ElementType::kBF16: return with_dim(std::integral_constant<ElementType, ElementType::kBF16>{});
-    case ElementType::kF16: return with_dim(std::integral_constant<ElementType, ElementType::kF16>{});
-  }
-  return false;
-}
-
-ffi::Error launch_status(const char* op) {
-  const gpuError_t err = gpuGetLastError();
-  if (err != gpuSuccess) {
-    return ffi::Error::Internal(std::string(op) + ": kernel launch failed: " + gpuGetErrorString(err));
-  }
-  return ffi::Error::Success();
+  return with_element_type(dtype, with_dim);
 }
 
 ffi::Error unsupported_head_dim(const char* op, int64_t d) {
@@ -579,15 +560,13 @@ ffi::Error SmallSeqFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
   }
   const int64_t blocks = blocks_for(p, kForwardThreads);
   if (blocks == 0) return ffi::Error::Success();
-  const bool known = dispatch(element_type_of(q.element_type()), p.head_dim, p.max_keys, p.dropout,
+  const bool known = dispatch(q.element_type(), p.head_dim, p.max_keys, p.dropout,
                               [&](auto et, auto d, auto n, auto dropout) {
     constexpr ElementType kET = decltype(et)::value;
-    using Storage = typename Element<kET>::Storage;
     small_seq_forward<kET, decltype(d)::value, decltype(n)::value, decltype(dropout)::value>
-        <<<blocks, kForwardThreads, 0, stream>>>(
-            p, static_cast<const Storage*>(q.untyped_data()), static_cast<const Storage*>(k.untyped_data()),
-            static_cast<const Storage*>(v.untyped_data()), kv_start.typed_data<int32_t>(),
-            kv_len.typed_data<int32_t>(), seed.typed_data<uint32_t>(), static_cast<Storage*>(o->untyped_data()));
+        <<<blocks, kForwardThreads, 0, stream>>>(p, elements<kET>(q), elements<kET>(k), elements<kET>(v),
+                                                 kv_start.typed_data<int32_t>(), kv_len.typed_data<int32_t>(),
+                                                 seed.typed_data<uint32_t>(), elements<kET>(o));
   });
   if (!known) return unsupported_head_dim(kOp, p.head_dim);
   return launch_status(kOp);
@@ -620,17 +599,14 @@ ffi::Error SmallSeqBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
   }
   const int64_t blocks = blocks_for(p, kBackwardThreads);
   if (blocks == 0) return ffi::Error::Success();
-  const bool known = dispatch(element_type_of(q.element_type()), p.head_dim, p.max_keys, p.dropout,
+  const bool known = dispatch(q.element_type(), p.head_dim, p.max_keys, p.dropout,
                               [&](auto et, auto d, auto n, auto dropout) {
     constexpr ElementType kET = decltype(et)::value;
-    using Storage = typename Element<kET>::Storage;
     small_seq_backward<kET, decltype(d)::value, decltype(n)::value, decltype(dropout)::value>
         <<<blocks, kBackwardThreads, shared_bytes, stream>>>(
-            p, static_cast<const Storage*>(q.untyped_data()), static_cast<const Storage*>(k.untyped_data()),
-            static_cast<const Storage*>(v.untyped_data()), kv_start.typed_data<int32_t>(),
-            kv_len.typed_data<int32_t>(), seed.typed_data<uint32_t>(), static_cast<const Storage*>(o.untyped_data()),
-            static_cast<const Storage*>(dout.untyped_data()), static_cast<Storage*>(dq->untyped_data()),
-            static_cast<Storage*>(dk->untyped_data()), static_cast<Storage*>(dv->untyped_data()));
+            p, elements<kET>(q), elements<kET>(k), elements<kET>(v), kv_start.typed_data<int32_t>(),
+            kv_len.typed_data<int32_t>(), seed.typed_data<uint32_t>(), elements<kET>(o), elements<kET>(dout),
+            elements<kET>(dq), elements<kET>(dk), elements<kET>(dv));
   });
   if (!known) return unsupported_head_dim(kOp, p.head_dim);
   return launch_status(kOp);
@@ -640,33 +616,9 @@ ffi::Error SmallSeqBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
 }  // namespace fusedattn
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnSmallSeqFwdGpu, fusedattn::SmallSeqFwdImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<gpuStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // q
-                                  .Arg<xla::ffi::AnyBuffer>()  // k
-                                  .Arg<xla::ffi::AnyBuffer>()  // v
-                                  .Arg<xla::ffi::AnyBuffer>()  // kv_start
-                                  .Arg<xla::ffi::AnyBuffer>()  // kv_len
-                                  .Arg<xla::ffi::AnyBuffer>()  // seed
-                                  .Ret<xla::ffi::AnyBuffer>()  // o
-                                  .Attr<float>("scale")
-                                  .Attr<double>("dropout_rate")
-                                  .Attr<int64_t>("max_keys"));
+                              fusedattn::bind_small_seq<fusedattn::Pass::kForward>(
+                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<gpuStream_t>>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnSmallSeqBwdGpu, fusedattn::SmallSeqBwdImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<gpuStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // q
-                                  .Arg<xla::ffi::AnyBuffer>()  // k
-                                  .Arg<xla::ffi::AnyBuffer>()  // v
-                                  .Arg<xla::ffi::AnyBuffer>()  // kv_start
-                                  .Arg<xla::ffi::AnyBuffer>()  // kv_len
-                                  .Arg<xla::ffi::AnyBuffer>()  // seed
-                                  .Arg<xla::ffi::AnyBuffer>()  // o
-                                  .Arg<xla::ffi::AnyBuffer>()  // do
-                                  .Ret<xla::ffi::AnyBuffer>()  // dq
-                                  .Ret<xla::ffi::AnyBuffer>()  // dk
-                                  .Ret<xla::ffi::AnyBuffer>()  // dv
-                                  .Attr<float>("scale")
-                                  .Attr<double>("dropout_rate")
-                                  .Attr<int64_t>("max_keys"));
+                              fusedattn::bind_small_seq<fusedattn::Pass::kBackward>(
+                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<gpuStream_t>>()));

@@ -43,6 +43,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -284,21 +285,28 @@ std::shared_ptr<fe::graph::Graph> new_graph(const Params& p) {
   return g;
 }
 
+// The q, k and v operands of a graph, created in that order.
+std::array<Tensor, 3> qkv_tensors(fe::graph::Graph& g, const Params& p, const RaggedOffsets& offsets) {
+  return {bshd(g, "q", kQ, p, offsets.q, p.h, p.seg_sq, p.d), bshd(g, "k", kK, p, offsets.k, p.hkv, p.seg_skv, p.d),
+          bshd(g, "v", kV, p, offsets.v, p.hkv, p.seg_skv, p.dv)};
+}
+
+std::vector<int64_t> stats_dims(const Params& p) { return {cudnn_batch(p), p.h, p.seg_sq, 1}; }
+std::vector<int64_t> stats_strides(const Params& p) { return {p.h * p.seg_sq, p.seg_sq, 1, 1}; }
+
 Tensor stats_tensor(fe::graph::Graph& g, const Params& p) {
   return g.tensor(fe::graph::Tensor_attributes()
                       .set_name("stats")
                       .set_uid(kStats)
-                      .set_dim({cudnn_batch(p), p.h, p.seg_sq, 1})
-                      .set_stride({p.h * p.seg_sq, p.seg_sq, 1, 1})
+                      .set_dim(stats_dims(p))
+                      .set_stride(stats_strides(p))
                       .set_data_type(fe::DataType_t::FLOAT));
 }
 
 std::shared_ptr<fe::graph::Graph> forward_graph(const Params& p) {
   auto g = new_graph(p);
   const RaggedOffsets offsets = ragged_offsets(*g, p);
-  auto q = bshd(*g, "q", kQ, p, offsets.q, p.h, p.seg_sq, p.d);
-  auto k = bshd(*g, "k", kK, p, offsets.k, p.hkv, p.seg_skv, p.d);
-  auto v = bshd(*g, "v", kV, p, offsets.v, p.hkv, p.seg_skv, p.dv);
+  auto [q, k, v] = qkv_tensors(*g, p, offsets);
   fe::graph::SDPA_attributes a;
   a.set_name("fusedattn_sdpa").set_generate_stats(true);
   set_common(*g, a, p);
@@ -307,17 +315,15 @@ std::shared_ptr<fe::graph::Graph> forward_graph(const Params& p) {
   stats->set_output(true)
       .set_uid(kStats)
       .set_data_type(fe::DataType_t::FLOAT)
-      .set_dim({cudnn_batch(p), p.h, p.seg_sq, 1})
-      .set_stride({p.h * p.seg_sq, p.seg_sq, 1, 1});
+      .set_dim(stats_dims(p))
+      .set_stride(stats_strides(p));
   return g;
 }
 
 std::shared_ptr<fe::graph::Graph> backward_graph(const Params& p) {
   auto g = new_graph(p);
   const RaggedOffsets offsets = ragged_offsets(*g, p);
-  auto q = bshd(*g, "q", kQ, p, offsets.q, p.h, p.seg_sq, p.d);
-  auto k = bshd(*g, "k", kK, p, offsets.k, p.hkv, p.seg_skv, p.d);
-  auto v = bshd(*g, "v", kV, p, offsets.v, p.hkv, p.seg_skv, p.dv);
+  auto [q, k, v] = qkv_tensors(*g, p, offsets);
   auto o = bshd(*g, "o", kO, p, offsets.o, p.h, p.seg_sq, p.dv);
   auto d_o = bshd(*g, "do", kDO, p, offsets.o, p.h, p.seg_sq, p.dv);
   auto stats = stats_tensor(*g, p);
@@ -470,6 +476,7 @@ std::string dims_string(ffi::AnyBuffer::Dimensions dims) {
   return s + "]";
 }
 
+// The handlers' attributes, decoded by name into this struct (the registration by the bindings below).
 struct Attrs {
   float scale;
   float dropout_rate;
@@ -636,12 +643,7 @@ ffi::Error execute(const char* op, const Params& p, bool backward, cudaStream_t 
 ffi::Error ForwardImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
                        ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias, ffi::AnyBuffer seqlen_q,
                        ffi::AnyBuffer seqlen_kv, ffi::AnyBuffer offsets, ffi::AnyBuffer rng, ffi::AnyBuffer sink,
-                       ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> stats, float scale,
-                       float dropout_rate, bool causal, bool bottom_right, int64_t window_left,
-                       int64_t window_right, int64_t segments, bool ragged, int64_t max_seqlen_q,
-                       int64_t max_seqlen_kv, bool has_bias, bool has_sink, bool deterministic) {
-  const Attrs at{scale,    dropout_rate, causal,        bottom_right, window_left, window_right, segments,
-                 ragged,   max_seqlen_q, max_seqlen_kv, has_bias,     has_sink,    deterministic};
+                       ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> stats, const Attrs& at) {
   const Inputs in{q, k, v, bias, seqlen_q, seqlen_kv, offsets, rng, sink};
   Params p;
   if (auto e = parse(kFwd, in, at, &p); e.failure()) return e;
@@ -663,12 +665,7 @@ ffi::Error BackwardImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocat
                         ffi::AnyBuffer seqlen_kv, ffi::AnyBuffer offsets, ffi::AnyBuffer rng, ffi::AnyBuffer sink,
                         ffi::AnyBuffer o, ffi::AnyBuffer stats, ffi::AnyBuffer d_o, ffi::Result<ffi::AnyBuffer> dq,
                         ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                        ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> dsink, float scale,
-                        float dropout_rate, bool causal, bool bottom_right, int64_t window_left,
-                        int64_t window_right, int64_t segments, bool ragged, int64_t max_seqlen_q,
-                        int64_t max_seqlen_kv, bool has_bias, bool has_sink, bool deterministic) {
-  const Attrs at{scale,    dropout_rate, causal,        bottom_right, window_left, window_right, segments,
-                 ragged,   max_seqlen_q, max_seqlen_kv, has_bias,     has_sink,    deterministic};
+                        ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> dsink, const Attrs& at) {
   const Inputs in{q, k, v, bias, seqlen_q, seqlen_kv, offsets, rng, sink};
   Params p;
   if (auto e = parse(kBwd, in, at, &p); e.failure()) return e;
@@ -758,7 +755,7 @@ FA_CUDNN_EXPORT int64_t FusedattnCudnnCheck(const int64_t* params, int64_t n, fl
   return 0;
 }
 
-// The operands both directions share, in order, then the attributes.
+// The operands both directions share, in order.
 #define FA_CUDNN_INPUTS(binding)                     \
   binding.Ctx<xla::ffi::PlatformStream<cudaStream_t>>() \
       .Ctx<xla::ffi::DeviceOrdinal>()                \
@@ -773,35 +770,31 @@ FA_CUDNN_EXPORT int64_t FusedattnCudnnCheck(const int64_t* params, int64_t n, fl
       .Arg<xla::ffi::AnyBuffer>() /* rng */          \
       .Arg<xla::ffi::AnyBuffer>() /* sink */
 
-#define FA_CUDNN_ATTRS(binding)            \
-  binding.Attr<float>("scale")             \
-      .Attr<float>("dropout_rate")         \
-      .Attr<bool>("causal")                \
-      .Attr<bool>("bottom_right")          \
-      .Attr<int64_t>("window_left")        \
-      .Attr<int64_t>("window_right")       \
-      .Attr<int64_t>("segments")           \
-      .Attr<bool>("ragged")                \
-      .Attr<int64_t>("max_seqlen_q")       \
-      .Attr<int64_t>("max_seqlen_kv")      \
-      .Attr<bool>("has_bias")              \
-      .Attr<bool>("has_sink")              \
-      .Attr<bool>("deterministic")
+// The attributes both directions share, in Attrs's member order.
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(fusedattn_cudnn::Attrs, StructMember<float>("scale"),
+                                      StructMember<float>("dropout_rate"), StructMember<bool>("causal"),
+                                      StructMember<bool>("bottom_right"), StructMember<int64_t>("window_left"),
+                                      StructMember<int64_t>("window_right"), StructMember<int64_t>("segments"),
+                                      StructMember<bool>("ragged"), StructMember<int64_t>("max_seqlen_q"),
+                                      StructMember<int64_t>("max_seqlen_kv"), StructMember<bool>("has_bias"),
+                                      StructMember<bool>("has_sink"), StructMember<bool>("deterministic"));
 
 FA_CUDNN_EXPORT XLA_FFI_Error* FusedattnCudnnFwd(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnCudnnFwd, fusedattn_cudnn::ForwardImpl,
-                              FA_CUDNN_ATTRS(FA_CUDNN_INPUTS(xla::ffi::Ffi::Bind())
-                                                 .Ret<xla::ffi::AnyBuffer>()    // o
-                                                 .Ret<xla::ffi::AnyBuffer>()));  // stats
+                              FA_CUDNN_INPUTS(xla::ffi::Ffi::Bind())
+                                  .Ret<xla::ffi::AnyBuffer>()  // o
+                                  .Ret<xla::ffi::AnyBuffer>()  // stats
+                                  .Attrs<fusedattn_cudnn::Attrs>());
 
 FA_CUDNN_EXPORT XLA_FFI_Error* FusedattnCudnnBwd(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnCudnnBwd, fusedattn_cudnn::BackwardImpl,
-                              FA_CUDNN_ATTRS(FA_CUDNN_INPUTS(xla::ffi::Ffi::Bind())
-                                                 .Arg<xla::ffi::AnyBuffer>()    // o
-                                                 .Arg<xla::ffi::AnyBuffer>()    // stats
-                                                 .Arg<xla::ffi::AnyBuffer>()    // do
-                                                 .Ret<xla::ffi::AnyBuffer>()    // dq
-                                                 .Ret<xla::ffi::AnyBuffer>()    // dk
-                                                 .Ret<xla::ffi::AnyBuffer>()    // dv
-                                                 .Ret<xla::ffi::AnyBuffer>()    // dbias
-                                                 .Ret<xla::ffi::AnyBuffer>()));  // dsink
+                              FA_CUDNN_INPUTS(xla::ffi::Ffi::Bind())
+                                  .Arg<xla::ffi::AnyBuffer>()  // o
+                                  .Arg<xla::ffi::AnyBuffer>()  // stats
+                                  .Arg<xla::ffi::AnyBuffer>()  // do
+                                  .Ret<xla::ffi::AnyBuffer>()  // dq
+                                  .Ret<xla::ffi::AnyBuffer>()  // dk
+                                  .Ret<xla::ffi::AnyBuffer>()  // dv
+                                  .Ret<xla::ffi::AnyBuffer>()  // dbias
+                                  .Ret<xla::ffi::AnyBuffer>()  // dsink
+                                  .Attrs<fusedattn_cudnn::Attrs>());

@@ -119,29 +119,43 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return acc;
 }
 
+// The operands both directions read.
 template <ElementType ET>
-struct FwdArgs {
+struct Inputs {
   const Store<ET>* q;
   const Store<ET>* k;
   const Store<ET>* v;
   Tokens tokens;
   const float* offset;
   const uint32_t* seed;
+};
+
+// Runs fn(b, g, c, kf, vf) for every group (batch row b, k/v head g) on the
+// pool: c is row b's context, kf and vf the group's K [Skv, D] and V [Skv, Dv]
+// as floats.
+template <ElementType ET, typename Fn>
+void for_each_kv_group(const AttentionParams& p, const Inputs<ET>& a, int64_t work, Fn fn) {
+  parallel_for(p.batch * p.kv_heads, work, [&](int64_t group) {
+    const int64_t b = group / p.kv_heads, g = group % p.kv_heads;
+    const RowContext c = row_context(p, a.tokens, a.offset, a.seed, b);
+    std::vector<float> kf(p.seqlen_kv * p.head_dim), vf(p.seqlen_kv * p.head_dim_v);
+    load_slice<ET>(a.k, b, g, p.seqlen_kv, p.kv_heads, p.head_dim, kf.data());
+    load_slice<ET>(a.v, b, g, p.seqlen_kv, p.kv_heads, p.head_dim_v, vf.data());
+    fn(b, g, c, kf, vf);
+  });
+}
+
+template <ElementType ET>
+struct FwdArgs : Inputs<ET> {
   Store<ET>* o;
   float* lse;
 };
 
 template <ElementType ET>
 void forward(const AttentionParams& p, const FwdArgs<ET>& a) {
-  const int64_t groups = p.batch * p.kv_heads;
   const int64_t group_size = p.heads / p.kv_heads;
   const int64_t work = p.batch * p.heads * p.seqlen_q * p.seqlen_kv * (p.head_dim + p.head_dim_v);
-  parallel_for(groups, work, [&](int64_t group) {
-    const int64_t b = group / p.kv_heads, g = group % p.kv_heads;
-    const RowContext c = row_context(p, a.tokens, a.offset, a.seed, b);
-    std::vector<float> kf(p.seqlen_kv * p.head_dim), vf(p.seqlen_kv * p.head_dim_v);
-    load_slice<ET>(a.k, b, g, p.seqlen_kv, p.kv_heads, p.head_dim, kf.data());
-    load_slice<ET>(a.v, b, g, p.seqlen_kv, p.kv_heads, p.head_dim_v, vf.data());
+  for_each_kv_group(p, a, work, [&](int64_t b, int64_t g, const RowContext& c, const auto& kf, const auto& vf) {
     std::vector<float> qf(p.head_dim), s(p.seqlen_kv), acc(p.head_dim_v);
     std::vector<char> vis(p.seqlen_kv);
     DropoutRow drop;
@@ -186,13 +200,7 @@ void forward(const AttentionParams& p, const FwdArgs<ET>& a) {
 }
 
 template <ElementType ET>
-struct BwdArgs {
-  const Store<ET>* q;
-  const Store<ET>* k;
-  const Store<ET>* v;
-  Tokens tokens;
-  const float* offset;
-  const uint32_t* seed;
+struct BwdArgs : Inputs<ET> {
   const Store<ET>* o;
   const float* lse;
   const Store<ET>* dout;
@@ -204,16 +212,10 @@ struct BwdArgs {
 
 template <ElementType ET>
 void backward(const AttentionParams& p, const BwdArgs<ET>& a) {
-  const int64_t groups = p.batch * p.kv_heads;
   const int64_t group_size = p.heads / p.kv_heads;
   const int64_t work = 2 * p.batch * p.heads * p.seqlen_q * p.seqlen_kv * (p.head_dim + p.head_dim_v);
-  parallel_for(groups, work, [&](int64_t group) {
-    const int64_t b = group / p.kv_heads, g = group % p.kv_heads;
-    const RowContext c = row_context(p, a.tokens, a.offset, a.seed, b);
+  for_each_kv_group(p, a, work, [&](int64_t b, int64_t g, const RowContext& c, const auto& kf, const auto& vf) {
     const int64_t D = p.head_dim, Dv = p.head_dim_v;
-    std::vector<float> kf(p.seqlen_kv * D), vf(p.seqlen_kv * Dv);
-    load_slice<ET>(a.k, b, g, p.seqlen_kv, p.kv_heads, D, kf.data());
-    load_slice<ET>(a.v, b, g, p.seqlen_kv, p.kv_heads, Dv, vf.data());
     std::vector<float> dk_acc(p.seqlen_kv * D, 0.0f), dv_acc(p.seqlen_kv * Dv, 0.0f);
     std::vector<float> qf(D), dof(Dv), dq_acc(D);
     DropoutRow drop;
@@ -271,20 +273,15 @@ void backward(const AttentionParams& p, const BwdArgs<ET>& a) {
   });
 }
 
-Tokens tokens_of(const ffi::AnyBuffer& q_seg, const ffi::AnyBuffer& q_pos, const ffi::AnyBuffer& q_diag,
-                 const ffi::AnyBuffer& kv_seg, const ffi::AnyBuffer& kv_pos) {
-  return Tokens{q_seg.typed_data<int32_t>(), q_pos.typed_data<int32_t>(), q_diag.typed_data<int32_t>(),
-                kv_seg.typed_data<int32_t>(), kv_pos.typed_data<int32_t>()};
-}
-
 template <ElementType ET>
-const Store<ET>* in(const ffi::AnyBuffer& x) {
-  return reinterpret_cast<const Store<ET>*>(x.untyped_data());
-}
-
-template <ElementType ET>
-Store<ET>* out(ffi::Result<ffi::AnyBuffer>& x) {
-  return reinterpret_cast<Store<ET>*>(x->untyped_data());
+Inputs<ET> inputs_of(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                     const ffi::AnyBuffer& q_seg, const ffi::AnyBuffer& q_pos, const ffi::AnyBuffer& q_diag,
+                     const ffi::AnyBuffer& kv_seg, const ffi::AnyBuffer& kv_pos, const ffi::AnyBuffer& softmax_offset,
+                     const ffi::AnyBuffer& seed) {
+  const Tokens tokens{q_seg.typed_data<int32_t>(), q_pos.typed_data<int32_t>(), q_diag.typed_data<int32_t>(),
+                      kv_seg.typed_data<int32_t>(), kv_pos.typed_data<int32_t>()};
+  return {elements<ET>(q), elements<ET>(k), elements<ET>(v), tokens, softmax_offset.typed_data<float>(),
+          seed.typed_data<uint32_t>()};
 }
 
 ffi::Error FlashFwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer q_seg,
@@ -311,34 +308,12 @@ ffi::Error FlashFwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
     return e;
   }
   if (p.batch == 0 || p.heads == 0 || p.seqlen_q == 0) return ffi::Error::Success();
-  const Tokens t = tokens_of(q_seg, q_pos, q_diag, kv_seg, kv_pos);
-  const float* off = softmax_offset.typed_data<float>();
-  const uint32_t* sd = seed.typed_data<uint32_t>();
-  float* lse_out = lse->typed_data<float>();
-  switch (element_type_of(q.element_type())) {
-    case ElementType::kF32:
-      forward<ElementType::kF32>(p, {in<ElementType::kF32>(q), in<ElementType::kF32>(k), in<ElementType::kF32>(v),
-                                     t, off, sd, out<ElementType::kF32>(o), lse_out});
-      break;
-    case ElementType::kBF16:
-      forward<ElementType::kBF16>(p, {in<ElementType::kBF16>(q), in<ElementType::kBF16>(k),
-                                      in<ElementType::kBF16>(v), t, off, sd, out<ElementType::kBF16>(o), lse_out});
-      break;
-    case ElementType::kF16:
-      forward<ElementType::kF16>(p, {in<ElementType::kF16>(q), in<ElementType::kF16>(k), in<ElementType::kF16>(v),
-                                     t, off, sd, out<ElementType::kF16>(o), lse_out});
-      break;
-  }
+  with_element_type(q.element_type(), [&](auto et) {
+    constexpr ElementType kET = decltype(et)::value;
+    forward<kET>(p, {inputs_of<kET>(q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed),
+                     elements<kET>(o), lse->typed_data<float>()});
+  });
   return ffi::Error::Success();
-}
-
-template <ElementType ET>
-BwdArgs<ET> bwd_args(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, const Tokens& t,
-                     const float* off, const uint32_t* sd, const ffi::AnyBuffer& o, const float* lse,
-                     const ffi::AnyBuffer& dout, ffi::Result<ffi::AnyBuffer>& dq, ffi::Result<ffi::AnyBuffer>& dk,
-                     ffi::Result<ffi::AnyBuffer>& dv, float* d_offset) {
-  return BwdArgs<ET>{in<ET>(q), in<ET>(k), in<ET>(v), t,       off,     sd,      in<ET>(o),
-                     lse,       in<ET>(dout), out<ET>(dq), out<ET>(dk), out<ET>(dv), d_offset};
 }
 
 ffi::Error FlashBwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer q_seg,
@@ -380,25 +355,12 @@ ffi::Error FlashBwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
     if (auto e = check_exact(kOp, c.name, c.type, c.dims, c.want_type, c.want); e.failure()) return e;
   }
   if (p.batch == 0 || p.heads == 0) return ffi::Error::Success();
-  const Tokens t = tokens_of(q_seg, q_pos, q_diag, kv_seg, kv_pos);
-  const float* off = softmax_offset.typed_data<float>();
-  const uint32_t* sd = seed.typed_data<uint32_t>();
-  const float* lse_in = lse.typed_data<float>();
-  float* doff = d_offset->typed_data<float>();
-  switch (element_type_of(dt)) {
-    case ElementType::kF32:
-      backward<ElementType::kF32>(
-          p, bwd_args<ElementType::kF32>(q, k, v, t, off, sd, o, lse_in, dout, dq, dk, dv, doff));
-      break;
-    case ElementType::kBF16:
-      backward<ElementType::kBF16>(
-          p, bwd_args<ElementType::kBF16>(q, k, v, t, off, sd, o, lse_in, dout, dq, dk, dv, doff));
-      break;
-    case ElementType::kF16:
-      backward<ElementType::kF16>(
-          p, bwd_args<ElementType::kF16>(q, k, v, t, off, sd, o, lse_in, dout, dq, dk, dv, doff));
-      break;
-  }
+  with_element_type(dt, [&](auto et) {
+    constexpr ElementType kET = decltype(et)::value;
+    backward<kET>(p, {inputs_of<kET>(q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed),
+                      elements<kET>(o), lse.typed_data<float>(), elements<kET>(dout), elements<kET>(dq),
+                      elements<kET>(dk), elements<kET>(dv), d_offset->typed_data<float>()});
+  });
   return ffi::Error::Success();
 }
 
@@ -409,49 +371,8 @@ namespace ffi = xla::ffi;
 
 FA_FFI_EXPORT(FusedattnFlashFwdHost);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnFlashFwdHost, fusedattn::FlashFwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // q_seg
-                                  .Arg<ffi::AnyBuffer>()  // q_pos
-                                  .Arg<ffi::AnyBuffer>()  // q_diag
-                                  .Arg<ffi::AnyBuffer>()  // kv_seg
-                                  .Arg<ffi::AnyBuffer>()  // kv_pos
-                                  .Arg<ffi::AnyBuffer>()  // softmax_offset
-                                  .Arg<ffi::AnyBuffer>()  // seed
-                                  .Ret<ffi::AnyBuffer>()  // o
-                                  .Ret<ffi::AnyBuffer>()  // lse
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<int64_t>("window_left")
-                                  .Attr<int64_t>("window_right")
-                                  .Attr<int32_t>("softmax_type")
-                                  .Attr<double>("dropout_rate"));
+                              fusedattn::bind_attention<fusedattn::Pass::kForward>(ffi::Ffi::Bind()));
 
 FA_FFI_EXPORT(FusedattnFlashBwdHost);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnFlashBwdHost, fusedattn::FlashBwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // q_seg
-                                  .Arg<ffi::AnyBuffer>()  // q_pos
-                                  .Arg<ffi::AnyBuffer>()  // q_diag
-                                  .Arg<ffi::AnyBuffer>()  // kv_seg
-                                  .Arg<ffi::AnyBuffer>()  // kv_pos
-                                  .Arg<ffi::AnyBuffer>()  // softmax_offset
-                                  .Arg<ffi::AnyBuffer>()  // seed
-                                  .Arg<ffi::AnyBuffer>()  // o
-                                  .Arg<ffi::AnyBuffer>()  // lse
-                                  .Arg<ffi::AnyBuffer>()  // do
-                                  .Ret<ffi::AnyBuffer>()  // dq
-                                  .Ret<ffi::AnyBuffer>()  // dk
-                                  .Ret<ffi::AnyBuffer>()  // dv
-                                  .Ret<ffi::AnyBuffer>()  // d_offset
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<int64_t>("window_left")
-                                  .Attr<int64_t>("window_right")
-                                  .Attr<int32_t>("softmax_type")
-                                  .Attr<double>("dropout_rate"));
+                              fusedattn::bind_attention<fusedattn::Pass::kBackward>(ffi::Ffi::Bind()));

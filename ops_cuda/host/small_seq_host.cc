@@ -162,15 +162,6 @@ void backward(const SmallSeqParams& p, const void* q_data, const void* k_data, c
   }
 }
 
-template <typename F>
-void with_element_type(ffi::DataType t, F&& f) {
-  switch (element_type_of(t)) {
-    case ElementType::kF32: f(std::integral_constant<ElementType, ElementType::kF32>{}); break;
-    case ElementType::kBF16: f(std::integral_constant<ElementType, ElementType::kBF16>{}); break;
-    case ElementType::kF16: f(std::integral_constant<ElementType, ElementType::kF16>{}); break;
-  }
-}
-
 ffi::Error SmallSeqFwdHostImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer kv_start,
                                ffi::AnyBuffer kv_len, ffi::AnyBuffer seed, ffi::Result<ffi::AnyBuffer> o, float scale, double dropout_rate,
                                int64_t max_keys) {
@@ -211,31 +202,7 @@ ffi::Error SmallSeqBwdHostImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffe
 }  // namespace fusedattn
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnSmallSeqFwdHost, fusedattn::SmallSeqFwdHostImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()  // q
-                                  .Arg<xla::ffi::AnyBuffer>()  // k
-                                  .Arg<xla::ffi::AnyBuffer>()  // v
-                                  .Arg<xla::ffi::AnyBuffer>()  // kv_start
-                                  .Arg<xla::ffi::AnyBuffer>()  // kv_len
-                                  .Arg<xla::ffi::AnyBuffer>()  // seed
-                                  .Ret<xla::ffi::AnyBuffer>()  // o
-                                  .Attr<float>("scale")
-                                  .Attr<double>("dropout_rate")
-                                  .Attr<int64_t>("max_keys"));
+                              fusedattn::bind_small_seq<fusedattn::Pass::kForward>(xla::ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnSmallSeqBwdHost, fusedattn::SmallSeqBwdHostImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()  // q
-                                  .Arg<xla::ffi::AnyBuffer>()  // k
-                                  .Arg<xla::ffi::AnyBuffer>()  // v
-                                  .Arg<xla::ffi::AnyBuffer>()  // kv_start
-                                  .Arg<xla::ffi::AnyBuffer>()  // kv_len
-                                  .Arg<xla::ffi::AnyBuffer>()  // seed
-                                  .Arg<xla::ffi::AnyBuffer>()  // o
-                                  .Arg<xla::ffi::AnyBuffer>()  // do
-                                  .Ret<xla::ffi::AnyBuffer>()  // dq
-                                  .Ret<xla::ffi::AnyBuffer>()  // dk
-                                  .Ret<xla::ffi::AnyBuffer>()  // dv
-                                  .Attr<float>("scale")
-                                  .Attr<double>("dropout_rate")
-                                  .Attr<int64_t>("max_keys"));
+                              fusedattn::bind_small_seq<fusedattn::Pass::kBackward>(xla::ffi::Ffi::Bind()));

@@ -1,5 +1,5 @@
-// Validation of the FFI operands of the attention op set (host-side code,
-// shared by the host handlers and the device handlers' host parts).
+// Validation and FFI signatures of the attention op set's operands (host-side
+// code, shared by the host handlers and the device handlers' host parts).
 //
 // Forward operands (canonical form, see fusedattn/ops/backends/base.py):
 //   0 q [..., Sq, H, D]     1 k [..., Skv, Hkv, D]     2 v [..., Skv, Hkv, Dv]
@@ -17,6 +17,8 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "fusedattn/layout.h"
@@ -143,16 +145,13 @@ inline std::vector<int64_t> concat(std::vector<int64_t> a, const std::vector<int
   return a;
 }
 
-// Validates the ten forward operands and the attributes, filling *p.
-// *lead receives q's leading dims (the batch dims of every result).
-inline ffi::Error parse_attention_call(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
-                                       const ffi::AnyBuffer& v, const ffi::AnyBuffer& q_seg,
-                                       const ffi::AnyBuffer& q_pos, const ffi::AnyBuffer& q_diag,
-                                       const ffi::AnyBuffer& kv_seg, const ffi::AnyBuffer& kv_pos,
-                                       const ffi::AnyBuffer& softmax_offset, const ffi::AnyBuffer& seed,
-                                       float scale, bool causal, int64_t window_left, int64_t window_right,
-                                       int32_t softmax_type, double dropout_rate, AttentionParams* p,
-                                       std::vector<int64_t>* lead) {
+// Checks q, k and v share one supported float dtype, q is [..., Sq, H, D] and k
+// is [..., Skv, Hkv, D] with q's leading dims and head dim (v's shape is each
+// op's own), and fills p's batch, seqlen_q, heads, head_dim, seqlen_kv and
+// kv_heads. *lead receives q's leading dims.
+template <typename Params>
+ffi::Error parse_q_and_k(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                         Params* p, std::vector<int64_t>* lead) {
   const ffi::DataType dtype = q.element_type();
   if (!is_supported_float(dtype)) {
     return invalid(op, std::string("q must be float32, bfloat16 or float16, got ") + dtype_name(dtype));
@@ -161,7 +160,7 @@ inline ffi::Error parse_attention_call(const char* op, const ffi::AnyBuffer& q, 
     return invalid(op, std::string("q, k and v must share one dtype, got ") + dtype_name(dtype) + ", " +
                            dtype_name(k.element_type()) + " and " + dtype_name(v.element_type()));
   }
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() < 3) {
     return invalid(op, "q must have shape [..., Sq, H, D], got " + dims_string(qd));
   }
@@ -177,17 +176,54 @@ inline ffi::Error parse_attention_call(const char* op, const ffi::AnyBuffer& q, 
   }
   p->seqlen_kv = kd[r - 3];
   p->kv_heads = kd[r - 2];
+  return ffi::Error::Success();
+}
+
+inline ffi::Error check_head_groups(const char* op, int64_t heads, int64_t kv_heads) {
+  if (kv_heads < 1 || heads % kv_heads != 0) {
+    return invalid(op, "the number of q heads (" + std::to_string(heads) +
+                           ") must be a multiple of the number of k/v heads (" + std::to_string(kv_heads) + ")");
+  }
+  return ffi::Error::Success();
+}
+
+inline ffi::Error check_dropout_rate(const char* op, double dropout_rate) {
+  if (!(dropout_rate >= 0.0 && dropout_rate < 1.0)) {
+    return invalid(op, "dropout_rate must be in [0, 1), got " + std::to_string(dropout_rate));
+  }
+  return ffi::Error::Success();
+}
+
+// Checks dropout_rate and fills p's dropout, dropout_threshold and dropout_scale.
+template <typename Params>
+ffi::Error parse_dropout_rate(const char* op, double dropout_rate, Params* p) {
+  if (auto e = check_dropout_rate(op, dropout_rate); e.failure()) return e;
+  p->dropout = dropout_rate > 0.0;
+  p->dropout_threshold = dropout_threshold(dropout_rate);
+  p->dropout_scale = static_cast<float>(1.0 / (1.0 - dropout_rate));
+  return ffi::Error::Success();
+}
+
+// Validates the ten forward operands and the attributes, filling *p.
+// *lead receives q's leading dims (the batch dims of every result).
+inline ffi::Error parse_attention_call(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                                       const ffi::AnyBuffer& v, const ffi::AnyBuffer& q_seg,
+                                       const ffi::AnyBuffer& q_pos, const ffi::AnyBuffer& q_diag,
+                                       const ffi::AnyBuffer& kv_seg, const ffi::AnyBuffer& kv_pos,
+                                       const ffi::AnyBuffer& softmax_offset, const ffi::AnyBuffer& seed,
+                                       float scale, bool causal, int64_t window_left, int64_t window_right,
+                                       int32_t softmax_type, double dropout_rate, AttentionParams* p,
+                                       std::vector<int64_t>* lead) {
+  if (auto e = parse_q_and_k(op, q, k, v, p, lead); e.failure()) return e;
+  const auto kd = k.dimensions(), vd = v.dimensions();
+  const size_t r = kd.size();
   if (vd.size() != r || leading_dims(vd, 3) != *lead || vd[r - 3] != p->seqlen_kv ||
       vd[r - 2] != p->kv_heads) {
     return invalid(op, "v must have shape [..., Skv, Hkv, Dv] matching k's leading dims, Skv and Hkv; k is " +
                            dims_string(kd) + ", v is " + dims_string(vd));
   }
   p->head_dim_v = vd[r - 1];
-  if (p->kv_heads < 1 || p->heads % p->kv_heads != 0) {
-    return invalid(op, "the number of q heads (" + std::to_string(p->heads) +
-                           ") must be a multiple of the number of k/v heads (" + std::to_string(p->kv_heads) +
-                           ")");
-  }
+  if (auto e = check_head_groups(op, p->heads, p->kv_heads); e.failure()) return e;
 
   int64_t rows[5];
   const ffi::AnyBuffer* tokens[5] = {&q_seg, &q_pos, &q_diag, &kv_seg, &kv_pos};
@@ -216,17 +252,12 @@ inline ffi::Error parse_attention_call(const char* op, const ffi::AnyBuffer& q, 
     return invalid(op, "softmax_type must be 0 (vanilla), 1 (off_by_one) or 2 (learnable), got " +
                            std::to_string(softmax_type));
   }
-  if (!(dropout_rate >= 0.0 && dropout_rate < 1.0)) {
-    return invalid(op, "dropout_rate must be in [0, 1), got " + std::to_string(dropout_rate));
-  }
+  if (auto e = parse_dropout_rate(op, dropout_rate, p); e.failure()) return e;
   p->scale = scale;
   p->mask.causal = causal;
   p->mask.window_left = window_left;
   p->mask.window_right = window_right;
   p->softmax_type = softmax_type;
-  p->dropout = dropout_rate > 0.0;
-  p->dropout_threshold = dropout_threshold(dropout_rate);
-  p->dropout_scale = static_cast<float>(1.0 / (1.0 - dropout_rate));
   return ffi::Error::Success();
 }
 
@@ -234,6 +265,67 @@ inline ElementType element_type_of(ffi::DataType t) {
   return t == ffi::DataType::BF16 ? ElementType::kBF16
          : t == ffi::DataType::F16 ? ElementType::kF16
                                    : ElementType::kF32;
+}
+
+// Returns f(std::integral_constant<ElementType, element_type_of(t)>{}): code
+// instantiated per element type, chosen at run time.
+template <typename F>
+auto with_element_type(ffi::DataType t, F&& f) {
+  switch (element_type_of(t)) {
+    case ElementType::kBF16: return f(std::integral_constant<ElementType, ElementType::kBF16>{});
+    case ElementType::kF16: return f(std::integral_constant<ElementType, ElementType::kF16>{});
+    case ElementType::kF32: break;
+  }
+  return f(std::integral_constant<ElementType, ElementType::kF32>{});
+}
+
+// The elements of an operand or a result, as element type ET stores them.
+template <ElementType ET>
+const typename Element<ET>::Storage* elements(const ffi::AnyBuffer& x) {
+  return static_cast<const typename Element<ET>::Storage*>(x.untyped_data());
+}
+
+template <ElementType ET>
+typename Element<ET>::Storage* elements(ffi::Result<ffi::AnyBuffer>& x) {
+  return static_cast<typename Element<ET>::Storage*>(x->untyped_data());
+}
+
+// An op's FFI signature, after whatever context the platform's handler binds
+// first, is bind_buffers (its operands, then its results, all AnyBuffer, in the
+// order its header lists them) and then, where it has any, bind_attrs.
+template <int kArgs, int kRets, typename FfiBinding>
+auto bind_buffers(FfiBinding&& binding) {
+  static_assert(kArgs >= 0 && kRets >= 1, "every op has a result");
+  if constexpr (kArgs > 0) {
+    return bind_buffers<kArgs - 1, kRets>(std::forward<FfiBinding>(binding).template Arg<ffi::AnyBuffer>());
+  } else if constexpr (kRets > 1) {
+    return bind_buffers<0, kRets - 1>(std::forward<FfiBinding>(binding).template Ret<ffi::AnyBuffer>());
+  } else {
+    return std::forward<FfiBinding>(binding).template Ret<ffi::AnyBuffer>();
+  }
+}
+
+// Appends the attributes, each an ffi::StructMember<type>("name"), in order.
+template <typename FfiBinding, typename Member, typename... Members>
+auto bind_attrs(FfiBinding&& binding, Member attr, Members... rest) {
+  if constexpr (sizeof...(Members) == 0) {
+    return std::forward<FfiBinding>(binding).template Attr<typename Member::Type>(std::string(attr.name));
+  } else {
+    return bind_attrs(bind_attrs(std::forward<FfiBinding>(binding), attr), rest...);
+  }
+}
+
+enum class Pass { kForward, kBackward };
+
+// The flash op's FFI signature: the forward binds 10 operands and 2 results,
+// the backward 13 and 4 (as listed above).
+template <Pass kPass, typename FfiBinding>
+auto bind_attention(FfiBinding&& binding) {
+  constexpr bool kForward = kPass == Pass::kForward;
+  return bind_attrs(bind_buffers<kForward ? 10 : 13, kForward ? 2 : 4>(std::forward<FfiBinding>(binding)),
+                    ffi::StructMember<float>("scale"), ffi::StructMember<bool>("causal"),
+                    ffi::StructMember<int64_t>("window_left"), ffi::StructMember<int64_t>("window_right"),
+                    ffi::StructMember<int32_t>("softmax_type"), ffi::StructMember<double>("dropout_rate"));
 }
 
 }  // namespace fusedattn

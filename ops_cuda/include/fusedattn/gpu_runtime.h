@@ -1,5 +1,6 @@
 // One source for CUDA and HIP device code: the runtime API names, the stream
-// type the FFI hands us, the warp width, and warp shuffles.
+// type the FFI hands us, the platform's name and kernel launch status for the
+// handlers' errors, the warp width, and warp shuffles.
 //
 // CUDA warps have 32 lanes; AMD CDNA wavefronts 64. Kernels size their lane
 // teams from kWarpSize, so one source serves both.
@@ -8,7 +9,7 @@
 
 #if defined(__HIPCC__)
 #include <hip/hip_runtime.h>
-#define FA_GPU_PLATFORM_NAME "ROCm"
+#define FA_FFI_PLATFORM "ROCM"
 using gpuStream_t = hipStream_t;
 using gpuError_t = hipError_t;
 #define gpuSuccess hipSuccess
@@ -17,7 +18,7 @@ using gpuError_t = hipError_t;
 #define gpuMemsetAsync hipMemsetAsync
 #else
 #include <cuda_runtime.h>
-#define FA_GPU_PLATFORM_NAME "CUDA"
+#define FA_FFI_PLATFORM "CUDA"
 using gpuStream_t = cudaStream_t;
 using gpuError_t = cudaError_t;
 #define gpuSuccess cudaSuccess
@@ -26,7 +27,20 @@ using gpuError_t = cudaError_t;
 #define gpuMemsetAsync cudaMemsetAsync
 #endif
 
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
 namespace fusedattn {
+
+// The status of the kernel launch `op` just made.
+inline xla::ffi::Error launch_status(const char* op) {
+  const gpuError_t err = gpuGetLastError();
+  if (err != gpuSuccess) {
+    return xla::ffi::Error::Internal(std::string(op) + ": kernel launch failed: " + gpuGetErrorString(err));
+  }
+  return xla::ffi::Error::Success();
+}
 
 #if defined(__HIPCC__)
 constexpr int kWarpSize = 64;  // the CDNA targets of the ROCm build (gfx90a, gfx940)

@@ -1,10 +1,12 @@
-// Validation of the small-sequence op's FFI operands (host-side code shared by
-// the host handlers and the CUDA/HIP handlers). Contract: small_seq.h.
+// Validation and FFI signatures of the small-sequence op (host-side code shared
+// by the host handlers and the CUDA/HIP handlers). Contract: small_seq.h.
 #ifndef FUSEDATTN_SMALL_SEQ_FFI_H_
 #define FUSEDATTN_SMALL_SEQ_FFI_H_
 
+#include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fusedattn/ffi_args.h"
@@ -17,36 +19,13 @@ inline ffi::Error parse_small_seq_call(const char* op, const ffi::AnyBuffer& q, 
                                        const ffi::AnyBuffer& v, const ffi::AnyBuffer& kv_start,
                                        const ffi::AnyBuffer& kv_len, const ffi::AnyBuffer& seed, float scale,
                                        double dropout_rate, int64_t max_keys, SmallSeqParams* p) {
-  const ffi::DataType dtype = q.element_type();
-  if (!is_supported_float(dtype)) {
-    return invalid(op, std::string("q must be float32, bfloat16 or float16, got ") + dtype_name(dtype));
-  }
-  if (k.element_type() != dtype || v.element_type() != dtype) {
-    return invalid(op, std::string("q, k and v must share one dtype, got ") + dtype_name(dtype) + ", " +
-                           dtype_name(k.element_type()) + " and " + dtype_name(v.element_type()));
-  }
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  if (qd.size() < 3) return invalid(op, "q must have shape [..., Sq, H, D], got " + dims_string(qd));
-  const size_t r = qd.size();
-  const std::vector<int64_t> lead = leading_dims(qd, 3);
-  p->batch = product(lead);
-  p->seqlen_q = qd[r - 3];
-  p->heads = qd[r - 2];
-  p->head_dim = qd[r - 1];
-  if (kd.size() != r || leading_dims(kd, 3) != lead || kd[r - 1] != p->head_dim) {
-    return invalid(op, "k must have shape [..., Skv, Hkv, D] with q's leading dims and head dim; q is " +
-                           dims_string(qd) + ", k is " + dims_string(kd));
-  }
-  p->seqlen_kv = kd[r - 3];
-  p->kv_heads = kd[r - 2];
-  if (vd.size() != r || leading_dims(vd, 0) != leading_dims(kd, 0)) {
+  std::vector<int64_t> lead;
+  if (auto e = parse_q_and_k(op, q, k, v, p, &lead); e.failure()) return e;
+  const auto kd = k.dimensions(), vd = v.dimensions();
+  if (vd.size() != kd.size() || leading_dims(vd, 0) != leading_dims(kd, 0)) {
     return invalid(op, "v must have k's shape " + dims_string(kd) + ", got " + dims_string(vd));
   }
-  if (p->kv_heads < 1 || p->heads % p->kv_heads != 0) {
-    return invalid(op, "the number of q heads (" + std::to_string(p->heads) +
-                           ") must be a multiple of the number of k/v heads (" + std::to_string(p->kv_heads) +
-                           ")");
-  }
+  if (auto e = check_head_groups(op, p->heads, p->kv_heads); e.failure()) return e;
   int64_t rows = 0;
   if (auto e = check_rows(op, "kv_start", kv_start, ffi::DataType::S32, {p->seqlen_q}, &rows); e.failure()) {
     return e;
@@ -63,15 +42,20 @@ inline ffi::Error parse_small_seq_call(const char* op, const ffi::AnyBuffer& q, 
                            std::to_string(max_keys));
   }
   if (!std::isfinite(scale)) return invalid(op, "the scale attribute must be finite");
-  if (!(dropout_rate >= 0.0 && dropout_rate < 1.0)) {
-    return invalid(op, "dropout_rate must be in [0, 1), got " + std::to_string(dropout_rate));
-  }
+  if (auto e = parse_dropout_rate(op, dropout_rate, p); e.failure()) return e;
   p->max_keys = max_keys;
   p->scale = scale;
-  p->dropout = dropout_rate > 0.0;
-  p->dropout_threshold = dropout_threshold(dropout_rate);
-  p->dropout_scale = static_cast<float>(1.0 / (1.0 - dropout_rate));
   return ffi::Error::Success();
+}
+
+// The op's FFI signature (ffi_args.h's bind_buffers): the forward binds 6
+// operands and 1 result, the backward 8 and 3 (as small_seq.h lists them).
+template <Pass kPass, typename FfiBinding>
+auto bind_small_seq(FfiBinding&& binding) {
+  constexpr bool kForward = kPass == Pass::kForward;
+  return bind_attrs(bind_buffers<kForward ? 6 : 8, kForward ? 1 : 3>(std::forward<FfiBinding>(binding)),
+                    ffi::StructMember<float>("scale"), ffi::StructMember<double>("dropout_rate"),
+                    ffi::StructMember<int64_t>("max_keys"));
 }
 
 }  // namespace fusedattn
