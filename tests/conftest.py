@@ -11,10 +11,20 @@ from __future__ import annotations
 import os
 import zlib
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import pytest
+# On a GPU: XLA's scatter-adds (embedding gradients) use atomics unless asked for
+# determinism, and the trainer's resume test compares losses bitwise. Set before JAX
+# creates its backends.
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), "--xla_gpu_deterministic_ops=true"]).strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+# float32 matmuls in full precision on GPUs too (not TF32), so float32 parity tests
+# between two computations of one result hold to float32 tolerances.
+jax.config.update("jax_default_matmul_precision", "highest")
 
 # Relative tolerance of an op's result in each input dtype, against a float64 reference
 # computed from the same (rounded) inputs. bf16: eps^(2/3) with eps = 2^-7.
