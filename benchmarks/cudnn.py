@@ -42,26 +42,32 @@ def ours(causal: bool, dropout: float = 0.0):
     return attend
 
 
-def ours_thd(causal: bool):
-    """Ours on THD rows packing THD_SEGMENTS equal sequences (q, k, v [b, t, h, d])."""
+def thd_config(causal: bool, t: int):
+    """Ours on thd_thd_thd rows of t tokens packing THD_SEGMENTS sequences, bounds declared
+    (cuDNN's work per segment follows the declared bound)."""
     config = fusedattn.configs.attention_config()
     config.backend = "cudnn"
     config.qkv_layout = "thd_thd_thd"
     config.mask = "padding_causal" if causal else "padding"
     config.sequence.format = "seqlens_offsets"
     config.sequence.max_segments_per_seq = THD_SEGMENTS
+    config.sequence.max_seqlen_q = config.sequence.max_seqlen_kv = t // THD_SEGMENTS
+    return config
 
-    def declare_lengths(t):  # cuDNN's work per segment follows the declared bound
-        config.sequence.max_seqlen_q = config.sequence.max_seqlen_kv = t // THD_SEGMENTS
 
+def thd_descriptor(b: int, t: int) -> SequenceDescriptor:
+    """THD_SEGMENTS equal sequences per row: lengths [b, 4] and offsets [b, 5]."""
+    lengths = jnp.full((b, THD_SEGMENTS), t // THD_SEGMENTS, jnp.int32)
+    offsets = jnp.broadcast_to(jnp.arange(THD_SEGMENTS + 1, dtype=jnp.int32) * (t // THD_SEGMENTS),
+                               (b, THD_SEGMENTS + 1))
+    return SequenceDescriptor.from_seqlens_and_offsets(lengths, lengths, offsets, offsets)
+
+
+def ours_thd(causal: bool):
+    """Ours on THD rows packing THD_SEGMENTS equal sequences (q, k, v [b, t, h, d])."""
     def attend(q, k, v):
         b, t = q.shape[:2]
-        declare_lengths(t)
-        lengths = jnp.full((b, THD_SEGMENTS), t // THD_SEGMENTS, jnp.int32)
-        offsets = jnp.broadcast_to(jnp.arange(THD_SEGMENTS + 1, dtype=jnp.int32) * (t // THD_SEGMENTS),
-                                   (b, THD_SEGMENTS + 1))
-        sequence = SequenceDescriptor.from_seqlens_and_offsets(lengths, lengths, offsets, offsets)
-        return fused_attn((q, k, v), config=config, sequence=sequence)
+        return fused_attn((q, k, v), config=thd_config(causal, t), sequence=thd_descriptor(b, t))
     return attend
 
 
