@@ -96,6 +96,8 @@ def test_gqa_and_fused_qkv_parameters():
     close(jax.vmap(lambda x: qkv(x, x, x))(X), jax.vmap(lambda x: ours(x, x, x))(X))
     with pytest.raises(ValueError, match="fused_qkv: the fused projection serves self-attention"):
         jax.vmap(qkv)(X, X, X)  # separate tracers: cannot be told to be the same array
+    with pytest.raises(ValueError, match="key_: must be given when value is given"):
+        ours(X[0], value=X[0])
 
 
 def test_sequence_descriptor_is_per_example_under_vmap():

@@ -134,6 +134,8 @@ def test_mask_errors():
         ours(X, mask=jnp.ones((S, S), jnp.complex64))
     with pytest.raises(ValueError, match="inputs_q: got 12 features"):
         ours(Y)
+    with pytest.raises(ValueError, match="inputs_k: must be given when inputs_v is given"):
+        ours(X, inputs_v=X)
 
 
 def test_attention_fn_in_the_stock_module():

@@ -117,6 +117,16 @@ def split_fused_qkv(qkv: Array, num_heads: int, num_kv_heads: int) -> tuple[Arra
 # --------------------------------------------------------------------------- RoPE
 
 
+def default_key_value(query: Array, key: Array | None, value: Array | None, key_name: str,
+                      value_name: str) -> tuple[Array, Array]:
+    """Self-attention defaults of the stock layers: key = query, value = key."""
+    if key is None:
+        if value is not None:
+            raise ValueError(f"{key_name}: must be given when {value_name} is given.")
+        key = query
+    return key, key if value is None else value
+
+
 def rope_frequencies(head_dim: int, theta: float) -> np.ndarray:
     """float32 [d / 2]: theta ** (-2 i / d), the rotation speed of feature pair i."""
     return (theta ** (-np.arange(0, head_dim // 2, dtype=np.float64) * 2.0 / head_dim)).astype(

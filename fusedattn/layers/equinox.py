@@ -186,12 +186,7 @@ class MultiheadAttention(eqx.Module):
         Returns:
           [sq, output_size].
         """
-        if key_ is None:
-            if value is not None:
-                raise ValueError("key_: must be given when value is given.")
-            key_ = query
-        if value is None:
-            value = key_
+        key_, value = common.default_key_value(query, key_, value, "key_", "value")
         if key_.shape[0] != value.shape[0]:
             raise ValueError(
                 f"key_, value: must have equal sequence lengths, got {key_.shape[0]} and "

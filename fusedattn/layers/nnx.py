@@ -144,12 +144,8 @@ class MultiHeadAttention(nnx.Module):
           [batch..., sq, out_features].
         """
         spec = self.spec
-        if inputs_k is None:
-            if inputs_v is not None:
-                raise ValueError("inputs_k: must be given when inputs_v is given.")
-            inputs_k = inputs_q
-        if inputs_v is None:
-            inputs_v = inputs_k
+        inputs_k, inputs_v = common.default_key_value(inputs_q, inputs_k, inputs_v, "inputs_k",
+                                                      "inputs_v")
         if inputs_q.shape[-1] != self.in_features:
             raise ValueError(
                 f"inputs_q: got {inputs_q.shape[-1]} features, the layer expects in_features="
