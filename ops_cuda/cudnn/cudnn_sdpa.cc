@@ -52,7 +52,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <sstream>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -159,16 +158,27 @@ struct Params {
   int64_t sink = 0, deterministic = 0;
   float scale = 1.0f, dropout = 0.0f;
 
-  std::string key(int device, bool backward) const {
-    std::ostringstream s;
-    s << (backward ? "bwd" : "fwd") << ':' << device << ':' << b << ',' << h << ',' << hkv << ',' << sq << ','
-      << skv << ',' << d << ',' << dv << ':' << bf16 << ':' << causal << bottom_right << ':' << left << ','
-      << right << ':' << segments << ragged << ',' << seg_sq << ',' << seg_skv << ':' << bias_b << ',' << bias_h << ':' << sink << deterministic << ':';
-    s.precision(9);
-    s << scale << ':' << dropout;
-    return s.str();
+  // Everything that shapes a graph, with the device and direction: the cache key. Built
+  // on every call, so plain integers (the floats by their bits), not a formatted string.
+  using Key = std::array<int64_t, 24>;
+  Key key(int device, bool backward) const {
+    return {backward, device, b, h, hkv, sq, skv, d, dv, bf16, causal, bottom_right, left, right,
+            segments, ragged, seg_sq, seg_skv, bias_b, bias_h, sink, deterministic, bits(scale), bits(dropout)};
+  }
+
+ private:
+  static int64_t bits(float x) {
+    uint32_t u;
+    std::memcpy(&u, &x, sizeof u);
+    return u;
   }
 };
+
+std::string key_string(const Params::Key& key) {
+  std::string s;
+  for (int64_t x : key) s += (s.empty() ? "" : ",") + std::to_string(x);
+  return s;
+}
 
 enum Uid : int64_t {
   kQ = 1, kK, kV, kO, kStats, kBias, kSeqQ, kSeqKv, kSeed, kOffset, kSink,
@@ -398,14 +408,14 @@ struct Entry {
 };
 
 std::mutex g_cache_mutex;
-std::map<std::string, std::shared_ptr<Entry>> g_cache;
+std::map<Params::Key, std::shared_ptr<Entry>> g_cache;
 
 std::string fe_error(const char* stage, fe::error_t e) { return std::string(stage) + ": " + e.get_message(); }
 
 std::shared_ptr<Entry> build(const Params& p, bool backward, cudnnHandle_t handle) {
   auto entry = std::make_shared<Entry>();
   try {
-    trace(std::string("building ") + (backward ? "backward" : "forward") + " graph " + p.key(-1, backward));
+    trace(std::string("building ") + (backward ? "backward" : "forward") + " graph " + key_string(p.key(-1, backward)));
     auto g = backward ? backward_graph(p) : forward_graph(p);
     trace("validate");
     fe::error_t e = g->validate();
@@ -448,7 +458,7 @@ std::shared_ptr<Entry> get_graph(const Params& p, bool backward, int device, cud
     return nullptr;
   }
   *handle_out = handle;
-  const std::string key = p.key(device, backward);
+  const Params::Key key = p.key(device, backward);
   std::lock_guard<std::mutex> lock(g_cache_mutex);
   auto it = g_cache.find(key);
   if (it != g_cache.end()) return it->second;
