@@ -5,6 +5,9 @@ sequence 2048, packed documents, bf16) for a short run per attention backend
 ("xla" and "auto"; more with --backends) and, with --framework equinox, the Equinox
 model. Steady-state rates come from the trainer's own summary (intervals after
 the first, which holds compilation). Writes the summaries and the runs' metrics.
+With --profile N, a further short run of the last backend traces N steps with
+jax.profiler and adds the device time per kernel kind (benchmarks/kernel_profile.py):
+where a step's time goes besides the matmuls.
 
     python benchmarks/lm_train.py --out benchmarks/results/lm_train.json --steps 60
 """
@@ -19,11 +22,12 @@ import tempfile
 from pathlib import Path
 
 from common import write_results
+from kernel_profile import print_summary, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(backend: str, framework: str, steps: int, extra: list[str]) -> dict:
+def run(backend: str, framework: str, steps: int, extra: list[str], profile_steps: int = 0) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix=f"lm_{framework}_{backend}_"))
     command = [sys.executable, str(ROOT / "examples/lm/main.py"), f"--workdir={workdir}",
                "--config=" + str(ROOT / f"configs/lm_{framework}.py") + ":gpu",
@@ -31,14 +35,20 @@ def run(backend: str, framework: str, steps: int, extra: list[str]) -> dict:
                f"--config.trainer.num_steps={steps}", "--config.trainer.log_every=10",
                f"--config.trainer.eval_every={steps}", f"--config.trainer.checkpoint_every={steps}",
                "--config.trainer.progress=False", *extra]
+    if profile_steps:
+        command += [f"--config.trainer.profile_steps={profile_steps}",
+                    f"--config.trainer.profile_start={steps - profile_steps}"]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     print(done.stdout[-3000:], done.stderr[-3000:], sep="\n", flush=True)
     if done.returncode != 0:
         return {"backend": backend, "framework": framework, "error": done.stderr[-500:]}
     summary = json.loads((workdir / "summary.json").read_text())
     metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return {"backend": backend, "framework": framework, "steps": steps, "summary": summary,
-            "metrics": metrics}
+    result = {"backend": backend, "framework": framework, "steps": steps, "summary": summary,
+              "metrics": metrics}
+    if profile_steps:
+        result["profile"] = summarize(workdir / "profile", profile_steps)
+    return result
 
 
 def main():
@@ -47,9 +57,16 @@ def main():
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--backends", default="xla,auto")
     parser.add_argument("--framework", default="nnx", choices=("nnx", "equinox"))
+    parser.add_argument("--profile", type=int, default=0,
+                        help="trace this many steps of a further run of the last backend")
     parser.add_argument("overrides", nargs="*", help="extra --config.a.b=value flags")
     args = parser.parse_args()
     runs = [run(b, args.framework, args.steps, args.overrides) for b in args.backends.split(",")]
+    if args.profile:
+        backend = args.backends.split(",")[-1]
+        profiled = run(backend, args.framework, args.profile + 20, args.overrides, args.profile)
+        profiled["backend"] = backend + "_profiled"
+        runs.append(profiled)
     rates = {r["backend"]: r["summary"].get("tokens_per_s") for r in runs if "summary" in r}
     summary = {r["backend"]: {k: r["summary"].get(k) for k in ("tokens_per_s", "mfu", "final_loss")}
                for r in runs if "summary" in r}
@@ -65,6 +82,10 @@ def main():
                   f"{'n/a' if mfu is None else format(100 * mfu, '.1f') + '%':>8}")
     if "auto_speedup_vs_xla" in summary:
         print(f"auto / xla tokens/s: {summary['auto_speedup_vs_xla']}x")
+    for r in runs:
+        if "profile" in r:
+            print(f"\nprofile of {r['backend']}:")
+            print_summary(r["profile"])
 
 
 if __name__ == "__main__":

@@ -52,6 +52,8 @@ def trainer_config(num_steps: int, log_every: int, eval_every: int,
     trainer.progress = True
     trainer.prefetch = 2
     trainer.peak_flops = 989e12  # dense bf16 peak of an H100/H200 SXM, for MFU
+    trainer.profile_steps = 0     # > 0: trace that many steps with jax.profiler into
+    trainer.profile_start = 20    # WORKDIR/profile, from this step (after compilation)
     trainer.halt_after_step = -1  # >= 0: stop there without a final checkpoint
                                   # (simulates a killed run; for tests)
     return trainer

@@ -154,6 +154,37 @@ def test_lm_equinox_smoke(tmp_path, capsys):
     assert "model: equinox" in out and "summary: step 6" in out
 
 
+def test_profiled_steps_write_a_trace_and_kernel_times_sum_by_kind(tmp_path):
+    """trainer.profile_steps traces those steps; kernel_profile sums a GPU trace by kind."""
+    import gzip
+
+    config = tiny_lm("nnx", steps=4)
+    config.trainer.profile_start, config.trainer.profile_steps = 1, 2
+    run_lm(config, tmp_path)
+    traces = list((tmp_path / "profile").glob("plugins/profile/*/perfetto_trace.json.gz"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import kernel_profile
+
+    gpu, host = 7, 1
+    events = [{"ph": "M", "pid": gpu, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "pid": host, "name": "process_name", "args": {"name": "/host:CPU"}}]
+    kernels = [("sm90_xmma_gemm_bf16", 300.0), ("cudnn_generated_sdpa_fwd", 200.0),
+               ("loop_add_fusion", 50.0), ("Memcpy HtoD", 10.0), ("sm90_xmma_gemm_bf16", 100.0)]
+    events += [{"ph": "X", "pid": gpu, "name": n, "dur": us, "ts": 0} for n, us in kernels]
+    events.append({"ph": "X", "pid": host, "name": "sm90_xmma_gemm_bf16", "dur": 9e6, "ts": 0})
+    fake = tmp_path / "fake" / "plugins" / "profile" / "run"
+    fake.mkdir(parents=True)
+    with gzip.open(fake / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    summary = kernel_profile.summarize(tmp_path / "fake", steps=2)
+    assert summary["ms_per_step"] == {"matmul": 0.2, "attention": 0.1, "other": 0.025,
+                                      "copy": 0.005}
+    assert summary["device_ms_per_step"] == 0.33
+    assert summary["top_kernels_ms_per_step"][0] == ["sm90_xmma_gemm_bf16", 0.2]
+
+
 def test_lm_nnx_without_packing(tmp_path, capsys):
     config = tiny_lm("nnx", steps=3)
     config.data.packing = False

@@ -270,6 +270,32 @@ class Prefetch:
 # ----------------------------------------------------------------------------- loop
 
 
+class StepProfiler:
+    """Traces steps [start, start + steps) with jax.profiler into `directory` (steps 0: off).
+
+    The trace includes a Perfetto JSON (perfetto_trace.json.gz) that
+    benchmarks/kernel_profile.py sums into device time per kernel kind.
+    """
+
+    def __init__(self, directory: pathlib.Path, start: int, steps: int):
+        self.directory, self.start, self.end = directory, start, start + steps
+        self.active = False
+
+    def at_step(self, step: int) -> None:
+        if step == self.start and self.end > self.start:
+            jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
+            self.active = True
+        elif step == self.end:
+            self.stop()
+
+    def stop(self) -> None:
+        if self.active:
+            jax.effects_barrier()
+            jax.block_until_ready(jax.live_arrays())
+            jax.profiler.stop_trace()
+            self.active = False
+
+
 def train_and_evaluate(config, workdir: str | pathlib.Path, task: Task,
                        title: str = "training") -> dict:
     """Trains `task` per config.trainer / config.optim; returns the summary dict."""
@@ -332,8 +358,10 @@ def train_and_evaluate(config, workdir: str | pathlib.Path, task: Task,
     train_seconds, train_steps = 0.0, 0          # steady-state (after the first interval)
     interval_start, interval_steps, overhead = time.perf_counter(), 0, 0.0
     first_interval = True
+    profiler = StepProfiler(workdir / "profile", tc.profile_start, tc.profile_steps)
     try:
         for step in range(start_step, stop):
+            profiler.at_step(step)
             batch = data.next()
             params, opt_state, metrics = train_step(params, opt_state, batch,
                                                     jnp.asarray(step, jnp.int32))
@@ -372,6 +400,7 @@ def train_and_evaluate(config, workdir: str | pathlib.Path, task: Task,
                 checkpoints.save(done, {"params": params, "opt_state": opt_state})
                 overhead += time.perf_counter() - t0
     finally:
+        profiler.stop()
         data.close()
         if bar is not None:
             bar.close()

@@ -1,0 +1,92 @@
+"""Device time per kernel kind from a jax.profiler trace (its Perfetto JSON).
+
+Sums the durations of the GPU's kernel and memory events in
+<trace dir>/plugins/profile/*/perfetto_trace.json.gz, per kind (attention,
+matmul, our own kernels, copies, other XLA fusions), and lists the longest
+kernels. Used by benchmarks/lm_train.py --profile; also on its own:
+
+    python benchmarks/kernel_profile.py WORKDIR/profile --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import re
+from pathlib import Path
+
+# Kind of a device event, by the first pattern its name matches (case-insensitive).
+KINDS = (
+    ("attention", r"fmha|sdpa|flash|cudnn|attention"),
+    ("fusedattn", r"small_seq|dropout_mask|philox"),
+    ("matmul", r"gemm|xmma|cutlass|nvjet|matmul|cublas|dot"),
+    ("copy", r"memcpy|memset|copy"),
+    ("other", r""),
+)
+
+
+def _kind(name: str) -> str:
+    return next(kind for kind, pattern in KINDS if re.search(pattern, name, re.IGNORECASE))
+
+
+def _trace_file(trace_dir: Path) -> Path:
+    files = sorted(Path(trace_dir).glob("plugins/profile/*/perfetto_trace.json.gz"))
+    if not files:
+        raise FileNotFoundError(f"{trace_dir}: no plugins/profile/*/perfetto_trace.json.gz; "
+                                "was it written by jax.profiler with create_perfetto_trace=True?")
+    return files[-1]
+
+
+def device_events(trace_dir: Path) -> list[tuple[str, float]]:
+    """(name, microseconds) of every complete event on a GPU process of the trace."""
+    with gzip.open(_trace_file(trace_dir)) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    gpu_pids = {e["pid"] for e in events
+                if e.get("ph") == "M" and e.get("name") == "process_name"
+                and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
+    return [(e["name"], float(e.get("dur", 0.0))) for e in events
+            if e.get("ph") == "X" and e.get("pid") in gpu_pids]
+
+
+def summarize(trace_dir: Path, steps: int) -> dict:
+    """Device milliseconds per step by kind, and the 15 longest kernels (ms per step)."""
+    events = device_events(trace_dir)
+    if not events:
+        raise ValueError(f"{trace_dir}: the trace has no GPU events")
+    by_kind: dict[str, float] = collections.defaultdict(float)
+    by_name: dict[str, float] = collections.defaultdict(float)
+    for name, us in events:
+        by_kind[_kind(name)] += us
+        by_name[name] += us
+    per_step = 1e-3 / steps
+    top = sorted(by_name.items(), key=lambda item: -item[1])[:15]
+    return {"steps": steps,
+            "ms_per_step": {kind: round(us * per_step, 3) for kind, us in
+                            sorted(by_kind.items(), key=lambda item: -item[1])},
+            "device_ms_per_step": round(sum(by_kind.values()) * per_step, 3),
+            "top_kernels_ms_per_step": [[name[:120], round(us * per_step, 3)] for name, us in top]}
+
+
+def print_summary(summary: dict) -> None:
+    print(f"device time per step: {summary['device_ms_per_step']:.2f} ms "
+          f"(over {summary['steps']} traced steps)")
+    for kind, ms in summary["ms_per_step"].items():
+        print(f"  {kind:<10}{ms:>9.2f} ms")
+    print("longest kernels (ms per step):")
+    for name, ms in summary["top_kernels_ms_per_step"]:
+        print(f"  {ms:>8.3f}  {name}")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("trace_dir", type=Path)
+    parser.add_argument("--steps", type=int, default=1, help="steps the trace covers")
+    args = parser.parse_args()
+    print_summary(summarize(args.trace_dir, args.steps))
+
+
+if __name__ == "__main__":
+    main()
