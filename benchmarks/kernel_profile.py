@@ -40,15 +40,25 @@ def _trace_file(trace_dir: Path) -> Path:
 
 
 def device_events(trace_dir: Path) -> list[tuple[str, float]]:
-    """(name, microseconds) of every complete event on a GPU process of the trace."""
+    """(name, microseconds) of every kernel and copy on a GPU stream of the trace.
+
+    A GPU process also has lines of XLA ops and modules spanning the same time as
+    its kernels; only the "Stream ..." threads are counted, so nothing counts twice.
+    """
     with gzip.open(_trace_file(trace_dir)) as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
-    gpu_pids = {e["pid"] for e in events
-                if e.get("ph") == "M" and e.get("name") == "process_name"
+    meta = [e for e in events if e.get("ph") == "M"]
+    gpu_pids = {e["pid"] for e in meta if e.get("name") == "process_name"
                 and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
+    threads = {(e["pid"], e.get("tid")): str(e.get("args", {}).get("name", "")) for e in meta
+               if e.get("name") == "thread_name" and e["pid"] in gpu_pids}
+    streams = {key for key, name in threads.items() if name.startswith("Stream")}
+    if not streams:
+        raise ValueError(f"{trace_dir}: no 'Stream' thread among the GPU's trace lines "
+                         f"{sorted(set(threads.values()))}")
     return [(e["name"], float(e.get("dur", 0.0))) for e in events
-            if e.get("ph") == "X" and e.get("pid") in gpu_pids]
+            if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams]
 
 
 def summarize(trace_dir: Path, steps: int) -> dict:

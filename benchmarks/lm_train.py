@@ -47,7 +47,11 @@ def run(backend: str, framework: str, steps: int, extra: list[str], profile_step
     result = {"backend": backend, "framework": framework, "steps": steps, "summary": summary,
               "metrics": metrics}
     if profile_steps:
-        result["profile"] = summarize(workdir / "profile", profile_steps)
+        try:
+            result["profile"] = summarize(workdir / "profile", profile_steps)
+        except (OSError, ValueError) as error:
+            result["profile_error"] = str(error)
+            print(f"profile: {error}", flush=True)
     return result
 
 

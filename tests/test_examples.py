@@ -167,12 +167,20 @@ def test_profiled_steps_write_a_trace_and_kernel_times_sum_by_kind(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import kernel_profile
 
-    gpu, host = 7, 1
+    gpu, host, stream, ops = 7, 1, 20, 3
     events = [{"ph": "M", "pid": gpu, "name": "process_name", "args": {"name": "/device:GPU:0"}},
-              {"ph": "M", "pid": host, "name": "process_name", "args": {"name": "/host:CPU"}}]
+              {"ph": "M", "pid": host, "name": "process_name", "args": {"name": "/host:CPU"}},
+              {"ph": "M", "pid": gpu, "tid": stream, "name": "thread_name",
+               "args": {"name": "Stream #20(Compute)"}},
+              {"ph": "M", "pid": gpu, "tid": ops, "name": "thread_name",
+               "args": {"name": "XLA Ops"}}]
     kernels = [("sm90_xmma_gemm_bf16", 300.0), ("cudnn_generated_sdpa_fwd", 200.0),
                ("loop_add_fusion", 50.0), ("Memcpy HtoD", 10.0), ("sm90_xmma_gemm_bf16", 100.0)]
-    events += [{"ph": "X", "pid": gpu, "name": n, "dur": us, "ts": 0} for n, us in kernels]
+    events += [{"ph": "X", "pid": gpu, "tid": stream, "name": n, "dur": us, "ts": 0}
+               for n, us in kernels]
+    # The same time seen as an XLA op, and a host event: neither counts.
+    events.append({"ph": "X", "pid": gpu, "tid": ops, "name": "gemm_fusion_dot", "dur": 400.0,
+                   "ts": 0})
     events.append({"ph": "X", "pid": host, "name": "sm90_xmma_gemm_bf16", "dur": 9e6, "ts": 0})
     fake = tmp_path / "fake" / "plugins" / "profile" / "run"
     fake.mkdir(parents=True)

@@ -273,8 +273,10 @@ class Prefetch:
 class StepProfiler:
     """Traces steps [start, start + steps) with jax.profiler into `directory` (steps 0: off).
 
-    The trace includes a Perfetto JSON (perfetto_trace.json.gz) that
-    benchmarks/kernel_profile.py sums into device time per kernel kind.
+    Only the training steps: the trace stops when the last one has finished, before
+    any logging, evaluation or checkpoint. It includes a Perfetto JSON
+    (perfetto_trace.json.gz) that benchmarks/kernel_profile.py sums into device
+    time per kernel kind.
     """
 
     def __init__(self, directory: pathlib.Path, start: int, steps: int):
@@ -285,12 +287,13 @@ class StepProfiler:
         if step == self.start and self.end > self.start:
             jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
             self.active = True
-        elif step == self.end:
+
+    def after_step(self, done: int) -> None:
+        if done == self.end:
             self.stop()
 
     def stop(self) -> None:
         if self.active:
-            jax.effects_barrier()
             jax.block_until_ready(jax.live_arrays())
             jax.profiler.stop_trace()
             self.active = False
@@ -366,6 +369,7 @@ def train_and_evaluate(config, workdir: str | pathlib.Path, task: Task,
             params, opt_state, metrics = train_step(params, opt_state, batch,
                                                     jnp.asarray(step, jnp.int32))
             done = step + 1
+            profiler.after_step(done)
             interval_steps += 1
             is_eval = done % tc.eval_every == 0 or done == num_steps
             if done % tc.log_every == 0 or done == 1 or is_eval:

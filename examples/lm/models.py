@@ -55,6 +55,17 @@ def sequence_descriptor(attention, segment_ids, positions) -> SequenceDescriptor
                                                        positions)
 
 
+def lookup(table: jax.Array, ids: jax.Array, dtype) -> jax.Array:
+    """Rows `ids` [...] of `table` [n, d] in `dtype`, as a one-hot matmul -> [..., d].
+
+    The gradient of a gather is a scatter-add into the table, which the GPU runs on
+    atomics that collide when many tokens share a row: with a byte vocabulary and
+    positions restarting in every packed document it took about a fifth of a step on
+    the H200. The one-hot matmul gives the same rows, and its gradient is a matmul.
+    """
+    return jax.nn.one_hot(ids, table.shape[0], dtype=dtype) @ table.astype(dtype)
+
+
 def build(model_config, attention, seed: int) -> Model:
     builders = {"nnx": _build_nnx, "equinox": _build_equinox}
     if model_config.framework not in builders:
@@ -98,7 +109,8 @@ def _build_nnx(c, attention, seed: int) -> Model:
             self.head = nnx.Linear(c.d_model, c.vocab_size, dtype=dtype, rngs=rngs)
 
         def __call__(self, inputs, positions, sequence, dropout_key):
-            x = self.embed(inputs) + self.pos_embed(positions)
+            x = (lookup(self.embed.embedding[...], inputs, dtype)
+                 + lookup(self.pos_embed.embedding[...], positions, dtype))
             for i, block in enumerate(self.blocks):
                 key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
                 call = (nnx.remat(lambda b, y: b(y, sequence, key)) if c.remat
@@ -170,7 +182,8 @@ def _build_equinox(c, attention, seed: int) -> Model:
 
         def __call__(self, inputs, positions, sequence, key):
             """inputs, positions [s] int; sequence: this example's descriptor -> [s, vocab]."""
-            x = self.embed.weight[inputs] + self.pos_embed.weight[positions]
+            x = (lookup(self.embed.weight, inputs, self.embed.weight.dtype)
+                 + lookup(self.pos_embed.weight, positions, self.embed.weight.dtype))
             for i, block in enumerate(self.blocks):
                 block_key = None if key is None else jax.random.fold_in(key, i)
                 call = eqx.filter_checkpoint(Block.__call__) if c.remat else Block.__call__
