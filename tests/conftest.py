@@ -16,6 +16,9 @@ import zlib
 # creates its backends.
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_gpu_deterministic_ops=true"]).strip()
+# Four host (CPU) devices for the device-mesh tests (tests/test_sharding.py).
+if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=4"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

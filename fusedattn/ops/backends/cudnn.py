@@ -43,9 +43,14 @@ What it serves (everything else is rejected by `supports` with the reason):
 - deterministic backward (config.deterministic_backward) through cuDNN's
   deterministic algorithm.
 
-Under jax.vmap a custom_vmap rule folds the mapped axis into the batch (one
-cuDNN call); a vmap over dropout keys or softmax offsets runs one call per
-example instead, since cuDNN takes one seed and one offset row per call.
+Under jax.vmap the mapped axis folds into the batch (one cuDNN call); a vmap
+over dropout keys or softmax offsets runs one call per example instead, since
+cuDNN takes one seed and one offset row per call. Under a device mesh the calls
+shard over the batch and head axes of q without gathering; dsink and the dbias
+of a shared bias, which cuDNN sums inside the call, are psummed over the sharded
+axes. With dropout the batch and heads stay unsharded (gathered): a shard
+cannot draw the unsharded call's mask from cuDNN's generator. Both through the
+shared mechanism of partitioning.py.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fusedattn.ops import _library
+from fusedattn.ops.backends import partitioning
 from fusedattn.ops.backends.base import CallShapes, CanonicalArgs, TokenInfo, guard
 from fusedattn.ops.enums import BiasType, SequenceFormat, SoftmaxType
 from fusedattn.ops.sequence import segment_runs
@@ -423,7 +429,7 @@ def _lengths_and_offsets(static: _Static, slots, q_shape, k_shape, v_shape):
         offsets(kv_token, b * skv, h_kv * d), offsets(kv_token, b * skv, h_kv * dv)])
 
 
-# ---- the FFI calls, batched by folding ------------------------------------------------
+# ---- the FFI calls, sharded and folded under vmap ----------------------------------
 
 def _forward_ffi(static: _Static, q, k, v, bias, slots, rng, sink):
     b, sq, h, _ = q.shape
@@ -449,64 +455,36 @@ def _backward_ffi(static: _Static, q, k, v, bias, slots, rng, sink, o, stats, do
       **static.attributes())
 
 
-_RNG, _SINK = 5, 6      # positions of the per-call operands: one dropout seed, one offset row
-_BIAS, _DBIAS = 3, 3    # the bias operand and its gradient among the outputs
-_PER_CALL_OUTPUTS = {4}  # dsink: cuDNN sums it over the batch
+# q, k, v, bias [b|1, h|1, sq, skv], slots, then the per-call rng and softmax offset row.
+_OPERANDS = ("b.h.", "b.g.", "b.g.", "BH..", "b..", ".", "h")
 
 
 @functools.lru_cache(maxsize=None)
 def _folding_op(static: _Static, backward: bool):
-    """The FFI call of one direction, whose jax.vmap folds the mapped axis into the batch.
+    """The FFI call of one direction, sharded over batch and heads, folded under vmap.
 
-    Row-wise operands (q, k, v, slots, o, stats, do and a bias with a batch axis)
-    are broadcast where unmapped and reshaped [n, b, ...] -> [n * b, ...]; the
-    segment offsets are computed after folding, so they index the folded arrays.
-    cuDNN takes one dropout seed and one row of softmax offsets per call, so when
-    either is mapped the rule runs one call per mapped example (jax.lax.map): exact,
-    but sequential.
+    The shared mechanism of fusedattn/ops/backends/partitioning.py. Under jax.vmap,
+    row-wise operands (q, k, v, slots, o, stats, do and a bias with a batch axis) are
+    broadcast where unmapped and reshaped [n, b, ...] -> [n * b, ...]; the segment
+    offsets are computed after folding (inside the call), so they index the folded
+    arrays. cuDNN takes one dropout seed and one row of softmax offsets per call, so
+    when either is mapped the rule runs one call per mapped example (jax.lax.map):
+    exact, but sequential. Under a mesh each device runs the call on its batch and head
+    shard; dsink (and dbias of a bias shared over the batch or heads), which cuDNN sums
+    inside the call, are psummed over the sharded axes. A shard cannot draw the
+    unsharded call's dropout mask from cuDNN's generator, so with dropout the batch
+    and heads stay unsharded (gathered).
     """
-    op = jax.custom_batching.custom_vmap(
-        functools.partial(_backward_ffi if backward else _forward_ffi, static))
+    return partitioning.op(functools.partial(_backward_ffi if backward else _forward_ffi, static),
+                           _signature(static.dropout_rate > 0, backward))
 
-    @op.def_vmap
-    def rule(axis_size, in_batched, *args):
-        if in_batched[_RNG] or in_batched[_SINK]:
-            mapped = [a for a, batched in zip(args, in_batched) if batched]
 
-            def one(example):
-                values = iter(example)
-                return op(*(next(values) if batched else a for a, batched in zip(args, in_batched)))
-
-            outs = jax.lax.map(one, mapped)
-            return outs, jax.tree.map(lambda _: True, outs)
-        rows = args[0].shape[1] if in_batched[0] else args[0].shape[0]
-        bias_rows = args[_BIAS].shape[1] if in_batched[_BIAS] else args[_BIAS].shape[0]
-        shared_bias = not in_batched[_BIAS] and bias_rows == 1
-        folded = []
-        for i, (a, batched) in enumerate(zip(args, in_batched)):
-            if i in (_RNG, _SINK) or (i == _BIAS and shared_bias):
-                folded.append(a)
-                continue
-            if not batched:
-                a = jnp.broadcast_to(a, (axis_size,) + a.shape)
-            if i == _BIAS:
-                a = jnp.broadcast_to(a, (axis_size, rows) + a.shape[2:])
-            folded.append(a.reshape((-1,) + a.shape[2:]))
-        outs = op(*folded)
-        unfolded, batched_out = [], []
-        for i, out in enumerate(outs):
-            if i in _PER_CALL_OUTPUTS or (backward and i == _DBIAS and shared_bias):
-                unfolded.append(out)
-                batched_out.append(False)
-                continue
-            out = out.reshape((axis_size, -1) + out.shape[1:])
-            if backward and i == _DBIAS and bias_rows == 1:
-                out = jnp.sum(out, axis=1, keepdims=True)
-            unfolded.append(out)
-            batched_out.append(True)
-        return tuple(unfolded), tuple(batched_out)
-
-    return op
+def _signature(dropout: bool, backward: bool) -> partitioning.Signature:
+    if backward:
+        return partitioning.Signature(
+            _OPERANDS + ("b.h.", "bh..", "b.h."), ("b.h.", "b.g.", "b.g.", "BH..", "h"),
+            batch_sums=frozenset({4}), dropout=dropout)
+    return partitioning.Signature(_OPERANDS, ("b.h.", "bh.."), dropout=dropout)
 
 
 # ---- the op --------------------------------------------------------------------------

@@ -16,12 +16,15 @@ is two XLA FFI calls around a `jax.custom_vjp`:
 with q [b, sq, h, d], k [b, skv, h_kv, d], v [b, skv, h_kv, dv] (one dtype:
 float32, bfloat16 or float16), the int32 token vectors of base.TokenInfo,
 softmax_offset float32 [h], seed uint32 [2], o [b, sq, h, dv], lse float32
-[b, h, sq] and d_offset float32 [b, h] (summed over b here). The calls use
-vmap_method="broadcast_all": under jax.vmap every operand gets the mapped axes
-prepended and the kernel folds them into its batch (never a loop); operands
-with fewer rows (softmax_offset, seed) serve batch row r with their row
-r // (B / L), and the dropout mask of a mapped example is that of the
-unbatched call.
+[b, h, sq] and d_offset float32 [b, h] (summed over b here). softmax_offset
+and seed reach the kernels with a leading axis of rows ([L, h], [L, 2]): batch
+row r reads row r // (B / L). Both calls go through partitioning.py: under
+jax.vmap the mapped axis folds into the kernel's batch (never a loop; mapped
+offsets and seeds become rows, so the dropout mask of a mapped example is that
+of the unbatched call), and under a device mesh the calls shard over the batch
+and head axes of q without gathering. The dropout mask is keyed by the global
+(batch, head) indices, so with dropout the heads stay unsharded and the batch
+shards only with per-example seeds (a vmap over keys) that split with it.
 
 The forward saves o and lse (float32 log-sum-exp of the scaled scores and the
 softmax sink; +inf for a query with no visible key, whose output and gradients
@@ -38,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fusedattn.ops import _library
+from fusedattn.ops.backends import partitioning
 from fusedattn.ops.backends.base import CallShapes, CanonicalArgs
 from fusedattn.ops.enums import BiasType, SoftmaxType
 from fusedattn.ops.spec import AttentionSpec
@@ -74,16 +78,47 @@ class _Static(NamedTuple):
         )
 
 
-def _forward_call(static: _Static, q, k, v, offset, seed, tokens):
+def _forward(static: _Static, q, k, v, *operands):
     b, sq, h, _ = q.shape
-    dv = v.shape[-1]
-    call = jax.ffi.ffi_call(
+    return jax.ffi.ffi_call(
         FWD_TARGET,
-        (jax.ShapeDtypeStruct((b, sq, h, dv), q.dtype),
+        (jax.ShapeDtypeStruct((b, sq, h, v.shape[-1]), q.dtype),
          jax.ShapeDtypeStruct((b, h, sq), jnp.float32)),
-        vmap_method="broadcast_all",
-    )
-    return call(q, k, v, *tokens, offset, seed, **static.attributes())
+    )(q, k, v, *operands, **static.attributes())
+
+
+def _backward(static: _Static, q, k, v, *operands):
+    b, _, h, _ = q.shape
+    return jax.ffi.ffi_call(
+        BWD_TARGET,
+        (jax.ShapeDtypeStruct(q.shape, q.dtype),
+         jax.ShapeDtypeStruct(k.shape, k.dtype),
+         jax.ShapeDtypeStruct(v.shape, v.dtype),
+         jax.ShapeDtypeStruct((b, h), jnp.float32)),
+    )(q, k, v, *operands, **static.attributes())
+
+
+# q, k, v, the five token vectors, then the per-row offset [L, h] and seed [L, 2].
+_OPERANDS = ("b.h.", "b.g.", "b.g.") + ("b.",) * 5 + ("rh", "r.")
+_SEED = len(_OPERANDS) - 1
+
+
+@functools.lru_cache(maxsize=None)
+def _op(static: _Static, backward: bool):
+    """The FFI call of one direction, sharded over batch and heads, folded under vmap."""
+    dropout = static.dropout_rate > 0
+    if backward:
+        signature = partitioning.Signature(
+            _OPERANDS + ("b.h.", "bh.", "b.h."), ("b.h.", "b.g.", "b.g.", "bh"),
+            dropout=dropout, dropout_rows=_SEED)
+        return partitioning.op(functools.partial(_backward, static), signature)
+    signature = partitioning.Signature(_OPERANDS, ("b.h.", "bh."), dropout=dropout,
+                                       dropout_rows=_SEED)
+    return partitioning.op(functools.partial(_forward, static), signature)
+
+
+def _forward_call(static: _Static, q, k, v, offset, seed, tokens):
+    return _op(static, False)(q, k, v, *tokens, offset[None], seed[None])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -100,17 +135,8 @@ def _flash_fwd(static: _Static, q, k, v, offset, seed, q_seg, q_pos, q_diag, kv_
 
 def _flash_bwd(static: _Static, residuals, do):
     q, k, v, offset, seed, tokens, o, lse = residuals
-    b, _, h, _ = q.shape
-    call = jax.ffi.ffi_call(
-        BWD_TARGET,
-        (jax.ShapeDtypeStruct(q.shape, q.dtype),
-         jax.ShapeDtypeStruct(k.shape, k.dtype),
-         jax.ShapeDtypeStruct(v.shape, v.dtype),
-         jax.ShapeDtypeStruct((b, h), jnp.float32)),
-        vmap_method="broadcast_all",
-    )
-    dq, dk, dv, d_offset = call(q, k, v, *tokens, offset, seed, o, lse, do.astype(o.dtype),
-                                **static.attributes())
+    dq, dk, dv, d_offset = _op(static, True)(q, k, v, *tokens, offset[None], seed[None], o, lse,
+                                             do.astype(o.dtype))
     if static.softmax_type == _SOFTMAX_TYPES[SoftmaxType.LEARNABLE]:
         d_offset = jnp.sum(d_offset, axis=0)
     else:

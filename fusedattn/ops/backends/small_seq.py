@@ -26,6 +26,12 @@ bounds; the guard below checks it on the device, without a host sync:
 
 The forward saves only its output: with at most 16 keys the backward
 recomputes the scores from q and k, which it reads anyway for dq and dk.
+
+Both calls go through partitioning.py: jax.vmap folds into the kernel's batch
+(the seed reaches the kernels as rows [L, 2]), and under a device mesh the calls
+shard over the batch and head axes of q without gathering; with dropout (masks
+keyed by global batch and head indices) only per-example seeds let the batch
+shard, and the heads stay unsharded.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fusedattn.ops import _library
+from fusedattn.ops.backends import partitioning
 from fusedattn.ops.backends.base import CallShapes, CanonicalArgs, TokenInfo, guard
 from fusedattn.ops.enums import BiasType, MaskType, SoftmaxType
 from fusedattn.ops.sequence import segment_occurrences
@@ -129,11 +136,43 @@ def _guard_message(spec: AttentionSpec, max_keys: int) -> str:
             "data, or use backend='xla'.")
 
 
+def _attributes(scale, rate, max_keys) -> dict:
+    return dict(scale=np.float32(scale), dropout_rate=np.float64(rate),
+                max_keys=np.int64(max_keys))
+
+
+def _forward(static, q, k, v, *operands):
+    return jax.ffi.ffi_call(FWD_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))(
+        q, k, v, *operands, **_attributes(*static))
+
+
+def _backward(static, q, k, v, *operands):
+    return jax.ffi.ffi_call(
+        BWD_TARGET,
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+         jax.ShapeDtypeStruct(v.shape, v.dtype)))(q, k, v, *operands, **_attributes(*static))
+
+
+# q, k, v, kv_start, kv_len, then the per-row seed [L, 2].
+_OPERANDS = ("b.h.", "b.g.", "b.g.", "b.", "b.", "r.")
+_SEED = 5
+
+
+@functools.lru_cache(maxsize=None)
+def _op(scale: float, rate: float, max_keys: int, backward: bool):
+    """The FFI call of one direction, sharded over batch and heads, folded under vmap."""
+    static = (scale, rate, max_keys)
+    if backward:
+        signature = partitioning.Signature(_OPERANDS + ("b.h.", "b.h."), ("b.h.", "b.g.", "b.g."),
+                                           dropout=rate > 0, dropout_rows=_SEED)
+        return partitioning.op(functools.partial(_backward, static), signature)
+    signature = partitioning.Signature(_OPERANDS, ("b.h.",), dropout=rate > 0, dropout_rows=_SEED)
+    return partitioning.op(functools.partial(_forward, static), signature)
+
+
 def _forward_call(q, k, v, kv_start, kv_len, seed, scale, rate, max_keys):
-    return jax.ffi.ffi_call(FWD_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype),
-                            vmap_method="broadcast_all")(
-        q, k, v, kv_start, kv_len, seed,
-        scale=np.float32(scale), dropout_rate=np.float64(rate), max_keys=np.int64(max_keys))
+    (o,) = _op(scale, rate, max_keys, False)(q, k, v, kv_start, kv_len, seed[None])
+    return o
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
@@ -148,13 +187,8 @@ def _small_seq_fwd(q, k, v, kv_start, kv_len, seed, scale, rate, max_keys):
 
 def _small_seq_bwd(scale, rate, max_keys, residuals, do):
     q, k, v, kv_start, kv_len, seed, o = residuals
-    dq, dk, dv = jax.ffi.ffi_call(
-        BWD_TARGET,
-        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-         jax.ShapeDtypeStruct(v.shape, v.dtype)),
-        vmap_method="broadcast_all")(
-        q, k, v, kv_start, kv_len, seed, o, do.astype(o.dtype),
-        scale=np.float32(scale), dropout_rate=np.float64(rate), max_keys=np.int64(max_keys))
+    dq, dk, dv = _op(scale, rate, max_keys, True)(q, k, v, kv_start, kv_len, seed[None], o,
+                                                  do.astype(o.dtype))
     return dq, dk, dv, None, None, None
 
 
