@@ -20,14 +20,16 @@ summary+=("build: ok ($(grep -c 'Building CUDA' "$OUT/build.log") CUDA objects)"
 
 # PYTEST_ARGS picks the tests (default: the whole suite); all of them run with the GPU
 # as JAX's default device, so the compiled backends run their CUDA kernels.
-# TEST_TIMEOUT (seconds, 0 = none) leaves time for the benchmarks after the tests.
+# TEST_TIMEOUT (seconds, 0 = none) leaves time for the benchmarks after the tests;
+# BENCH_TIMEOUT bounds each benchmark the same way.
 timeout "${TEST_TIMEOUT:-0}" python3 -m pytest -q -p no:cacheprovider -rA ${PYTEST_ARGS:-tests} > "$OUT/tests.log" 2>&1
 summary+=("tests on the GPU (${PYTEST_ARGS:-tests}): $(tail -1 "$OUT/tests.log")")
 gpu_tests=$(python3 -m pytest -q -p no:cacheprovider --collect-only -m gpu ${PYTEST_ARGS:-tests} 2>/dev/null | tail -1)
 summary+=("GPU-marked tests among them (collected with -m gpu): ${gpu_tests}")
 
 for name in "$@"; do
-  python3 "benchmarks/$name.py" --out "$OUT/$name.json" ${BENCH_ARGS:-} > "$OUT/bench_$name.log" 2>&1
+  timeout "${BENCH_TIMEOUT:-0}" python3 "benchmarks/$name.py" --out "$OUT/$name.json" ${BENCH_ARGS:-} \
+    > "$OUT/bench_$name.log" 2>&1
   summary+=("benchmark $name: exit $? (table below)")
 done
 
