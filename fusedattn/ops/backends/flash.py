@@ -106,15 +106,12 @@ _SEED = len(_OPERANDS) - 1
 @functools.lru_cache(maxsize=None)
 def _op(static: _Static, backward: bool):
     """The FFI call of one direction, sharded over batch and heads, folded under vmap."""
-    dropout = static.dropout_rate > 0
-    if backward:
-        signature = partitioning.Signature(
-            _OPERANDS + ("b.h.", "bh.", "b.h."), ("b.h.", "b.g.", "b.g.", "bh"),
-            dropout=dropout, dropout_rows=_SEED)
-        return partitioning.op(functools.partial(_backward, static), signature)
-    signature = partitioning.Signature(_OPERANDS, ("b.h.", "bh."), dropout=dropout,
+    operands, results = ((_OPERANDS + ("b.h.", "bh.", "b.h."), ("b.h.", "b.g.", "b.g.", "bh"))
+                         if backward else (_OPERANDS, ("b.h.", "bh.")))
+    signature = partitioning.Signature(operands, results, dropout=static.dropout_rate > 0,
                                        dropout_rows=_SEED)
-    return partitioning.op(functools.partial(_forward, static), signature)
+    return partitioning.op(functools.partial(_backward if backward else _forward, static),
+                           signature)
 
 
 def _forward_call(static: _Static, q, k, v, offset, seed, tokens):

@@ -54,8 +54,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.custom_partitioning import (
     ArrayMapping, CompoundFactor, SdyShardingRule, custom_partitioning)
-from jax._src.lib.mlir import ir
 from jax._src.sharding_impls import GSPMDSharding
+from jax.interpreters.mlir import ir
 from jax.sharding import NamedSharding, PartitionSpec
 
 _ROLES = frozenset("bBhHgr.")

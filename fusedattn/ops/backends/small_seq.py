@@ -161,13 +161,11 @@ _SEED = 5
 @functools.lru_cache(maxsize=None)
 def _op(scale: float, rate: float, max_keys: int, backward: bool):
     """The FFI call of one direction, sharded over batch and heads, folded under vmap."""
-    static = (scale, rate, max_keys)
-    if backward:
-        signature = partitioning.Signature(_OPERANDS + ("b.h.", "b.h."), ("b.h.", "b.g.", "b.g."),
-                                           dropout=rate > 0, dropout_rows=_SEED)
-        return partitioning.op(functools.partial(_backward, static), signature)
-    signature = partitioning.Signature(_OPERANDS, ("b.h.",), dropout=rate > 0, dropout_rows=_SEED)
-    return partitioning.op(functools.partial(_forward, static), signature)
+    operands, results = ((_OPERANDS + ("b.h.", "b.h."), ("b.h.", "b.g.", "b.g."))
+                         if backward else (_OPERANDS, ("b.h.",)))
+    signature = partitioning.Signature(operands, results, dropout=rate > 0, dropout_rows=_SEED)
+    return partitioning.op(
+        functools.partial(_backward if backward else _forward, (scale, rate, max_keys)), signature)
 
 
 def _forward_call(q, k, v, kv_start, kv_len, seed, scale, rate, max_keys):
