@@ -29,6 +29,7 @@ def attention_config() -> ml_collections.ConfigDict:
     config.sequence.max_segments_per_seq = 1
     config.sequence.max_seqlen_q = config_dict.placeholder(int)
     config.sequence.max_seqlen_kv = config_dict.placeholder(int)
+    config.sequence.check_bounds = True
 
     config.small_seq = ml_collections.ConfigDict()
     config.small_seq.enabled = False

@@ -39,6 +39,7 @@ DEFAULTS = {
     "sequence.max_segments_per_seq": 1,
     "sequence.max_seqlen_q": None,
     "sequence.max_seqlen_kv": None,
+    "sequence.check_bounds": True,
     "small_seq.enabled": False,
 }
 
@@ -57,6 +58,7 @@ BAD_VALUES = {
     "sequence.max_segments_per_seq": [0, -1, 1.5, "2", True, None],
     "sequence.max_seqlen_q": [0, -1, 2.5, "8", True],
     "sequence.max_seqlen_kv": [0, -3, 1.0, "16", False],
+    "sequence.check_bounds": ["no", 2, None, 0.5],
     "small_seq.enabled": ["yes", 2, None, 0.5],
 }
 # What each key's message must mention as the accepted values.
@@ -66,6 +68,7 @@ EXPECTED_HINT = {
     "window_size": "(left, right)",
     "deterministic_backward": "True or False",
     "small_seq.enabled": "True or False",
+    "sequence.check_bounds": "True or False",
     "sequence.max_segments_per_seq": ">= 1",
     "sequence.max_seqlen_q": ">= 1",
     "sequence.max_seqlen_kv": ">= 1",
@@ -183,13 +186,14 @@ def test_every_documented_choice_is_accepted(key, value):
     ("dropout_rate", 0.0), ("dropout_rate", 0.999), ("scale", 1e-3), ("scale", 4.0),
     ("window_size", (0, 0)), ("window_size", (-1, 5)), ("window_size", (7, -1)),
     ("deterministic_backward", True), ("sequence.max_segments_per_seq", 8),
-    ("sequence.max_seqlen_q", 1), ("sequence.max_seqlen_kv", 4096), ("small_seq.enabled", True),
+    ("sequence.max_seqlen_q", 1), ("sequence.max_seqlen_kv", 4096), ("sequence.check_bounds", False),
+    ("small_seq.enabled", True),
 ])
 def test_numeric_values_in_range_are_accepted(key, value):
     spec = AttentionSpec.from_config(_with(key, value))
     field = {"sequence.max_segments_per_seq": "max_segments_per_seq",
              "sequence.max_seqlen_q": "max_seqlen_q", "sequence.max_seqlen_kv": "max_seqlen_kv",
-             "small_seq.enabled": "small_seq_enabled"}.get(key, key)
+             "sequence.check_bounds": "check_bounds", "small_seq.enabled": "small_seq_enabled"}.get(key, key)
     assert getattr(spec, field) == value
 
 

@@ -188,6 +188,23 @@ def test_guard_reports_through_checkify(rng):
     assert error.get() is None and np.all(np.isfinite(np.asarray(out)))
 
 
+def test_check_bounds_off_drops_the_checkify_effect_and_keeps_the_nan_marks(rng):
+    qkv, config, sequence = broken_bound_call(rng)
+    # A fresh function per trace: jax caches a function's trace across config changes.
+    effects = lambda: jax.make_jaxpr(lambda *a: fused_attn(a, config=config, sequence=sequence))(
+        *qkv).effects
+    assert effects(), "the default reports through checkify"
+    config.sequence.check_bounds = False
+    assert not effects(), "check_bounds=False must leave no effect"
+    attend = lambda *a: fused_attn(a, config=config, sequence=sequence)
+    error, out = checkify.checkify(jax.jit(attend))(*qkv)
+    assert error.get() is None
+    out = np.asarray(out)
+    assert np.all(np.isnan(out[1])) and np.all(np.isfinite(out[[0, 2]]))
+    with pytest.raises(ValueError, match=r"max_seqlen_kv=4"):  # eager use still raises
+        attend(*qkv)
+
+
 def test_guard_rejects_two_queries_in_one_segment(rng):
     q = random_array(rng, (1, 2, 2, 64))
     k, v = random_array(rng, (1, 4, 2, 64)), random_array(rng, (1, 4, 2, 64))

@@ -19,7 +19,8 @@ _TOP_KEYS = (
     "backend", "qkv_layout", "mask", "bias", "softmax", "dropout_rate", "scale",
     "window_size", "deterministic_backward", "sequence", "small_seq",
 )
-_SEQUENCE_KEYS = ("format", "max_segments_per_seq", "max_seqlen_q", "max_seqlen_kv")
+_SEQUENCE_KEYS = ("format", "max_segments_per_seq", "max_seqlen_q", "max_seqlen_kv",
+                  "check_bounds")
 _SMALL_SEQ_KEYS = ("enabled",)
 
 
@@ -40,6 +41,9 @@ class AttentionSpec:
     max_segments_per_seq: int = 1
     max_seqlen_q: int | None = None
     max_seqlen_kv: int | None = None
+    # Under tracing, report data that breaks the declared bounds through checkify
+    # (base.guard); the kernels' NaN marks and the eager error stay either way.
+    check_bounds: bool = True
     small_seq_enabled: bool = False
 
     @classmethod
@@ -75,6 +79,7 @@ class AttentionSpec:
             max_seqlen_q=_optional_positive_int(sequence.get("max_seqlen_q"), "sequence.max_seqlen_q"),
             max_seqlen_kv=_optional_positive_int(sequence.get("max_seqlen_kv"),
                                                  "sequence.max_seqlen_kv"),
+            check_bounds=_bool(sequence.get("check_bounds", True), "sequence.check_bounds"),
             small_seq_enabled=_bool(small_seq.get("enabled", False), "small_seq.enabled"),
         )
         return spec

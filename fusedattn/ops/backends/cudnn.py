@@ -636,7 +636,7 @@ class CudnnBackend:
         segments = None
         if static.segments:
             segments = _segments(static, args)
-            guard(segments.broken, _guard_message(spec, static))
+            guard(segments.broken, _guard_message(spec, static), spec)
         return _cudnn(static, q, k, v, bias, rng, sink, segments)
 
 

@@ -103,7 +103,7 @@ class SmallSeqBackend:
     def attention(self, spec: AttentionSpec, args: CanonicalArgs, scale: float) -> jax.Array:
         max_keys = key_bound(spec, args.k.shape[1])
         kv_start, kv_len = key_ranges(args.tokens, max_keys)
-        guard(kv_len < 0, _guard_message(spec, max_keys))
+        guard(kv_len < 0, _guard_message(spec, max_keys), spec)
         rate = spec.dropout_rate if args.dropout_seed is not None else 0.0
         seed = (jnp.zeros((2,), jnp.uint32) if args.dropout_seed is None
                 else args.dropout_seed.astype(jnp.uint32))
