@@ -16,12 +16,15 @@ H200_HBM_BYTES_PER_S = 4.8e12
 H200_MEASURED_MATMUL_FLOPS = 790e12  # a large bf16 matmul measured on the H200 (ANCHORS.md)
 
 
-def parse_args(default_out: str) -> argparse.Namespace:
+def parse_args(default_out: str, add_arguments=None) -> argparse.Namespace:
+    """The common flags, plus a benchmark's own through add_arguments(parser)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=default_out, help="where to write the JSON results")
     parser.add_argument("--repeats", type=int, default=7, help="timed repeats (median reported)")
     parser.add_argument("--iters", type=int, default=10, help="calls per timed repeat")
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
+    if add_arguments is not None:
+        add_arguments(parser)
     return parser.parse_args()
 
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 import fusedattn
 from fusedattn.ops import SequenceDescriptor, fused_attn
+from fusedattn.ops import _library
 from fusedattn.ops.backends import small_seq
 
 from common import H200_HBM_BYTES_PER_S, median_ms, parse_args, random_normal, write_results
@@ -52,6 +53,9 @@ def jax_attention(implementation):
 
 def ours_kernel_only(q, k, v, kv_len):
     """Diagnostic: the kernels alone, without the descriptor -> key-range pre-pass and guard."""
+    unavailable = _library.available(jax.default_backend())  # fused_attn would load it
+    if unavailable:
+        raise RuntimeError(unavailable)
     kv_start = jnp.zeros((q.shape[0], 1), jnp.int32)
     return small_seq._small_seq(q, k, v, kv_start, kv_len[:, None], jnp.zeros((2,), jnp.uint32),
                                 q.shape[-1] ** -0.5, 0.0, k.shape[1])
@@ -82,14 +86,22 @@ def floor_bytes(b, s_kv, d, itemsize, pass_name):
     return forward if pass_name == "fwd" else forward + (q + kv + o + o) + (q + kv)
 
 
+def add_arguments(parser):
+    parser.add_argument("--impls", default=",".join(IMPLS),
+                        help=f"comma-separated subset of {', '.join(IMPLS)}")
+    parser.add_argument("--s-kv", default=",".join(map(str, S_KV)),
+                        help="comma-separated key counts")
+
+
 def main():
-    args = parse_args("benchmarks/results/small_seq.json")
+    args = parse_args("benchmarks/results/small_seq.json", add_arguments)
+    impls = {name: IMPLS[name] for name in args.impls.split(",")}
     shapes = [(30720, 128), (4000, 128), (30720, 256)]
     if args.quick:
         shapes = shapes[:1]
     rows = []
     for b, d in shapes:
-        for s_kv in S_KV:
+        for s_kv in map(int, args.s_kv.split(",")):
             keys = jax.random.split(jax.random.key(s_kv * 1000 + d), 4)
             q = random_normal(keys[0], (b, 1, HEADS, d), jnp.bfloat16)
             k = random_normal(keys[1], (b, s_kv, HEADS, d), jnp.bfloat16)
@@ -97,7 +109,7 @@ def main():
             do = random_normal(keys[3], (b, 1, HEADS, d), jnp.bfloat16)
             kv_len = jnp.full((b,), s_kv, jnp.int32)
             shape = {"b": b, "h": HEADS, "d": d, "s_kv": s_kv, "s_q": 1}
-            for impl, attend in IMPLS.items():
+            for impl, attend in impls.items():
                 for pass_name, fn in passes(attend).items():
                     row = {"name": f"b{b}_d{d}_skv{s_kv}", "shape": shape, "impl": impl,
                            "pass": pass_name}

@@ -1,0 +1,110 @@
+"""Tuning the small_seq kernels' launch plans on the GPU machine.
+
+Each variant is a set of literal edits to ops_cuda/cuda/small_seq.cu (its plan
+constants: rows per batch, the occupancy floor of __launch_bounds__). For each,
+a patched copy of the source tree builds the op libraries with CMake (the
+variants in parallel, sm_90 only, without cuDNN), then benchmarks/small_seq.py
+times the kernels alone with FUSEDATTN_LIB_DIR pointing at that build. The
+table compares every variant with "as_is" (the source unchanged).
+
+    python benchmarks/small_seq_sweep.py --out $OUT/sweep bwd16_b16_m3 bwd16_b8_m4
+
+--phase build only builds (so the builds can overlap other GPU work), --phase time
+reuses the builds under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = "ops_cuda/cuda/small_seq.cu"
+
+# BackwardPlan: 16-key batches of 32 vectors per lane (16 rows of 2 vectors) under 2 blocks/SM.
+_BWD16_BATCH = "kWide ? 4 : 32) / kVecsPerLane;"
+_BWD16_BLOCKS = "if (n == 16) return 2;"
+
+
+def _bwd16(batch_vectors: int, blocks: int) -> dict[str, str]:
+    return {_BWD16_BATCH: f"kWide ? 4 : {batch_vectors}) / kVecsPerLane;",
+            _BWD16_BLOCKS: f"if (n == 16) return {blocks};"}
+
+
+VARIANTS: dict[str, dict[str, str]] = {
+    "as_is": {},
+    "bwd16_b16_m2": _bwd16(16, 2),
+    "bwd16_b16_m3": _bwd16(16, 3),
+    "bwd16_b16_m4": _bwd16(16, 4),
+    "bwd16_b8_m4": _bwd16(8, 4),
+    "bwd16_b32_m3": _bwd16(32, 3),
+}
+
+
+def build(name: str, edits: dict[str, str], work: Path) -> None:
+    """Builds the op libraries of one variant into work/name/build."""
+    tree = work / name
+    if tree.exists():
+        shutil.rmtree(tree)
+    shutil.copytree(ROOT / "ops_cuda", tree / "ops_cuda")
+    shutil.copy(ROOT / "CMakeLists.txt", tree)
+    source = (tree / SOURCE).read_text()
+    for old, new in edits.items():
+        if source.count(old) != 1:
+            raise SystemExit(f"variant {name}: {old!r} must occur once in {SOURCE}")
+        source = source.replace(old, new)
+    (tree / SOURCE).write_text(source)
+    log = work / f"{name}.build.log"
+    with log.open("w") as out:
+        for command in (["cmake", "-S", str(tree), "-B", str(tree / "build"), "-G", "Ninja",
+                         "-DFUSEDATTN_CUDA_ARCHS=90", "-DFUSEDATTN_ENABLE_CUDNN=OFF",
+                         f"-DPython_EXECUTABLE={sys.executable}"],
+                        ["cmake", "--build", str(tree / "build"), "-j", "4"]):
+            if subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode:
+                raise SystemExit(f"variant {name}: build failed, see {log}")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("variants", nargs="+", choices=sorted(VARIANTS))
+    parser.add_argument("--out", required=True, help="directory for builds, logs and results")
+    parser.add_argument("--s-kv", default="8,12,16")
+    parser.add_argument("--impls", default="small_seq_kernel")
+    parser.add_argument("--phase", choices=("build", "time", "all"), default="all")
+    args = parser.parse_args()
+    work = Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    names = ["as_is"] + [v for v in args.variants if v != "as_is"]
+    if args.phase != "time":
+        with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
+            list(pool.map(lambda n: build(n, VARIANTS[n], work), names))
+    if args.phase == "build":
+        return
+    libs = {name: work / name / "build" for name in names}
+
+    times: dict[str, dict[tuple, float]] = {}
+    for name in names:
+        result = work / f"{name}.json"
+        subprocess.run([sys.executable, str(ROOT / "benchmarks/small_seq.py"), "--quick",
+                        "--impls", args.impls, "--s-kv", args.s_kv, "--out", str(result)],
+                       env={**os.environ, "FUSEDATTN_LIB_DIR": str(libs[name]),
+                            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
+                       check=True,
+                       stdout=subprocess.DEVNULL)
+        rows = json.loads(result.read_text())["rows"]
+        times[name] = {(r["name"], r["impl"], r["pass"]): r["ms"] for r in rows}
+
+    keys = sorted(times["as_is"])
+    print(f"\n{'variant':<16}" + "".join(f"{k[0].rsplit('_', 1)[-1] + ' ' + k[2]:>16}" for k in keys))
+    for name in names:
+        print(f"{name:<16}" + "".join(f"{times[name].get(k) or float('nan'):>16.3f}" for k in keys))
+
+
+if __name__ == "__main__":
+    main()
