@@ -20,10 +20,12 @@ summary+=("build: ok ($(grep -c 'Building CUDA' "$OUT/build.log") CUDA objects)"
 
 # PYTEST_ARGS picks the tests (default: the whole suite); all of them run with the GPU
 # as JAX's default device, so the compiled backends run their CUDA kernels.
-# TEST_TIMEOUT (seconds, 0 = none) leaves time for the benchmarks after the tests;
+# TEST_TIMEOUT (seconds per shard, 0 = none) leaves time for the benchmarks after the tests;
 # BENCH_TIMEOUT bounds each benchmark the same way.
-timeout "${TEST_TIMEOUT:-0}" python3 -m pytest -q -p no:cacheprovider -rA ${PYTEST_ARGS:-tests} > "$OUT/tests.log" 2>&1
-summary+=("tests on the GPU (${PYTEST_ARGS:-tests}): $(tail -1 "$OUT/tests.log")")
+# The tests run in SHARDS pytest processes side by side (default 4).
+summary+=("tests on the GPU (${PYTEST_ARGS:-tests}), by shard:")
+while read -r line; do summary+=("  $line"); done < <(
+  LOG_DIR="$OUT" bash scripts/pytest_shards.sh ${PYTEST_ARGS:-tests})
 gpu_tests=$(python3 -m pytest -q -p no:cacheprovider --collect-only -m gpu ${PYTEST_ARGS:-tests} 2>/dev/null | tail -1)
 summary+=("GPU-marked tests among them (collected with -m gpu): ${gpu_tests}")
 
