@@ -424,6 +424,67 @@ def test_vmap_over_learnable_offsets_uses_each_examples_offsets(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", ["bias_and_offset", "padded_offset", "packed_offset"])
+def test_vmap_of_grad_gives_per_example_gradients_of_shared_operands(rng, case):
+    """jax.vmap(jax.grad(f)) with the softmax offset (and a bias [1, h, sq, skv]) unmapped:
+    one folded call each way, and each example's dsink (from cuDNN's statistics, in its
+    per-slot layout when padded or packed) and dbias equal the XLA backend's for that
+    example alone. Also jax.grad(jax.vmap(f)): their sum."""
+    n, b, s, h = 3, 2, 64, 4
+    q, k, v = (x.reshape((n, b) + x.shape[1:])
+               for x in inputs(rng, n * b, s, s, h, h, 64, jnp.bfloat16))
+    w = random_array(rng, q.shape, jnp.bfloat16)
+    offset = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    bias, lengths = None, None
+    if case == "bias_and_offset":
+        config = make_config(mask="causal", softmax="learnable", bias="post_scale_bias")
+        bias = random_array(rng, (1, h, s, s), jnp.bfloat16)
+    elif case == "padded_offset":
+        config = make_config(mask="padding_causal", softmax="learnable",
+                             sequence={"format": "seqlens"})
+        lengths = jnp.asarray(rng.integers(1, s + 1, (n, b)), jnp.int32)
+    else:
+        config = make_config(mask="padding_causal", softmax="learnable",
+                             qkv_layout="thd_thd_thd",
+                             sequence={"format": "seqlens_offsets", "max_segments_per_seq": 2})
+        lengths = jnp.asarray(np.broadcast_to([[40, 24]], (n, b, 2)), jnp.int32)
+
+    def sequence_of(lengths):
+        if case == "padded_offset":
+            return SequenceDescriptor.from_seqlens(lengths, lengths)
+        offsets = jnp.concatenate([jnp.zeros_like(lengths[:, :1]), jnp.cumsum(lengths, 1)], 1)
+        return SequenceDescriptor.from_seqlens_and_offsets(lengths, lengths, offsets, offsets)
+
+    def loss(q, k, v, w, lengths, offset, *bias):
+        out = fused_attn((q, k, v), config=config, softmax_offset=offset,
+                         bias=bias[0] if bias else None,
+                         sequence=None if lengths is None else sequence_of(lengths))
+        return jnp.sum(out.astype(jnp.float32) * w.astype(jnp.float32))
+
+    shared = (offset,) if bias is None else (offset, bias)
+    skip_if_cudnn_refuses(config, (q[0], k[0], v[0]), bias=bias,
+                          sequence=None if lengths is None else sequence_of(lengths[0]))
+    grad = jax.grad(loss, argnums=tuple(range(5, 5 + len(shared))))
+    axes = (0, 0, 0, 0, None if lengths is None else 0) + (None,) * len(shared)
+    config.backend = "cudnn"
+    per_example = jax.jit(jax.vmap(grad, in_axes=axes))
+    jaxpr = str(jax.make_jaxpr(per_example)(q, k, v, w, lengths, *shared))
+    assert "while" not in jaxpr and "scan" not in jaxpr
+    got = per_example(q, k, v, w, lengths, *shared)
+    summed = jax.jit(jax.grad(lambda *a: jnp.sum(jax.vmap(loss, in_axes=axes)(*a)),
+                              argnums=tuple(range(5, 5 + len(shared)))))(
+        q, k, v, w, lengths, *shared)
+    config.backend = "xla"
+    expected = [grad(q[i], k[i], v[i], w[i], None if lengths is None else lengths[i], *shared)
+                for i in range(n)]
+    tol = tolerance(jnp.bfloat16)
+    for j, name in enumerate(["dsoftmax_offset", "dbias"][:len(shared)]):
+        for i in range(n):
+            assert_close(got[j][i], expected[i][j], tol, f"{name}[{i}]")
+        assert_close(summed[j], sum(np.asarray(e[j], np.float32) for e in expected), tol, name)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["post_scale_bias", "pre_scale_bias"])
 @pytest.mark.parametrize("bias_shape", [(1, 4, 64, 96), (2, 4, 64, 96), (1, 1, 64, 96)])
 def test_bias(rng, kind, bias_shape):

@@ -26,9 +26,11 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import reference
 from conftest import assert_close, make_config, random_array
 from fusedattn.ops import AttentionSpec, SequenceDescriptor, fused_attn
 from fusedattn.ops.backends import cudnn, flash, partitioning, small_seq
+from fusedattn.ops.backends.base import CanonicalArgs
 
 HOST_MESH = jax.devices()[0].platform == "cpu" and jax.device_count() >= 4
 
@@ -353,6 +355,7 @@ def _fake_attention(static, q, k, v, bias, sink):
 
 
 TRACED: list[tuple[int, ...]] = []  # q shapes the stand-ins were traced with (global and shards)
+BACKWARD_BIAS: list[tuple[int, ...]] = []  # bias shapes the backward stand-in was traced with
 
 
 def _fake_forward(static, q, k, v, bias, slots, rng, sink):
@@ -365,6 +368,7 @@ def _fake_forward(static, q, k, v, bias, slots, rng, sink):
 def _fake_backward(static, q, k, v, bias, slots, rng, sink, o, stats, do):
     """cuDNN's backward: dq, dk, dv, dbias (summed over bias's broadcast dims), dsink (over b)."""
     TRACED.append(q.shape)
+    BACKWARD_BIAS.append(bias.shape)
     _, vjp = jax.vjp(lambda *a: _fake_attention(static, *a)[0], q, k, v, bias, sink)
     return vjp(do)
 
@@ -376,6 +380,7 @@ def fake_cudnn(monkeypatch):
     monkeypatch.setattr(cudnn, "_backward_ffi", _fake_backward)
     cudnn._folding_op.cache_clear()
     TRACED.clear()
+    BACKWARD_BIAS.clear()
     yield cudnn._cudnn
     cudnn._folding_op.cache_clear()
 
@@ -427,11 +432,18 @@ def test_cudnn_glue_dropout_runs_unsharded(rng, fake_cudnn):
     assert set(TRACED) == {q.shape}  # never on a shard
 
 
+def loops_and_kernel_calls(fn, *args) -> tuple[bool, int]:
+    """Whether fn's jaxpr loops, and how many kernel calls it writes out."""
+    jaxpr = str(jax.make_jaxpr(fn)(*args))
+    return "while" in jaxpr or "scan" in jaxpr, jaxpr.count("custom_partitioning[")
+
+
 @pytest.mark.parametrize("bias_axis,sink_axis", [(None, None), (0, None), (None, 0)])
 def test_cudnn_glue_vmap_folds_and_maps_per_call_operands(rng, fake_cudnn, bias_axis, sink_axis):
-    """Folded into one call, with a shared bias (its gradient summed by the call) or a
-    per-example one broadcast over the rows; one call per example when the sink is
-    mapped (cuDNN takes one offset row per call). Every case equals a loop."""
+    """Folded into one call, with a shared bias (broadcast over the rows in the backward
+    call, so its gradient comes per example) or a per-example one broadcast over the
+    rows; one call per example when the sink is mapped (cuDNN takes one offset row per
+    call). Every case equals a loop."""
     static = cudnn_static()
     n = 3
     q, k, v = (x.reshape((n, 2) + x.shape[1:]) for x in flash_inputs(rng, b=2 * n))
@@ -445,11 +457,10 @@ def test_cudnn_glue_vmap_folds_and_maps_per_call_operands(rng, fake_cudnn, bias_
 
     axes = (0, 0, 0, bias_axis, sink_axis)
     total = jax.grad(lambda *a: jnp.sum(jax.vmap(loss, in_axes=axes)(*a)), argnums=(0, 1, 2, 3, 4))
-    jaxpr = str(jax.make_jaxpr(total)(q, k, v, bias, sink))
-    looped = "while" in jaxpr or "scan" in jaxpr
+    looped, calls = loops_and_kernel_calls(total, q, k, v, bias, sink)
     assert looped == (sink_axis == 0)
     if not looped:
-        assert jaxpr.count("custom_partitioning[") == 2  # one forward, one backward call
+        assert calls == 2  # one forward, one backward call
     got = jax.jit(total)(q, k, v, bias, sink)
     grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
     parts = [grad(*(x[i] if axis == 0 else x for x, axis in zip((q, k, v, bias, sink), axes)))
@@ -460,26 +471,117 @@ def test_cudnn_glue_vmap_folds_and_maps_per_call_operands(rng, fake_cudnn, bias_
         assert_close(got[j], expected, TOL, name)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known limitation of the cudnn fold: cuDNN sums dsink (and the dbias of a shared bias) "
-    "over the whole folded batch, so jax.vmap(jax.grad(...)) with an unmapped softmax "
-    "offset or shared bias gives every example the sum over examples; jax.grad of a "
-    "vmapped loss (the usual use) is exact"))
-def test_cudnn_glue_per_example_gradients_of_shared_operands(rng, fake_cudnn):
+def shared_operands_case(rng, attend, n):
+    """((q, k, v) of n examples of 2 rows, bias [1, 4, 8, 8], sink [4]), and one example's
+    loss through `attend` (the cuDNN glue), the bias and sink shared by every example."""
     static = cudnn_static()
-    n = 3
     q, k, v = (x.reshape((n, 2) + x.shape[1:]) for x in flash_inputs(rng, b=2 * n))
     bias, sink = random_array(rng, (1, 4, 8, 8)), random_array(rng, (4,))
     rng_words = jnp.zeros((4,), jnp.uint32)
 
     def loss(q, k, v, bias, sink):
-        return jnp.sum(fake_cudnn(static, q, k, v, bias, rng_words, sink, None) ** 2)
+        return jnp.sum(attend(static, q, k, v, bias, rng_words, sink, None) ** 2)
 
-    grad = jax.grad(loss, argnums=(3, 4))
-    got = jax.vmap(grad, in_axes=(0, 0, 0, None, None))(q, k, v, bias, sink)
+    return (q, k, v, bias, sink), loss
+
+
+@pytest.mark.parametrize("differentiated", ["bias_and_sink", "sink"])
+def test_cudnn_glue_per_example_gradients_of_shared_operands(rng, fake_cudnn, differentiated):
+    """jax.vmap(jax.grad(f)) with an unmapped softmax offset and a bias shared by the batch:
+    each example gets its own dsink (from the statistics, beside the folded call) and
+    dbias (the bias broadcast over the folded rows in the backward call, summed per
+    example). One call each way, no loop; a bias not differentiated stays shared."""
+    n = 3
+    (q, k, v, bias, sink), loss = shared_operands_case(rng, fake_cudnn, n)
+    names = ("dbias", "dsink") if differentiated == "bias_and_sink" else ("dsink",)
+    grad = jax.grad(loss, argnums=(3, 4) if differentiated == "bias_and_sink" else (4,))
+    per_example = jax.vmap(grad, in_axes=(0, 0, 0, None, None))
+    assert loops_and_kernel_calls(per_example, q, k, v, bias, sink) == (False, 2)
+    folded_bias = (2 * n,) + bias.shape[1:] if differentiated == "bias_and_sink" else bias.shape
+    assert set(BACKWARD_BIAS) == {bias.shape, folded_bias}  # with one example's (result shapes)
+    got = jax.jit(per_example)(q, k, v, bias, sink)
     for i in range(n):
-        for name, a, e in zip(("dbias", "dsink"), got, grad(q[i], k[i], v[i], bias, sink)):
+        for name, a, e in zip(names, got, grad(q[i], k[i], v[i], bias, sink)):
             assert_close(a[i], e, TOL, f"{name}[{i}]")
+
+
+def test_cudnn_glue_per_example_gradients_under_a_mesh(rng, fake_cudnn):
+    """The per-example dsink and dbias shard with the folded batch: same numbers, no gathering."""
+    mesh = make_mesh("2x2")
+    args, loss = shared_operands_case(rng, fake_cudnn, 2)
+    per_example = jax.vmap(jax.grad(loss, argnums=(3, 4)), in_axes=(0, 0, 0, None, None))
+    spec = P("data", None, None, "model", None)
+    check_sharded(per_example, args,
+                  (spec, spec, spec, P(None, "model"), P("model")), mesh,
+                  (P("data", None, "model"), P("data", "model")))
+
+
+@pytest.mark.parametrize("case", ["dense", "seqlens", "packed"])
+def test_cudnn_sink_gradient_rows_match_the_xla_backend(rng, case):
+    """dsink from cuDNN's statistics: with lse the natural-log log-sum-exp of a row's scaled
+    scores and the sink, laid out per segment slot as cuDNN stores it (NaN where cuDNN
+    leaves it unset), -sum_q exp(sink - lse_q) * rowsum(dO * O)_q per row equals the
+    XLA backend's gradient of that row alone, and their sum the float64 reference's."""
+    b, s, h, d = 4, 12, 4, 8
+    if case == "dense":
+        config = make_config(backend="xla", mask="causal", softmax="learnable")
+        sequence = None
+    elif case == "seqlens":
+        config = make_config(backend="xla", mask="padding_causal", softmax="learnable",
+                             sequence={"format": "seqlens"})
+        sequence = SequenceDescriptor.from_seqlens(np.asarray([12, 5, 0, 9], np.int32),
+                                                   np.asarray([12, 7, 3, 9], np.int32))
+    else:
+        config = make_config(backend="xla", mask="padding_causal", softmax="learnable",
+                             qkv_layout="thd_thd_thd", sequence={
+                                 "format": "segment_ids", "max_segments_per_seq": 3,
+                                 "max_seqlen_q": 8, "max_seqlen_kv": 8})
+        ids = np.asarray([[1] * 5 + [2] * 4 + [3] * 3, [1] * 8 + [0] * 4,
+                          [0] * 2 + [4] * 6 + [0] * 4, [2] * 6 + [1] * 6], np.int32)
+        sequence = SequenceDescriptor.from_segment_ids_and_pos(ids, ids)
+    q, k, v = (random_array(rng, (b, s, h, d)) for _ in range(3))
+    offset, do = random_array(rng, (h,)), random_array(rng, (b, s, h, d))
+
+    def offset_gradient(q, k, v, offset, sequence, do):
+        out, vjp = jax.vjp(lambda offset: fused_attn(
+            (q, k, v), config=config, softmax_offset=offset, sequence=sequence), offset)
+        return out, vjp(do)[0]
+
+    def row(x, r):
+        return x if x is None else jax.tree.map(lambda a: a[r:r + 1], x)
+
+    o, _ = offset_gradient(q, k, v, offset, sequence, do)
+    expected = np.stack([offset_gradient(*(row(x, r) for x in (q, k, v)), offset,
+                                         row(sequence, r), row(do, r))[1] for r in range(b)])
+
+    spec = AttentionSpec.from_config(config)
+    static = cudnn._static(spec, 1 / math.sqrt(d), False, False, s, s)
+    tokens = reference.describe_tokens(sequence, b, s, s, use_sequence=sequence is not None,
+                                       bottom_right=False)
+    visible = reference.visible_keys(tokens, causal=True, window=(-1, -1))[:, None]
+    q64, k64 = (np.asarray(x, np.float64) for x in (q, k))
+    scores = np.einsum("bqhd,bkhd->bhqk", q64, k64) / math.sqrt(d)
+    lse = np.log(np.sum(np.where(visible, np.exp(scores), 0.0), axis=-1)
+                 + np.exp(np.asarray(offset, np.float64))[:, None])  # [b, h, sq]
+    if static.segments:
+        args = CanonicalArgs(q=q, k=k, v=v, tokens=sequence.token_info(spec, s, s),
+                             sequence=sequence)
+        slots = np.asarray(cudnn._segments(static, args).slots)
+        slots_per_row, positions = static.batch_per_row, static.max_seqlen_q or s
+        stats = np.full((b, slots_per_row, h, positions), np.nan)
+        for r, j in np.ndindex(b, slots_per_row):
+            start, length = slots[r, 0, j], slots[r, 1, j]
+            stats[r, j, :, :length] = lse[r, :, start:start + length]
+        stats = stats.reshape(b * slots_per_row, h, positions, 1)
+    else:
+        slots, stats = np.zeros((b, 4, 1), np.int32), lse[..., None]
+    got = cudnn._sink_gradient_rows(static, offset, jnp.asarray(slots), o,
+                                    jnp.asarray(stats, jnp.float32), do)
+    assert_close(got, expected, 1e-5, "dsink per row")
+    ref = reference.reference_attention((q, k, v), config, softmax_offset=offset,
+                                        sequence=sequence, dout=do)
+    assert_close(np.sum(np.asarray(got, np.float64), axis=0), ref.grads["softmax_offset"], 1e-5,
+                 "dsink")
 
 
 # --------------------------------------------------------------------------- the mechanism
@@ -525,6 +627,11 @@ def test_signature_is_checked():
         partitioning.Signature(("b.h.", "h"), ("b.h.", "h"))
     with pytest.raises(ValueError, match="dropout_rows"):
         partitioning.Signature(("b.h.", "."), ("b.h.",), dropout_rows=1)
+    with pytest.raises(ValueError, match="unread names results"):
+        partitioning.Signature(("b.h.",), ("b.h.",), unread=frozenset({1}))
+    with pytest.raises(ValueError, match="batch sums need batch_sum_rows"):
+        partitioning.op(lambda q: q, partitioning.Signature(("b.h.",), ("h",),
+                                                            batch_sums=frozenset({0})))
 
 
 # --------------------------------------------------------------------------- cuDNN on GPUs

@@ -45,7 +45,13 @@ What it serves (everything else is rejected by `supports` with the reason):
 
 Under jax.vmap the mapped axis folds into the batch (one cuDNN call); a vmap
 over dropout keys or softmax offsets runs one call per example instead, since
-cuDNN takes one seed and one offset row per call. Under a device mesh the calls
+cuDNN takes one seed and one offset row per call. cuDNN sums dsink and the dbias
+of a bias shared by the batch over the whole call, so a vmapped backward (of
+jax.vmap(jax.grad(f)) or of jax.grad(jax.vmap(f)): its vmap rule cannot tell them
+apart) makes them per example when they are differentiated: dsink from the
+forward's statistics beside the call, dbias by broadcasting the shared bias over
+the folded rows in the backward call (still one call; the bias and its gradient
+then take examples x rows times the memory). Under a device mesh the calls
 shard over the batch and head axes of q without gathering; dsink and the dbias
 of a shared bias, which cuDNN sums inside the call, are psummed over the sharded
 axes. With dropout the batch and heads stay unsharded (gathered): a shard
@@ -56,6 +62,7 @@ shared mechanism of partitioning.py.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import glob
 import importlib.util
@@ -69,6 +76,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from fusedattn.ops import _library
 from fusedattn.ops.backends import partitioning
@@ -455,12 +463,40 @@ def _backward_ffi(static: _Static, q, k, v, bias, slots, rng, sink, o, stats, do
       **static.attributes())
 
 
+def _sink_gradient_rows(static: _Static, sink, slots, o, stats, do) -> jax.Array:
+    """dsink's terms per row of q: float32 [b, h], whose sum over the rows is cuDNN's dsink.
+
+    sink [h]; slots int32 [b, 4, M]; o, do [b, sq, h, dv]; stats float32
+    [b * M', h, sq', 1] (M' = static.batch_per_row). The sink's weight in query row q
+    is exp(sink_h - lse_q), lse being cuDNN's stats: the natural-log log-sum-exp of the
+    row's scaled (and biased) scores and the sink. So, as for every softmax input,
+    dL/dsink_h = -sum_q exp(sink_h - lse_q) * rowsum(dO * O)_q. With segments, stats
+    row i of slot j is token q_start_j + i of its row (i < q_len_j); without, token i.
+    """
+    b, sq, h, _ = o.shape
+    positions = stats.shape[2]
+    lse = jnp.swapaxes(stats[..., 0].reshape(b, static.batch_per_row, h, positions), 2, 3)
+    delta = jnp.einsum("bqhd,bqhd->bqh", do.astype(jnp.float32), o.astype(jnp.float32))
+    if static.segments:
+        position = jnp.arange(positions, dtype=jnp.int32)
+        token = jnp.clip(slots[:, 0, :, None] + position, 0, sq - 1)  # [b, M, sq']
+        delta = jnp.take_along_axis(delta, token.reshape(b, -1, 1), axis=1).reshape(lse.shape)
+        delta = jnp.where((position < slots[:, 1, :, None])[..., None], delta, 0.0)
+    else:
+        delta = delta[:, None]
+    # A row whose dO . O is zero (no visible key, or past its slot's length) adds
+    # nothing, whatever statistic cuDNN left there (possibly unset).
+    terms = jnp.where(delta != 0, jnp.exp(sink - lse) * delta, 0.0)
+    return -jnp.sum(terms, axis=(1, 2))
+
+
 # q, k, v, bias [b|1, h|1, sq, skv], slots, then the per-call rng and softmax offset row.
 _OPERANDS = ("b.h.", "b.g.", "b.g.", "BH..", "b..", ".", "h")
+_DBIAS, _DSINK = 3, 4  # results of the backward call
 
 
 @functools.lru_cache(maxsize=None)
-def _folding_op(static: _Static, backward: bool):
+def _folding_op(static: _Static, backward: bool, unread: frozenset[int] = frozenset()):
     """The FFI call of one direction, sharded over batch and heads, folded under vmap.
 
     The shared mechanism of fusedattn/ops/backends/partitioning.py. Under jax.vmap,
@@ -469,47 +505,89 @@ def _folding_op(static: _Static, backward: bool):
     offsets are computed after folding (inside the call), so they index the folded
     arrays. cuDNN takes one dropout seed and one row of softmax offsets per call, so
     when either is mapped the rule runs one call per mapped example (jax.lax.map):
-    exact, but sequential. Under a mesh each device runs the call on its batch and head
-    shard; dsink (and dbias of a bias shared over the batch or heads), which cuDNN sums
-    inside the call, are psummed over the sharded axes. A shard cannot draw the
-    unsharded call's dropout mask from cuDNN's generator, so with dropout the batch
-    and heads stay unsharded (gathered).
+    exact, but sequential. cuDNN sums dsink, and the dbias of a bias shared by the
+    batch, over the whole call; a vmapped backward needs them per example (the vmap
+    rule cannot tell jax.vmap(jax.grad(f)) from jax.grad(jax.vmap(f)), which sums
+    them afterwards). dsink comes per example from `_sink_gradient_rows`, one cheap
+    pass over o and do beside the call; a shared bias is broadcast over the folded rows
+    in the backward call, so dbias comes per row and is summed per example: still one
+    call, but the bias and dbias take (examples x rows) times their shared memory.
+    Both only for a differentiated bias or offset (`unread`: backward results of
+    operands not differentiated, which stay cuDNN's sums). Under a mesh each device
+    runs the call on its batch and head shard; dsink (and dbias of a bias shared over
+    the batch or heads), which cuDNN sums inside the call, are psummed over the
+    sharded axes. A shard cannot draw the unsharded call's dropout mask from cuDNN's
+    generator, so with dropout the batch and heads stay unsharded (gathered).
     """
-    return partitioning.op(functools.partial(_backward_ffi if backward else _forward_ffi, static),
-                           _signature(static.dropout_rate > 0, backward))
+    signature = _signature(static.dropout_rate > 0, backward, unread)
+    if not backward:
+        return partitioning.op(functools.partial(_forward_ffi, static), signature)
+
+    def sink_rows(q, k, v, bias, slots, rng, sink, o, stats, do):
+        return (_sink_gradient_rows(static, sink, slots, o, stats, do),)
+
+    return partitioning.op(functools.partial(_backward_ffi, static), signature, sink_rows)
 
 
-def _signature(dropout: bool, backward: bool) -> partitioning.Signature:
+def _signature(dropout: bool, backward: bool,
+               unread: frozenset[int] = frozenset()) -> partitioning.Signature:
     if backward:
         return partitioning.Signature(
             _OPERANDS + ("b.h.", "bh..", "b.h."), ("b.h.", "b.g.", "b.g.", "BH..", "h"),
-            batch_sums=frozenset({4}), dropout=dropout)
+            batch_sums=frozenset({_DSINK}), dropout=dropout, unread=unread)
     return partitioning.Signature(_OPERANDS, ("b.h.", "bh.."), dropout=dropout)
 
 
 # ---- the op --------------------------------------------------------------------------
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Unread:
+    """Backward results no one reads: dbias / dsink of a bias / offset not differentiated.
+
+    Static (a pytree without leaves): the forward rule learns it from symbolic zeros and
+    hands it to the backward rule in the residuals.
+    """
+
+    results: frozenset[int]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _cudnn(static: _Static, q, k, v, bias, rng, sink, segments: _Segments | None):
-    return _cudnn_fwd(static, q, k, v, bias, rng, sink, segments)[0]
+    return _forward(static, q, k, v, bias, rng, sink, segments)[0]
 
 
-def _cudnn_fwd(static: _Static, q, k, v, bias, rng, sink, segments: _Segments | None):
+def _forward(static: _Static, q, k, v, bias, rng, sink, segments: _Segments | None):
+    """(o, slots, stats) of the forward call; o masked where segments say."""
     slots = segments.slots if segments else jnp.zeros((q.shape[0], 4, 1), jnp.int32)
     o, stats = _folding_op(static, False)(q, k, v, bias, slots, rng, sink)
     if segments:
         o = _mask_rows(o, segments.q_keys, segments.broken)
-    return o, (q, k, v, bias, rng, sink, segments, slots, o, stats)
+    return o, slots, stats
+
+
+def _cudnn_fwd(static: _Static, q, k, v, bias, rng, sink, segments):
+    """The forward rule under symbolic_zeros: each array comes as a CustomVJPPrimal (its
+    value, and whether it is differentiated)."""
+    unread = _Unread(frozenset(index for index, primal in ((_DBIAS, bias), (_DSINK, sink))
+                               if not primal.perturbed))
+    q, k, v, bias, rng, sink, segments = jax.tree.map(
+        lambda primal: primal.value, (q, k, v, bias, rng, sink, segments),
+        is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
+    o, slots, stats = _forward(static, q, k, v, bias, rng, sink, segments)
+    return o, (q, k, v, bias, rng, sink, segments, slots, o, stats, unread)
 
 
 def _cudnn_bwd(static: _Static, residuals, do):
-    q, k, v, bias, rng, sink, segments, slots, o, stats = residuals
+    if isinstance(do, SymbolicZero):  # symbolic_zeros: a cotangent known to be zero
+        return (None,) * 7
+    q, k, v, bias, rng, sink, segments, slots, o, stats, unread = residuals
     do = do.astype(o.dtype)
     if segments:
         # Rows without keys contribute nothing whatever cuDNN left in their statistics.
         do = _mask_rows(do, segments.q_keys, jnp.zeros_like(segments.broken))
-    dq, dk, dv, dbias, dsink = _folding_op(static, True)(q, k, v, bias, slots, rng, sink, o,
-                                                          stats, do)
+    dq, dk, dv, dbias, dsink = _folding_op(static, True, unread.results)(
+        q, k, v, bias, slots, rng, sink, o, stats, do)
     if segments:
         dq = _mask_rows(dq, segments.q_keys, segments.broken)
         dk = _mask_rows(dk, segments.kv_used, segments.broken)
@@ -521,7 +599,7 @@ def _cudnn_bwd(static: _Static, residuals, do):
     return dq, dk, dv, dbias, None, dsink, None
 
 
-_cudnn.defvjp(_cudnn_fwd, _cudnn_bwd)
+_cudnn.defvjp(_cudnn_fwd, _cudnn_bwd, symbolic_zeros=True)
 
 
 def _mask_rows(x, keep, broken):

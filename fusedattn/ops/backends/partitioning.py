@@ -30,12 +30,24 @@ A `Signature` gives every operand and result one role letter per dimension:
 Operand 0 is q ("b.h." for [b, s, h, d]): its batch and head shardings are the ones
 kept. Operands whose first role is not b, B or r are per call (one dropout seed, one
 offset row): a vmap over them runs one call per example (jax.lax.map), the rest fold.
-Results with neither a batch role nor a shared one are sums over the batch taken
-inside the call (`batch_sums`): psummed over the batch devices, and unbatched under
-vmap (the sum over the folded examples), as is the gradient of a shared B operand.
-That is exact for jax.grad of a vmapped function (the usual use); jax.vmap of
-jax.grad with such an operand unmapped gives every example the sum over examples
-(cuDNN's dsink and shared-bias dbias; tests/test_sharding.py marks it xfail).
+
+Sums over the batch taken inside the call: results with neither a batch role nor a
+shared one (`batch_sums`, e.g. cuDNN's dsink [h]) and results with role B of extent 1
+(the gradient of a shared B operand, e.g. the dbias [1, h, sq, skv] of a bias shared
+by the batch). Under a mesh they are psummed over the batch devices. Under vmap every
+result the caller reads comes back per example, because the vmap rule cannot tell
+jax.vmap(jax.grad(f)) (per-example gradients: a sum over all folded examples would
+be wrong) from jax.grad(jax.vmap(f)) (which sums the per-example values itself):
+
+- a batch sum is summed per example from its per-row terms (`batch_sum_rows`, a
+  function of the call's operands run beside the folded call);
+- a shared B operand whose gradient (a B result) is read folds per row like a mapped
+  one, broadcast over every folded row (materialized), so the call's sum over the
+  rows sharing it is taken per example. Still one call, but the operand and its
+  gradient take examples x rows times the memory of the shared one.
+
+Results named `unread` (the caller discards them) skip that work and stay sums over
+all folded examples.
 
 Dropout: the kernels key their masks by the global (batch, head) coordinates, which a
 shard does not know, so with `dropout` set the heads never shard, and the batch shards
@@ -71,6 +83,7 @@ class Signature:
     batch_sums: frozenset[int] = frozenset()
     dropout: bool = False
     dropout_rows: int | None = None
+    unread: frozenset[int] = frozenset()
 
     def __post_init__(self):
         for roles in self.operands + self.results:
@@ -84,14 +97,23 @@ class Signature:
                                  "result without one must be a batch sum")
         if self.dropout_rows is not None and self.operands[self.dropout_rows][:1] != "r":
             raise ValueError("dropout_rows must name an operand of rows ('r' first)")
+        if not self.unread <= set(range(len(self.results))):
+            raise ValueError(f"unread names results {sorted(self.unread)}, but there are "
+                             f"{len(self.results)}")
 
 
-def op(fn, signature: Signature):
+def op(fn, signature: Signature, batch_sum_rows=None):
     """`fn(*operands) -> tuple of results`, partitioned and folded as `signature` says.
 
+    batch_sum_rows(*operands) -> tuple, one entry per batch sum (ascending result index):
+    its terms per row of q, [B, ...], whose sum over the rows is the result; needed
+    when the signature has batch sums (see the module docstring).
     Returns a function of the same operands that always returns a tuple.
     """
-    return _folding(_partitioned(fn, signature), signature, fn)
+    if signature.batch_sums and batch_sum_rows is None:
+        raise ValueError("batch sums need batch_sum_rows: under vmap they are made per "
+                         "example from their per-row terms")
+    return _folding(_partitioned(fn, signature), signature, fn, batch_sum_rows)
 
 
 def _tuple_fn(fn):
@@ -255,9 +277,11 @@ def _sharding_rule(signature: Signature, mesh, operand_types, result_types) -> S
 
 # ---- custom_vmap: fold the mapped axis into the batch -------------------------------
 
-def _folding(call, signature: Signature, fn):
+def _folding(call, signature: Signature, fn, batch_sum_rows):
     op_ = jax.custom_batching.custom_vmap(lambda *args: call(*args))
     tuple_fn = _tuple_fn(fn)
+    read = frozenset(range(len(signature.results))) - signature.unread
+    shared_gradient_read = any(signature.results[i][0] == "B" for i in read)
 
     @op_.def_vmap
     def rule(axis_size, in_batched, *args):
@@ -267,7 +291,8 @@ def _folding(call, signature: Signature, fn):
         rows = args[0].shape[1] if in_batched[0] else args[0].shape[0]
         folded = []
         for a, r, batched in zip(args, roles, in_batched):
-            if r[:1] not in _FOLDED or r[0] == "B" and not batched and a.shape[0] == 1:
+            shared = r[0] == "B" and not batched and a.shape[0] == 1 and not shared_gradient_read
+            if r[:1] not in _FOLDED or shared:
                 folded.append(a)  # per call, or shared by every row
                 continue
             if not batched:
@@ -276,13 +301,20 @@ def _folding(call, signature: Signature, fn):
                 a = jnp.broadcast_to(a, (axis_size, rows) + a.shape[2:])
             folded.append(a.reshape((-1,) + a.shape[2:]))
         outs = op_(*folded)
+        sum_terms = (dict(zip(sorted(signature.batch_sums), batch_sum_rows(*folded)))
+                     if signature.batch_sums & read else {})
         example = jax.eval_shape(tuple_fn, *(
             jax.ShapeDtypeStruct(a.shape[1:] if batched else a.shape, a.dtype)
             for a, batched in zip(args, in_batched)))
         unfolded, batched_out = [], []
-        for out, r, one in zip(outs, signature.results, example):
+        for i, (out, r, one) in enumerate(zip(outs, signature.results, example)):
+            if i in read and i in sum_terms:
+                terms = sum_terms[i]
+                unfolded.append(jnp.sum(terms.reshape((axis_size, -1) + terms.shape[1:]), axis=1))
+                batched_out.append(True)
+                continue
             if r[:1] not in ("b", "B") or r[0] == "B" and out.shape[0] == 1:
-                unfolded.append(out)  # a sum over every folded row already
+                unfolded.append(out)  # unread: the sum over every folded row
                 batched_out.append(False)
                 continue
             out = out.reshape((axis_size, -1) + out.shape[1:])
