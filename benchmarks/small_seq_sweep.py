@@ -27,23 +27,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = "ops_cuda/cuda/small_seq.cu"
 
-# BackwardPlan: 16-key batches of 32 vectors per lane (16 rows of 2 vectors) under 2 blocks/SM.
-_BWD16_BATCH = "kWide ? 4 : 32) / kVecsPerLane;"
-_BWD16_BLOCKS = "if (n == 16) return 2;"
+# BackwardPlan's 16-key plan (non-wide rows): batches of 16 vectors per lane (8 rows of 2
+# vectors), under 3 blocks/SM for bf16 d=128/256 without dropout or groups.
+_BWD16_BATCH = "kBatch = (N < 8 || !kWide ? 16 : N == 8 ? 8 : 4) / kVecsPerLane;"
+_BWD16_BLOCKS = "&& !grouped && !dropout ? 3 : 2;"
 
 
 def _bwd16(batch_vectors: int, blocks: int) -> dict[str, str]:
-    return {_BWD16_BATCH: f"kWide ? 4 : {batch_vectors}) / kVecsPerLane;",
-            _BWD16_BLOCKS: f"if (n == 16) return {blocks};"}
+    return {_BWD16_BATCH: f"kBatch = (N < 8 ? 16 : N == 16 && !kWide ? {batch_vectors} : "
+                          "!kWide ? 16 : N == 8 ? 8 : 4) / kVecsPerLane;",
+            _BWD16_BLOCKS: f"&& !grouped && !dropout ? {blocks} : 2;"}
 
 
 VARIANTS: dict[str, dict[str, str]] = {
     "as_is": {},
-    "bwd16_b16_m2": _bwd16(16, 2),
-    "bwd16_b16_m3": _bwd16(16, 3),
+    "global_keys": {  # the backward's dq reloads the keys from global memory
+        "static constexpr bool kSharedKeys = !kKeepKeys && kKeyBytes <= kMaxSharedKeyBytes;":
+        "static constexpr bool kSharedKeys = false;"},
+    "bwd16_b32_m2": _bwd16(32, 2),
     "bwd16_b16_m4": _bwd16(16, 4),
     "bwd16_b8_m4": _bwd16(8, 4),
-    "bwd16_b32_m3": _bwd16(32, 3),
 }
 
 

@@ -3,13 +3,25 @@
 // semantics: fusedattn/small_seq.h; the host build in ops_cuda/host does the
 // same arithmetic in plain loops.
 //
-// One warp serves one (query token, K/V head) pair and all query heads of
-// that group, so K and V stream from HBM once. The warp splits into teams of
-// kLanesPerRow lanes, one key row per team per pass, each lane holding 16-byte
-// vectors of the row; dot products reduce within a team, the weighted sums of
-// V across teams. Compile-time specialised on the head dim and on the key
-// bound (2, 4, 8, 16) so the score arrays live in registers.
-#include <algorithm>
+// Mapping: a team of kLanes lanes (a fraction of a warp) serves one task.
+// Every lane of the team holds the same slice of q and of every key and value
+// row: two 16-byte vectors (four for f32 d=512 on 32-lane warps), vector t of
+// lane `sub` being vector sub + t * kLanes of the row, so each load
+// instruction of a team covers contiguous bytes. Hence
+// - a score is a lane-local partial dot product summed by log2(kLanes) xor
+//   shuffles inside the team, after which every lane has every score;
+// - the softmax runs redundantly in every lane;
+// - o = sum_j P_j f_j v_j, dq, dk and dv are lane-local: no cross-lane sums,
+//   each lane stores its own slice.
+// Forward task: a (query token, query head); backward task: a (query token,
+// K/V head) and all query heads of its group, whose shares of dk and dv it
+// sums. Shuffles never leave a team, so a team past the last task just exits.
+// A task's rows stream in batches, every load of a batch issued before any
+// is used (the q, dO and O loads before even the key range is known), so a
+// lane waits for memory once per batch; with up to 4 keys all rows of the
+// forward are one batch. Compile-time specialised on the element type, head
+// dim, key bound (2, 4, 8, 16) and dropout, so the score arrays and row
+// slices live in registers.
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -84,13 +96,6 @@ __device__ __forceinline__ void unpack_vec(const uint4& raw, float (&out)[VecTra
   }
 }
 
-// Loads the 16-byte vector at `src` (element index) as floats.
-template <ElementType ET>
-__device__ __forceinline__ void load_vec(const typename Element<ET>::Storage* src,
-                                         float (&out)[VecTraits<ET>::kElems]) {
-  unpack_vec<ET>(*reinterpret_cast<const uint4*>(src), out);
-}
-
 // Stores floats as one 16-byte vector at `dst`.
 template <ElementType ET>
 __device__ __forceinline__ void store_vec(typename Element<ET>::Storage* dst,
@@ -109,314 +114,396 @@ __device__ __forceinline__ void store_vec(typename Element<ET>::Storage* dst,
   *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
 }
 
-// ---- how a warp covers a head row --------------------------------------------
+// ---- a team and its lanes' slices of a head row -------------------------------
 
-template <ElementType ET, int D, int MAX_KV>
-struct Geometry {
-  static constexpr int kVec = VecTraits<ET>::kElems;                           // elements per vector
+template <ElementType ET, int D>
+struct Team {
+  static constexpr int kVec = VecTraits<ET>::kElems;  // elements per 16-byte vector
   static constexpr int kVecsPerRow = D / kVec;
-  static constexpr int kLanesPerRow = kVecsPerRow < kWarpSize ? kVecsPerRow : kWarpSize;
-  static constexpr int kVecsPerLane = kVecsPerRow / kLanesPerRow;
-  static constexpr int kRowsPerPass = kWarpSize / kLanesPerRow;                 // teams per warp
-  static constexpr int kPasses = (MAX_KV + kRowsPerPass - 1) / kRowsPerPass;
-  static constexpr int kRows = kPasses * kRowsPerPass;                         // score slots
-  // Raw vectors per lane that one task's key and value rows take when held in registers.
-  static constexpr int kTaskVecs = 2 * kPasses * kVecsPerLane;
-  static_assert(D % kVec == 0 && kVecsPerRow % kLanesPerRow == 0, "head dim must fill whole vectors");
+  // Two vectors per lane: two loads in flight per row and lane, few enough registers per row
+  // that a batch of rows fits; capped at the warp (then more vectors per lane).
+  static constexpr int kLanes = kVecsPerRow / 2 < kWarpSize ? kVecsPerRow / 2 : kWarpSize;
+  static constexpr int kVecsPerLane = kVecsPerRow / kLanes;
+  static constexpr int kElems = kVecsPerLane * kVec;  // floats of a lane's slice
+  static_assert(D % kVec == 0 && kVecsPerRow % kLanes == 0 && kWarpSize % kLanes == 0,
+                "head dim must fill whole vectors");
 };
 
-// A lane's slice of one head row: vectors sub, sub + kLanesPerRow, ...
-template <ElementType ET, int D, int MAX_KV>
-struct RowSlice {
-  using G = Geometry<ET, D, MAX_KV>;
-  float x[G::kVecsPerLane][G::kVec];
-
-  __device__ __forceinline__ void load(const typename Element<ET>::Storage* row, int sub) {
-#pragma unroll
-    for (int t = 0; t < G::kVecsPerLane; ++t) load_vec<ET>(row + (sub + t * G::kLanesPerRow) * G::kVec, x[t]);
-  }
-  __device__ __forceinline__ void store(typename Element<ET>::Storage* row, int sub) const {
-#pragma unroll
-    for (int t = 0; t < G::kVecsPerLane; ++t) store_vec<ET>(row + (sub + t * G::kLanesPerRow) * G::kVec, x[t]);
-  }
-  __device__ __forceinline__ void fill(float value) {
-#pragma unroll
-    for (int t = 0; t < G::kVecsPerLane; ++t)
-#pragma unroll
-      for (int e = 0; e < G::kVec; ++e) x[t][e] = value;
-  }
-  __device__ __forceinline__ float dot(const RowSlice& other) const {
-    float acc = 0.0f;
-#pragma unroll
-    for (int t = 0; t < G::kVecsPerLane; ++t)
-#pragma unroll
-      for (int e = 0; e < G::kVec; ++e) acc += x[t][e] * other.x[t][e];
-    return acc;
-  }
-  // this += w * row, for a row slice held as raw vectors.
-  __device__ __forceinline__ void add_scaled(float w, const uint4 (&raw)[G::kVecsPerLane]) {
-#pragma unroll
-    for (int t = 0; t < G::kVecsPerLane; ++t) {
-      float r[G::kVec];
-      unpack_vec<ET>(raw[t], r);
-#pragma unroll
-      for (int e = 0; e < G::kVec; ++e) x[t][e] += w * r[e];
-    }
-  }
-  // this += w * row, reading the row's slice from memory.
-  __device__ __forceinline__ void add_scaled(float w, const typename Element<ET>::Storage* row, int sub) {
-    uint4 raw[G::kVecsPerLane];
-#pragma unroll
-    for (int t = 0; t < G::kVecsPerLane; ++t)
-      raw[t] = *reinterpret_cast<const uint4*>(row + (sub + t * G::kLanesPerRow) * G::kVec);
-    add_scaled(w, raw);
-  }
-  // The dot product with a row slice held as raw vectors (this lane's part).
-  __device__ __forceinline__ float dot(const uint4 (&raw)[G::kVecsPerLane]) const {
-    float acc = 0.0f;
-#pragma unroll
-    for (int t = 0; t < G::kVecsPerLane; ++t) {
-      float r[G::kVec];
-      unpack_vec<ET>(raw[t], r);
-#pragma unroll
-      for (int e = 0; e < G::kVec; ++e) acc += x[t][e] * r[e];
-    }
-    return acc;
-  }
-  // Sums the slices of all teams (lanes with the same `sub`).
-  __device__ __forceinline__ void sum_across_teams() {
-#pragma unroll
-    for (int offset = G::kLanesPerRow; offset < kWarpSize; offset *= 2)
-#pragma unroll
-      for (int t = 0; t < G::kVecsPerLane; ++t)
-#pragma unroll
-        for (int e = 0; e < G::kVec; ++e) x[t][e] += warp_shfl_xor(x[t][e], offset);
-  }
+// A lane's slice of one head row as raw 16-byte vectors: vectors sub, sub + kLanes, ...
+template <ElementType ET, int D>
+struct Slice {
+  uint4 v[Team<ET, D>::kVecsPerLane];
 };
 
-// Sums a per-lane partial within its team; every lane of the team gets the total.
-template <int LANES_PER_ROW>
-__device__ __forceinline__ float sum_within_team(float partial) {
+// The same slice as floats.
+template <ElementType ET, int D>
+using Floats = float[Team<ET, D>::kElems];
+
+// The slice of `row` (element index of the row's start) that lane `sub` holds.
+template <ElementType ET, int D>
+__device__ __forceinline__ Slice<ET, D> load_slice(const typename Element<ET>::Storage* row, int sub) {
+  using T = Team<ET, D>;
+  Slice<ET, D> s;
 #pragma unroll
-  for (int offset = LANES_PER_ROW / 2; offset > 0; offset /= 2) partial += warp_shfl_xor(partial, offset);
-  return partial;
+  for (int t = 0; t < T::kVecsPerLane; ++t) {
+    s.v[t] = *reinterpret_cast<const uint4*>(row + (sub + t * T::kLanes) * T::kVec);
+  }
+  return s;
 }
 
-// Everything a warp knows about its (query token, K/V head) task.
+// The same for a key or value row, zeros without any memory access when !live. On CUDA
+// each vector is one predicated load in inline PTX rather than a branch around a load:
+// ptxas -v shows fewer spills with it in several instantiations.
+template <ElementType ET, int D>
+__device__ __forceinline__ Slice<ET, D> load_slice_if(const typename Element<ET>::Storage* row, int sub,
+                                                      bool live) {
+  using T = Team<ET, D>;
+  Slice<ET, D> s;
+#pragma unroll
+  for (int t = 0; t < T::kVecsPerLane; ++t) {
+    const auto* src = row + (sub + t * T::kLanes) * T::kVec;
+#if defined(__HIPCC__)
+    s.v[t] = live ? *reinterpret_cast<const uint4*>(src) : make_uint4(0u, 0u, 0u, 0u);
+#else
+    asm volatile(
+        "{\n\t.reg .pred p;\n\t"
+        "setp.ne.b32 p, %5, 0;\n\t"
+        "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
+        "@p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+        : "=&r"(s.v[t].x), "=&r"(s.v[t].y), "=&r"(s.v[t].z), "=&r"(s.v[t].w)  // written before %4 is read
+        : "l"(src), "r"(static_cast<int>(live)));
+#endif
+  }
+  return s;
+}
+
+// Stores a lane's slice given as floats, or NaN everywhere when !ok.
+template <ElementType ET, int D>
+__device__ __forceinline__ void store_slice(typename Element<ET>::Storage* row, int sub,
+                                            const Floats<ET, D>& x, bool ok = true) {
+  using T = Team<ET, D>;
+#pragma unroll
+  for (int t = 0; t < T::kVecsPerLane; ++t) {
+    float out[T::kVec];
+#pragma unroll
+    for (int e = 0; e < T::kVec; ++e) out[e] = ok ? x[t * T::kVec + e] : NAN;
+    store_vec<ET>(row + (sub + t * T::kLanes) * T::kVec, out);
+  }
+}
+
+// This lane's part of the dot product of two rows.
+template <ElementType ET, int D>
+__device__ __forceinline__ float dot(const Slice<ET, D>& a, const Slice<ET, D>& b) {
+  using T = Team<ET, D>;
+  float acc = 0.0f;
+#pragma unroll
+  for (int t = 0; t < T::kVecsPerLane; ++t) {
+    float x[T::kVec], y[T::kVec];
+    unpack_vec<ET>(a.v[t], x);
+    unpack_vec<ET>(b.v[t], y);
+#pragma unroll
+    for (int e = 0; e < T::kVec; ++e) acc += x[e] * y[e];
+  }
+  return acc;
+}
+
+// acc += w * row, lane-local.
+template <ElementType ET, int D>
+__device__ __forceinline__ void axpy(Floats<ET, D>& acc, float w, const Slice<ET, D>& row) {
+  using T = Team<ET, D>;
+#pragma unroll
+  for (int t = 0; t < T::kVecsPerLane; ++t) {
+    float r[T::kVec];
+    unpack_vec<ET>(row.v[t], r);
+#pragma unroll
+    for (int e = 0; e < T::kVec; ++e) acc[t * T::kVec + e] += w * r[e];
+  }
+}
+
+// Stores w * row for a row slice given raw: 0 + w * x per element, as the host's
+// accumulation from zero rounds it.
+template <ElementType ET, int D>
+__device__ __forceinline__ void store_scaled(typename Element<ET>::Storage* dst, int sub, float w,
+                                             const Slice<ET, D>& row) {
+  using T = Team<ET, D>;
+#pragma unroll
+  for (int t = 0; t < T::kVecsPerLane; ++t) {
+    float x[T::kVec];
+    unpack_vec<ET>(row.v[t], x);
+#pragma unroll
+    for (int e = 0; e < T::kVec; ++e) x[e] = __fmaf_rn(w, x[e], 0.0f);
+    store_vec<ET>(dst + (sub + t * T::kLanes) * T::kVec, x);
+  }
+}
+
+// ---- the lanes of a team talking among themselves -------------------------------
+
+// Shuffles and syncs restricted to one team, so teams of a warp never wait on each other
+// and a team past the end of the grid may exit.
+template <int LANES>
+struct TeamComm {
+#if defined(__HIPCC__)
+  // The width argument confines the shuffles to the team's segment of the wavefront.
+  __device__ __forceinline__ float sum(float x) const {
+#pragma unroll
+    for (int offset = LANES / 2; offset > 0; offset /= 2) x += __shfl_xor(x, offset, LANES);
+    return x;
+  }
+  __device__ __forceinline__ float broadcast(float x, int src) const { return __shfl(x, src, LANES); }
+  template <class V>
+  __device__ __forceinline__ V own(V x, int sub) const { return __shfl(x, sub, LANES); }
+  __device__ __forceinline__ void sync() const { warp_sync(); }
+#else
+  unsigned mask = LANES >= 32 ? 0xffffffffu : ((1u << (LANES % 32)) - 1u) << (threadIdx.x % 32 / LANES * LANES);
+  __device__ __forceinline__ float sum(float x) const {
+#pragma unroll
+    for (int offset = LANES / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(mask, x, offset, LANES);
+    return x;
+  }
+  // Lane `src` (0 .. LANES-1) of the team's value.
+  __device__ __forceinline__ float broadcast(float x, int src) const { return __shfl_sync(mask, x, src, LANES); }
+  // This lane's own x, through a shuffle: a value no optimiser can hoist out of a loop.
+  template <class V>
+  __device__ __forceinline__ V own(V x, int sub) const { return __shfl_sync(mask, x, sub, LANES); }
+  __device__ __forceinline__ void sync() const { __syncwarp(mask); }
+#endif
+};
+
+// ---- a query token's key range ---------------------------------------------------------
+
+// Where a task's key (and value, dk, dv) rows are: row j at element offset first + j * stride,
+// the first `live` rows readable. Every pass over the rows takes a fresh() copy that the
+// optimisers cannot see through: otherwise they compute each row's offset and bounds test
+// once and keep them, two or three registers per row, from the first pass (or the first
+// head) to the last, and spill.
+struct KeyRows {
+  int64_t first, stride;  // stride: Hkv * D
+  int32_t live;
+  __device__ __forceinline__ int64_t operator()(int j) const { return first + j * stride; }
+  template <int LANES>
+  __device__ __forceinline__ KeyRows fresh(const TeamComm<LANES>& team, int sub) const {
+    return {team.own(first, sub), team.own(stride, sub), team.own(live, sub)};
+  }
+};
+
+// What a task knows of its query token (b, i) and key range, and its Philox coordinates.
 struct Task {
-  int64_t token, b, i, kv_head, start;
+  int64_t b, i, start;
   int32_t len;
-  bool ok;
-  int32_t live_rows;  // rows that may be read: len when ok, else 0
+  bool ok;       // the key range is servable; otherwise o and dq are NaN
+  KeyRows rows;  // of the task's K/V head; live: len when ok, else 0 (no offset then used)
   uint32_t seed0, seed1;
   int64_t philox_b;
 };
 
-template <int MAX_KV>
-__device__ __forceinline__ Task make_task(const SmallSeqParams& p, int64_t task_index, const int32_t* kv_start,
-                                          const int32_t* kv_len, const uint32_t* seed) {
+template <int N, bool DROPOUT>
+__device__ __forceinline__ Task make_task(const SmallSeqParams& p, int64_t token, int64_t kv_head, int64_t D,
+                                          const int32_t* kv_start, const int32_t* kv_len, const uint32_t* seed) {
   Task t;
-  t.token = task_index / p.kv_heads;
-  t.kv_head = task_index % p.kv_heads;
-  t.b = t.token / p.seqlen_q;
-  t.i = t.token % p.seqlen_q;
-  t.start = kv_start[t.token];
-  t.len = kv_len[t.token];
-  t.ok = small_seq_len_ok(t.len, p.max_keys) && t.len <= MAX_KV && t.start >= 0 &&
-         t.start + t.len <= p.seqlen_kv;
-  t.live_rows = t.ok ? t.len : 0;
-  const int64_t seed_row = broadcast_row(t.b, p.batch, p.seed_rows);
-  t.seed0 = seed[2 * seed_row];
-  t.seed1 = seed[2 * seed_row + 1];
-  t.philox_b = broadcast_inner(t.b, p.batch, p.seed_rows);
+  t.b = token / p.seqlen_q;
+  t.i = token % p.seqlen_q;
+  t.start = kv_start[token];
+  t.len = kv_len[token];
+  t.ok = small_seq_len_ok(t.len, p.max_keys) && t.len <= N && t.start >= 0 && t.start + t.len <= p.seqlen_kv;
+  t.rows.first = bshd_offset(t.b, t.start, kv_head, 0, p.seqlen_kv, p.kv_heads, D);
+  t.rows.stride = p.kv_heads * D;
+  t.rows.live = t.ok ? t.len : 0;
+  t.seed0 = t.seed1 = 0;
+  t.philox_b = 0;
+  if constexpr (DROPOUT) {  // without dropout no seed load, no Philox registers
+    const int64_t seed_row = broadcast_row(t.b, p.batch, p.seed_rows);
+    t.seed0 = seed[2 * seed_row];
+    t.seed1 = seed[2 * seed_row + 1];
+    t.philox_b = broadcast_inner(t.b, p.batch, p.seed_rows);
+  }
   return t;
 }
 
-template <ElementType ET, int D>
-__device__ __forceinline__ const typename Element<ET>::Storage* kv_row(const typename Element<ET>::Storage* base,
-                                                                       const SmallSeqParams& p, const Task& t,
-                                                                       int64_t j) {
-  return base + bshd_offset(t.b, t.start + j, t.kv_head, 0, p.seqlen_kv, p.kv_heads, D);
-}
-
-// The task's key (or value) rows of `base` as this lane sees them: row j = pass *
-// kRowsPerPass + team, as raw vectors, zeros beyond the live rows. RESIDENT: the rows are
-// loaded at construction, all loads in flight together, and every for_each reuses them.
-// Otherwise each for_each streams them a batch of passes at a time (again all loads of a
-// batch before any use), so a warp waits for memory once per batch instead of once per row.
-template <ElementType ET, int D, int MAX_KV, bool RESIDENT>
-class KeyRows {
-  using G = Geometry<ET, D, MAX_KV>;
-  using Storage = typename Element<ET>::Storage;
-  using Raw = uint4[G::kVecsPerLane];
-
+// The dropout factors of keys 0..N-1 for head h: 0 beyond the live keys, 1 without dropout.
+// draw() has lane `sub` draw keys sub, sub + LANES, ...; factor(j) hands key j's draw to the
+// whole team when it is needed, so the factors take N / LANES registers, not N.
+template <bool DROPOUT, int N, int LANES>
+class DropoutFactors {
  public:
-  __device__ __forceinline__ KeyRows(const Storage* base, const SmallSeqParams& p, const Task& t, int team,
-                                     int sub)
-      : base_(base), p_(p), t_(t), team_(team), sub_(sub) {
-    if constexpr (RESIDENT) {
+  __device__ __forceinline__ void draw(const SmallSeqParams& p, const Task& t, int32_t live, int64_t h, int sub) {
+    if constexpr (DROPOUT) {
 #pragma unroll
-      for (int pass = 0; pass < G::kPasses; ++pass) load(pass, held_[pass]);
-    }
-  }
-
-  // Calls f(pass, raw) for every pass.
-  template <class F>
-  __device__ __forceinline__ void for_each(F&& f) const {
-    if constexpr (RESIDENT) {
-#pragma unroll
-      for (int pass = 0; pass < G::kPasses; ++pass) f(pass, held_[pass]);
-    } else {
-      // At most 16 raw vectors (64 registers) per lane in flight.
-      constexpr int kBatch = G::kPasses < 16 / G::kVecsPerLane ? G::kPasses : 16 / G::kVecsPerLane;
-#pragma unroll
-      for (int first = 0; first < G::kPasses; first += kBatch) {
-        uint4 raw[kBatch][G::kVecsPerLane];
-#pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
-          if (first + b < G::kPasses) load(first + b, raw[b]);
-        }
-#pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
-          if (first + b < G::kPasses) f(first + b, raw[b]);
-        }
+      for (int m = 0; m < kDraws; ++m) {
+        const int j = sub + m * LANES;
+        mine_[m] = j < live ? small_seq_dropout_factor(p, t.seed0, t.seed1, t.philox_b, h, t.i, t.start + j)
+                              : 0.0f;
       }
     }
   }
-
- private:
-  __device__ __forceinline__ void load(int pass, Raw& raw) const {
-    const int j = pass * G::kRowsPerPass + team_;
-    const bool live = j < t_.live_rows;
-    const Storage* row = kv_row<ET, D>(base_, p_, t_, live ? j : 0);
-#pragma unroll
-    for (int v = 0; v < G::kVecsPerLane; ++v) {
-      raw[v] = live ? *reinterpret_cast<const uint4*>(row + (sub_ + v * G::kLanesPerRow) * G::kVec)
-                    : make_uint4(0u, 0u, 0u, 0u);
-    }
+  __device__ __forceinline__ float factor(const TeamComm<LANES>& team, int j) const {
+    if constexpr (DROPOUT) return team.broadcast(mine_[j / LANES], j % LANES);
+    return 1.0f;
   }
 
-  const Storage* base_;
-  const SmallSeqParams& p_;
-  const Task& t_;
-  int team_, sub_;
-  uint4 held_[RESIDENT ? G::kPasses : 1][G::kVecsPerLane];
+ private:
+  static constexpr int kDraws = (N + LANES - 1) / LANES;
+  float mine_[DROPOUT ? kDraws : 1];
 };
 
-// Values of one slot per team gathered into every lane: out[pass * kRowsPerPass + r] is
-// the team-reduced `partial` of team r in that pass.
-template <class G>
-__device__ __forceinline__ void gather_team_values(float partial, int pass, float (&out)[G::kRows]) {
-  partial = sum_within_team<G::kLanesPerRow>(partial);
+// The softmax weights p_j from the lanes' partial dots q.k_j (in s): team sums, scale,
+// softmax over the first `len` keys. Every lane ends with every weight.
+template <int N, int LANES>
+__device__ __forceinline__ void attention_weights(const TeamComm<LANES>& team, float scale, int len,
+                                                  float (&s)[N]) {
 #pragma unroll
-  for (int r = 0; r < G::kRowsPerPass; ++r) out[pass * G::kRowsPerPass + r] = warp_shfl(partial, r * G::kLanesPerRow);
+  for (int j = 0; j < N; ++j) s[j] = team.sum(s[j]) * scale;
+  small_seq_softmax(s, len);
 }
 
-// Scaled scores s[j] = scale * q.k_j of the task's keys (0 beyond len), for every lane.
-template <ElementType ET, int D, int MAX_KV, class Keys>
-__device__ __forceinline__ void scores(const SmallSeqParams& p, const RowSlice<ET, D, MAX_KV>& q, const Keys& keys,
-                                       float (&s)[Geometry<ET, D, MAX_KV>::kRows]) {
-  using G = Geometry<ET, D, MAX_KV>;
-  keys.for_each([&](int pass, const uint4 (&raw)[G::kVecsPerLane]) {
-    gather_team_values<G>(q.dot(raw) * p.scale, pass, s);
+// ---- a task's rows, in the order a pass consumes them ------------------------------
+
+// f(std::integral_constant<int, I>) for I = FIRST .. END-1: unrolled by construction, where
+// a #pragma unroll of a large body may be refused (hipcc does, for the 16-key backward) and
+// its indices into the score arrays would no longer be constants (local memory).
+template <int FIRST, int END, class F>
+__device__ __forceinline__ void static_for(F&& f) {
+  if constexpr (FIRST < END) {
+    f(std::integral_constant<int, FIRST>{});
+    static_for<FIRST + 1, END>(f);
+  }
+}
+
+// Calls load(r, slice) and use(r, slice) for rows r = 0 .. ROWS-1 in order (r an
+// std::integral_constant), BATCH rows at a time: every load of a batch is issued before any
+// of its rows is used, so a lane waits for memory once per batch, not once per row. The
+// team sync between batches is for ptxas, which otherwise moves loads of later batches up
+// (ptxas -v: fewer spills with it).
+template <class S, int ROWS, int BATCH, int LANES, class Load, class Use>
+__device__ __forceinline__ void stream_rows(const TeamComm<LANES>& team, Load&& load, Use&& use) {
+  static_for<0, (ROWS + BATCH - 1) / BATCH>([&](auto batch_index) {
+    constexpr int kFirst = decltype(batch_index)::value * BATCH;
+    constexpr int kRows = ROWS - kFirst < BATCH ? ROWS - kFirst : BATCH;
+    if constexpr (kFirst > 0) team.sync();
+    S batch[kRows];
+    static_for<0, kRows>([&](auto b) {
+      load(std::integral_constant<int, kFirst + decltype(b)::value>{}, batch[b]);
+    });
+    static_for<0, kRows>([&](auto b) {
+      use(std::integral_constant<int, kFirst + decltype(b)::value>{}, batch[b]);
+    });
   });
 }
 
-// Dropout factors of keys 0..kRows-1 for head h: lane j draws key j, then all lanes share.
-// DRAW is false only without dropout; a template argument because the Philox registers
-// would otherwise lower the occupancy of every call, dropout or not (see Plan).
-template <bool DRAW, int ROWS>
-__device__ __forceinline__ void dropout_factors(const SmallSeqParams& p, const Task& t, int64_t h, int lane,
-                                                float (&f)[ROWS]) {
-  static_assert(ROWS <= kWarpSize, "one lane per key");
-  if constexpr (!DRAW) {
-#pragma unroll
-    for (int j = 0; j < ROWS; ++j) f[j] = 1.0f;
-    return;
-  }
-  const float mine = lane < t.len ? small_seq_dropout_factor(p, t.seed0, t.seed1, t.philox_b, h, t.i, t.start + lane)
-                                  : 0.0f;
-#pragma unroll
-  for (int j = 0; j < ROWS; ++j) f[j] = warp_shfl(mine, j);
-}
+// ---- launch shapes ---------------------------------------------------------------------
 
-// The score slot of this lane's team in a pass, selected without dynamic register indexing.
-template <int ROWS_PER_PASS, int ROWS>
-__device__ __forceinline__ float team_value(const float (&values)[ROWS], int pass, int team) {
-  float w = 0.0f;
-#pragma unroll
-  for (int r = 0; r < ROWS_PER_PASS; ++r) w = team == r ? values[pass * ROWS_PER_PASS + r] : w;
-  return w;
-}
-
-// Small blocks and an occupancy floor for the forward: the kernel is bound by how many
-// loads are in flight, i.e. by warps per SM (at least 20 here, at most 102 registers).
+// Blocks of 128 threads. The kernels are bound by the bytes in flight per SM: resident
+// lanes times the rows each has in flight. So each instantiation gets the largest batch of
+// rows (raw 16-byte vectors per lane, 4 registers each) and the occupancy floor (blocks per
+// SM in __launch_bounds__: 4 allows 128 registers, 3 168, 2 255) that ptxas -v (sm_80,
+// sm_90) shows fitting without spills; the floor only caps registers, ptxas often takes
+// fewer and occupancy follows. "Wide": f32 d=512 on 32-lane warps, 4 vectors per row slice.
 constexpr int kForwardThreads = 128;
-constexpr int kForwardMinBlocks = 5;
 constexpr int kBackwardThreads = 128;
-constexpr int kBackwardMinBlocks = 4;  // at least 16 warps per SM, at most 128 registers
 
-// How the kernels treat a task, by the raw vectors per lane its key and value rows take;
-// measured on the H200 (b=30720, h=16, bf16).
-// - Whether KeyRows holds them in registers (RESIDENT). Forward: up to 4 (d=128, 2 and 4
-//   keys: 0.40 -> 0.33 and 0.48 -> 0.45 ms); at 8 the registers cost as much as the loads
-//   in flight gain, at 16 they spill. Backward, which reads the keys twice per head: up to
-//   8 (its share of fwd+bwd 0.71 -> 0.57 ms at 2 keys, 1.88 -> 1.58 ms at 8); with dropout
-//   the Philox registers make 8 spill.
-// - Whether the backward is compiled to draw dropout factors (small_seq_dropout_factor then
-//   tests p.dropout at run time). Beyond 16 (d 256 and 512 with 16 keys, d 512 with 8) ptxas
-//   spills more without the draws than with them (d=256, 16 keys: 8.28 -> 9.04 ms fwd+bwd).
-template <ElementType ET, int D, int MAX_KV, bool DROPOUT>
-struct Plan {
-  static constexpr int kTaskVecs = Geometry<ET, D, MAX_KV>::kTaskVecs;
-  static constexpr bool kForwardResident = kTaskVecs <= 4;
-  static constexpr bool kBackwardResident = kTaskVecs <= (DROPOUT ? 4 : 8);
-  static constexpr bool kBackwardDraws = DROPOUT || kTaskVecs > 16;
+// Forward rows: K_0..K_{N-1}, V_0..V_{N-1}, 8 rows per batch (so with up to 4 keys all at
+// once: one memory round trip); wide: 4, and 1 with 16 keys.
+template <ElementType ET, int D, int N>
+struct ForwardPlan {
+  static constexpr bool kWide = Team<ET, D>::kVecsPerLane > 2;
+  static constexpr int kBatch = (N < 16 ? 16 : kWide ? 4 : 16) / Team<ET, D>::kVecsPerLane;
+  static constexpr int kMinBlocks = N < 16 ? 4 : kWide ? 2 : 3;
 };
 
-template <ElementType ET, int D, int MAX_KV, bool DROPOUT>
-__global__ void __launch_bounds__(kForwardThreads, kForwardMinBlocks)
+// The backward's occupancy floors by key bound n (see above): its loop over heads (grouped),
+// dropout and wide rows cost registers. With 16 keys, 3 blocks (168 registers) fit without
+// spills only for bf16 rows of 128 or 256 without dropout or groups (ptxas -v), and there
+// beat 2 blocks: 4.76 against 5.60 ms (benchmarks/small_seq_sweep.py, bf16 d=128 fwd+bwd).
+constexpr int backward_min_blocks(ElementType et, int d, int n, bool wide, bool grouped, bool dropout) {
+  if (n == 16) return et == ElementType::kBF16 && (d == 128 || d == 256) && !grouped && !dropout ? 3 : 2;
+  if (wide) return n == 8 || dropout ? 2 : 3;
+  if (grouped) return n == 8 && dropout ? 2 : 3;
+  if (n == 8) return dropout ? 3 : 4;
+  return n == 2 && !dropout ? 5 : 4;
+}
+
+// Backward rows per head: K_0..K_{N-1} (scores), V_0..V_{N-1} (dP, dS), and for dq the keys
+// once more: from registers when they take at most 4 vectors per lane, else from the team's
+// shared memory when a team's keys take at most kMaxSharedKeyBytes, else K_0..K_{N-1}
+// loaded again. Measured on the H200 (benchmarks/small_seq_sweep.py, bf16 d=128, b=30720,
+// h=16, fwd+bwd): loading the keys again took 7.26 ms at 16 keys against 3.72 at 12;
+// from shared memory 5.60 and 3.34; with the 16-key plan below, 4.76 and 3.09.
+constexpr int64_t kMaxSharedKeyBytes = 8192;
+
+template <ElementType ET, int D, int N, bool DROPOUT, bool GROUPED>
+struct BackwardPlan {
+  static constexpr int kVecsPerLane = Team<ET, D>::kVecsPerLane;
+  static constexpr bool kWide = kVecsPerLane > 2;
+  static constexpr bool kKeepKeys = N * kVecsPerLane <= 4;
+  static constexpr int64_t kKeyBytes = N * D * int64_t{sizeof(typename Element<ET>::Storage)};
+  static constexpr bool kSharedKeys = !kKeepKeys && kKeyBytes <= kMaxSharedKeyBytes;
+  // Shared memory per team, 16-byte multiples: with GROUPED the scaled dS and the dropped P
+  // of every head, [group][2][N] floats; then the keys, [N][lanes] slices, if kSharedKeys.
+  __host__ __device__ static constexpr int64_t staged_bytes(int64_t group) {
+    return GROUPED ? group * 2 * N * int64_t{sizeof(float)} : 0;
+  }
+  __host__ __device__ static constexpr int64_t team_shared_bytes(int64_t group) {
+    return staged_bytes(group) + (kSharedKeys ? kKeyBytes : 0);
+  }
+  static constexpr int kBatch = (N < 8 || !kWide ? 16 : N == 8 ? 8 : 4) / kVecsPerLane;
+  static constexpr int kMinBlocks = backward_min_blocks(ET, D, N, kWide, GROUPED, DROPOUT);
+};
+
+// One team per (query token, query head): without a loop over the heads of a group the
+// kernel needs fewer registers, and with grouped-query attention the teams of one K/V head
+// are neighbours in the grid, so its rows still come from HBM once (then from L1 or L2).
+template <ElementType ET, int D, int N, bool DROPOUT>
+__global__ void __launch_bounds__(kForwardThreads, (ForwardPlan<ET, D, N>::kMinBlocks))
     small_seq_forward(SmallSeqParams p, const typename Element<ET>::Storage* __restrict__ q,
                       const typename Element<ET>::Storage* __restrict__ k,
                       const typename Element<ET>::Storage* __restrict__ v, const int32_t* __restrict__ kv_start,
                       const int32_t* __restrict__ kv_len, const uint32_t* __restrict__ seed,
                       typename Element<ET>::Storage* __restrict__ o) {
-  using G = Geometry<ET, D, MAX_KV>;
-  const int lane = threadIdx.x % kWarpSize;
-  const int64_t task_index = static_cast<int64_t>(blockIdx.x) * (kForwardThreads / kWarpSize) + threadIdx.x / kWarpSize;
-  if (task_index >= p.batch * p.seqlen_q * p.kv_heads) return;  // uniform per warp
-  const int team = lane / G::kLanesPerRow, sub = lane % G::kLanesPerRow;
-  const Task t = make_task<MAX_KV>(p, task_index, kv_start, kv_len, seed);
-  using Rows = KeyRows<ET, D, MAX_KV, Plan<ET, D, MAX_KV, DROPOUT>::kForwardResident>;
-  const Rows keys(k, p, t, team, sub), values(v, p, t, team, sub);
-  const int64_t group = p.heads / p.kv_heads;
-  for (int64_t g = 0; g < group; ++g) {
-    const int64_t h = t.kv_head * group + g;
-    const int64_t row = (t.token * p.heads + h) * D;
-    RowSlice<ET, D, MAX_KV> acc;
-    if (!t.ok) {
-      acc.fill(NAN);
-      if (team == 0) acc.store(o + row, sub);
-      continue;
-    }
-    RowSlice<ET, D, MAX_KV> qs;
-    qs.load(q + row, sub);
-    float s[G::kRows];
-    scores<ET, D, MAX_KV>(p, qs, keys, s);
-    small_seq_softmax(s, t.len);
-    float f[G::kRows];
-    dropout_factors<DROPOUT>(p, t, h, lane, f);
-    acc.fill(0.0f);
-    values.for_each([&](int pass, const uint4 (&raw)[G::kVecsPerLane]) {
-      acc.add_scaled(team_value<G::kRowsPerPass>(s, pass, team) * team_value<G::kRowsPerPass>(f, pass, team), raw);
-    });
-    acc.sum_across_teams();
-    if (team == 0) acc.store(o + row, sub);
-  }
+  using T = Team<ET, D>;
+  using S = Slice<ET, D>;
+  using P = ForwardPlan<ET, D, N>;
+  const int64_t task = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / T::kLanes;
+  if (task >= p.batch * p.seqlen_q * p.heads) return;  // a whole team: its shuffles are team-local
+  const int sub = threadIdx.x % T::kLanes;
+  const TeamComm<T::kLanes> team;
+  const int64_t token = task / p.heads, h = task % p.heads;
+  const int64_t row = task * D;  // of q and o: (token * H + h) * D
+  // q does not depend on the key range: its load is in flight with kv_start and kv_len.
+  const S qs = load_slice<ET, D>(q + row, sub);
+  const Task t = make_task<N, DROPOUT>(p, token, h / (p.heads / p.kv_heads), D, kv_start, kv_len, seed);
+  KeyRows kr;
+  float w[N];
+  float acc[T::kElems] = {};
+  // Rows: keys 0..N-1 (scores), then values 0..N-1 (o += P_j f_j v_j).
+  stream_rows<S, 2 * N, P::kBatch>(
+      team,
+      [&](auto r, S& s) {
+        const int j = r % N;
+        if (j == 0) kr = t.rows.fresh(team, sub);
+        s = load_slice_if<ET, D>((r < N ? k : v) + kr(j), sub, j < kr.live);
+      },
+      [&](auto r, const S& kv) {
+        const int j = r % N;
+        if (r < N) {
+          w[j] = dot<ET, D>(qs, kv);
+          if (j == N - 1) {  // all scores: the weights P_j f_j
+            attention_weights(team, p.scale, kr.live, w);
+            DropoutFactors<DROPOUT, N, T::kLanes> f;
+            f.draw(p, t, kr.live, h, sub);
+#pragma unroll
+            for (int i = 0; i < N; ++i) w[i] *= f.factor(team, i);
+          }
+        } else {
+          axpy<ET, D>(acc, w[j], kv);
+        }
+      });
+  store_slice<ET, D>(o + row, sub, acc, t.ok);
 }
 
-template <ElementType ET, int D, int MAX_KV, bool DROPOUT>
-__global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks)
+// One team per (query token, K/V head), for all query heads of the group: dk and dv sum over
+// them. GROUPED (more than one head per K/V head) is a compile-time split: the loop over the
+// heads costs registers that the common case, one head, need not pay.
+template <ElementType ET, int D, int N, bool DROPOUT, bool GROUPED>
+__global__ void __launch_bounds__(kBackwardThreads, (BackwardPlan<ET, D, N, DROPOUT, GROUPED>::kMinBlocks))
     small_seq_backward(SmallSeqParams p, const typename Element<ET>::Storage* __restrict__ q,
                        const typename Element<ET>::Storage* __restrict__ k,
                        const typename Element<ET>::Storage* __restrict__ v, const int32_t* __restrict__ kv_start,
@@ -425,90 +512,125 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks)
                        const typename Element<ET>::Storage* __restrict__ dout,
                        typename Element<ET>::Storage* __restrict__ dq, typename Element<ET>::Storage* __restrict__ dk,
                        typename Element<ET>::Storage* __restrict__ dv) {
-  using G = Geometry<ET, D, MAX_KV>;
-  using Slice = RowSlice<ET, D, MAX_KV>;
-  // Per warp: the scaled dS and the dropped P of every head of the group, [group][kRows] each.
-  extern __shared__ float shared[];
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  const int64_t task_index = static_cast<int64_t>(blockIdx.x) * (kBackwardThreads / kWarpSize) + warp;
-  if (task_index >= p.batch * p.seqlen_q * p.kv_heads) return;  // uniform per warp
-  const int team = lane / G::kLanesPerRow, sub = lane % G::kLanesPerRow;
-  const Task t = make_task<MAX_KV>(p, task_index, kv_start, kv_len, seed);
-  using P = Plan<ET, D, MAX_KV, DROPOUT>;
-  using Rows = KeyRows<ET, D, MAX_KV, P::kBackwardResident>;
-  const Rows keys(k, p, t, team, sub), values(v, p, t, team, sub);
-  const int64_t group = p.heads / p.kv_heads;
-  float* ds_shared = shared + warp * group * G::kRows * 2;
-  float* pd_shared = ds_shared + group * G::kRows;
+  using T = Team<ET, D>;
+  using S = Slice<ET, D>;
+  using P = BackwardPlan<ET, D, N, DROPOUT, GROUPED>;
+  constexpr bool kKeep = P::kKeepKeys;
+  constexpr bool kShareKeys = P::kSharedKeys;
+  extern __shared__ uint4 shared[];  // uint4: 16-byte alignment for the key slices
+  const int64_t task = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / T::kLanes;
+  if (task >= p.batch * p.seqlen_q * p.kv_heads) return;  // a whole team: its shuffles are team-local
+  const int sub = threadIdx.x % T::kLanes;
+  const TeamComm<T::kLanes> team;
+  const int64_t group = GROUPED ? p.heads / p.kv_heads : 1;
+  const int64_t token = task / p.kv_heads, kv_head = task % p.kv_heads;
+  const int64_t head_row0 = (token * p.heads + kv_head * group) * D;  // of q, o, dO, dq
+  // The first head's q, dO and O do not depend on the key range: in flight with it.
+  S qs = load_slice<ET, D>(q + head_row0, sub);
+  S dos = load_slice<ET, D>(dout + head_row0, sub);
+  S os = load_slice<ET, D>(o + head_row0, sub);
+  const Task t = make_task<N, DROPOUT>(p, token, kv_head, D, kv_start, kv_len, seed);
+  char* team_shared = reinterpret_cast<char*>(shared) + (threadIdx.x / T::kLanes) * P::team_shared_bytes(group);
+  float* staged = reinterpret_cast<float*>(team_shared);
+  S* shared_keys = reinterpret_cast<S*>(team_shared + P::staged_bytes(group));  // key j: [j * kLanes + sub]
 
-  // Phase 1, per query head: dS and dq.
+  // Phase 1, per query head: dS and dq; with one head per K/V head also dk and dv.
   for (int64_t g = 0; g < group; ++g) {
-    const int64_t h = t.kv_head * group + g;
-    const int64_t row = (t.token * p.heads + h) * D;
-    Slice acc;
-    if (!t.ok) {
-      acc.fill(NAN);
-      if (team == 0) acc.store(dq + row, sub);
-      continue;
+    const int64_t h = kv_head * group + g;
+    const int64_t row = head_row0 + g * D;
+    if (g > 0) {
+      qs = load_slice<ET, D>(q + row, sub);
+      dos = load_slice<ET, D>(dout + row, sub);
+      os = load_slice<ET, D>(o + row, sub);
     }
-    Slice qs, dos, os;
-    qs.load(q + row, sub);
-    dos.load(dout + row, sub);
-    os.load(o + row, sub);
-    const float delta = sum_within_team<G::kLanesPerRow>(dos.dot(os));  // rowsum(dO * O)
-    float s[G::kRows];
-    scores<ET, D, MAX_KV>(p, qs, keys, s);
-    small_seq_softmax(s, t.len);
-    float f[G::kRows];
-    dropout_factors<P::kBackwardDraws>(p, t, h, lane, f);
-    float dp[G::kRows];
-    values.for_each([&](int pass, const uint4 (&raw)[G::kVecsPerLane]) {
-      gather_team_values<G>(dos.dot(raw), pass, dp);
-    });
-    float ds[G::kRows];
+    KeyRows kr;
+    float delta = 0.0f;
+    float s[N], ds[N];
+    DropoutFactors<DROPOUT, N, T::kLanes> f;
+    float dq_acc[T::kElems] = {};
+    S keys[kKeep ? N : 1];
+    // Rows: keys 0..N-1 (scores), values 0..N-1 (dP, dS; then dk and dv, so that q and dO
+    // are dead before dq needs its accumulators), keys 0..N-1 again (dq) unless they stayed
+    // in registers or shared memory since the scores.
+    stream_rows<S, kKeep || kShareKeys ? 2 * N : 3 * N, P::kBatch>(
+        team,
+        [&](auto r, S& sl) {
+          const int j = r % N;
+          if (j == 0) kr = t.rows.fresh(team, sub);
+          sl = load_slice_if<ET, D>((r >= N && r < 2 * N ? v : k) + kr(j), sub, j < kr.live);
+        },
+        [&](auto r, const S& kv) {
+          const int j = r % N;
+          if (r == 0) delta = team.sum(dot<ET, D>(dos, os));  // rowsum(dO * O), once the first rows are in flight
+          if (r < N) {
+            s[j] = dot<ET, D>(qs, kv);
+            if constexpr (kKeep) keys[j] = kv;
+            if constexpr (kShareKeys) shared_keys[j * T::kLanes + sub] = kv;
+            if (j == N - 1) {
+              attention_weights(team, p.scale, kr.live, s);
+              f.draw(p, t, kr.live, h, sub);
+            }
+          } else if (r < 2 * N) {
+            const float fj = f.factor(team, j);
+            const float dp = team.sum(dot<ET, D>(dos, kv)) * fj;
+            ds[j] = j < kr.live ? s[j] * (dp - delta) * p.scale : 0.0f;
+            s[j] *= fj;  // from here on P_j f_j, the weight of dO in dv_j
+            if (j == N - 1) {
+              if constexpr (GROUPED) {  // staged for phase 2
 #pragma unroll
-    for (int j = 0; j < G::kRows; ++j) {
-      ds[j] = s[j] * (dp[j] * f[j] - delta) * p.scale;
-      if (lane == j) {
-        ds_shared[g * G::kRows + j] = ds[j];
-        pd_shared[g * G::kRows + j] = s[j] * f[j];
-      }
-    }
-    acc.fill(0.0f);
-    keys.for_each([&](int pass, const uint4 (&raw)[G::kVecsPerLane]) {
-      acc.add_scaled(team_value<G::kRowsPerPass>(ds, pass, team), raw);
-    });
-    acc.sum_across_teams();
-    if (team == 0) acc.store(dq + row, sub);
+                for (int i = 0; i < N; ++i) {
+                  if (i % T::kLanes == sub) {
+                    staged[g * 2 * N + i] = ds[i];
+                    staged[g * 2 * N + N + i] = s[i];
+                  }
+                }
+              } else {  // this head's dk_i = dS_i q and dv_i = P_i f_i dO are the whole gradients
+                const KeyRows out = t.rows.fresh(team, sub);
+#pragma unroll
+                for (int i = 0; i < N; ++i) {
+                  if (i < out.live) {
+                    store_scaled<ET, D>(dk + out(i), sub, ds[i], qs);
+                    store_scaled<ET, D>(dv + out(i), sub, s[i], dos);
+                  }
+                }
+              }
+              if constexpr (kKeep || kShareKeys) {
+#pragma unroll
+                for (int i = 0; i < N; ++i) {
+                  axpy<ET, D>(dq_acc, ds[i], kKeep ? keys[i] : shared_keys[i * T::kLanes + sub]);
+                }
+              }
+            }
+          } else {
+            axpy<ET, D>(dq_acc, ds[j], kv);
+          }
+        });
+    store_slice<ET, D>(dq + row, sub, dq_acc, t.ok);
   }
-  warp_sync();
 
-  // Phase 2, per key row: dk and dv summed over the group's heads.
-  const int32_t len = t.live_rows;
-  for (int pass = 0; pass < G::kPasses; ++pass) {
-    const int j = pass * G::kRowsPerPass + team;
-    if (j >= len) continue;
-    Slice dk_acc, dv_acc;
-    dk_acc.fill(0.0f);
-    dv_acc.fill(0.0f);
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t row = (t.token * p.heads + t.kv_head * group + g) * D;
-      dk_acc.add_scaled(ds_shared[g * G::kRows + j], q + row, sub);
-      dv_acc.add_scaled(pd_shared[g * G::kRows + j], dout + row, sub);
+  // Phase 2, GROUPED, per key row: dk and dv summed over the group's heads (their q and dO
+  // rows again, from L1).
+  if constexpr (GROUPED) {
+    team.sync();
+    for (int j = 0; j < t.rows.live; ++j) {
+      float dk_acc[T::kElems] = {}, dv_acc[T::kElems] = {};
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t row = head_row0 + g * D;
+        axpy<ET, D>(dk_acc, staged[g * 2 * N + j], load_slice<ET, D>(q + row, sub));
+        axpy<ET, D>(dv_acc, staged[g * 2 * N + N + j], load_slice<ET, D>(dout + row, sub));
+      }
+      store_slice<ET, D>(dk + t.rows(j), sub, dk_acc);
+      store_slice<ET, D>(dv + t.rows(j), sub, dv_acc);
     }
-    const int64_t offset = bshd_offset(t.b, t.start + j, t.kv_head, 0, p.seqlen_kv, p.kv_heads, D);
-    dk_acc.store(dk + offset, sub);
-    dv_acc.store(dv + offset, sub);
   }
-  // With one query per row this warp owns every key row of its head: zero the rest.
+  // With one query per row this team owns every key row of its head: zero the rest.
   if (p.seqlen_q == 1) {
-    Slice zero;
-    zero.fill(0.0f);
-    for (int64_t j = team; j < p.seqlen_kv; j += G::kRowsPerPass) {
-      if (j >= t.start && j < t.start + len) continue;
-      const int64_t offset = bshd_offset(t.b, j, t.kv_head, 0, p.seqlen_kv, p.kv_heads, D);
-      zero.store(dk + offset, sub);
-      zero.store(dv + offset, sub);
+    const float zero[T::kElems] = {};
+    const int64_t row0 = bshd_offset(t.b, 0, kv_head, 0, p.seqlen_kv, p.kv_heads, D);
+    for (int64_t j = 0; j < p.seqlen_kv; ++j) {
+      if (j >= t.start && j < t.start + t.rows.live) continue;
+      store_slice<ET, D>(dk + row0 + j * t.rows.stride, sub, zero);
+      store_slice<ET, D>(dv + row0 + j * t.rows.stride, sub, zero);
     }
   }
 }
@@ -544,9 +666,10 @@ ffi::Error unsupported_head_dim(const char* op, int64_t d) {
   return invalid(op, "head dim must be 64, 128, 256 or 512, got " + std::to_string(d));
 }
 
-int64_t blocks_for(const SmallSeqParams& p, int threads) {
-  const int64_t warps = threads / kWarpSize;
-  return (p.batch * p.seqlen_q * p.kv_heads + warps - 1) / warps;
+// Blocks of `threads` threads for one team of `lanes` lanes per task.
+int64_t blocks_for(int64_t tasks, int threads, int lanes) {
+  const int64_t teams = threads / lanes;
+  return (tasks + teams - 1) / teams;
 }
 
 ffi::Error SmallSeqFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -558,12 +681,14 @@ ffi::Error SmallSeqFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
       e.failure()) {
     return e;
   }
-  const int64_t blocks = blocks_for(p, kForwardThreads);
-  if (blocks == 0) return ffi::Error::Success();
+  const int64_t tasks = p.batch * p.seqlen_q * p.heads;  // one per (query token, query head)
+  if (tasks == 0) return ffi::Error::Success();
   const bool known = dispatch(q.element_type(), p.head_dim, p.max_keys, p.dropout,
                               [&](auto et, auto d, auto n, auto dropout) {
     constexpr ElementType kET = decltype(et)::value;
-    small_seq_forward<kET, decltype(d)::value, decltype(n)::value, decltype(dropout)::value>
+    constexpr int kD = decltype(d)::value;
+    const int64_t blocks = blocks_for(tasks, kForwardThreads, Team<kET, kD>::kLanes);
+    small_seq_forward<kET, kD, decltype(n)::value, decltype(dropout)::value>
         <<<blocks, kForwardThreads, 0, stream>>>(p, elements<kET>(q), elements<kET>(k), elements<kET>(v),
                                                  kv_start.typed_data<int32_t>(), kv_len.typed_data<int32_t>(),
                                                  seed.typed_data<uint32_t>(), elements<kET>(o));
@@ -583,12 +708,13 @@ ffi::Error SmallSeqBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
     return e;
   }
   const int64_t group = p.heads / p.kv_heads;
+  // Each team's shared memory (BackwardPlan::team_shared_bytes); blocks shrink (fewer teams)
+  // until it fits the default shared memory limit, which one team always does.
   constexpr int64_t kMaxSharedBytes = 48 * 1024;
-  const int64_t shared_bytes = (kBackwardThreads / kWarpSize) * group * kSmallSeqMaxKeys * 2 * sizeof(float);
-  if (shared_bytes > kMaxSharedBytes) {
-    return invalid(kOp, "at most " + std::to_string(kMaxSharedBytes / ((kBackwardThreads / kWarpSize) *
-                                                                         kSmallSeqMaxKeys * 2 * sizeof(float))) +
-                            " query heads per K/V head, got " + std::to_string(group));
+  constexpr int64_t kMaxGroup = (kMaxSharedBytes - kMaxSharedKeyBytes) / (2 * kSmallSeqMaxKeys * sizeof(float));
+  if (group > kMaxGroup) {
+    return invalid(kOp, "at most " + std::to_string(kMaxGroup) + " query heads per K/V head, got " +
+                            std::to_string(group));
   }
   if (p.seqlen_q != 1) {  // keys between segments belong to no query: zero them up front
     for (auto* buffer : {&dk, &dv}) {
@@ -597,16 +723,27 @@ ffi::Error SmallSeqBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
       }
     }
   }
-  const int64_t blocks = blocks_for(p, kBackwardThreads);
-  if (blocks == 0) return ffi::Error::Success();
+  const int64_t tasks = p.batch * p.seqlen_q * p.kv_heads;  // one per (query token, K/V head)
+  if (tasks == 0) return ffi::Error::Success();
   const bool known = dispatch(q.element_type(), p.head_dim, p.max_keys, p.dropout,
                               [&](auto et, auto d, auto n, auto dropout) {
     constexpr ElementType kET = decltype(et)::value;
-    small_seq_backward<kET, decltype(d)::value, decltype(n)::value, decltype(dropout)::value>
-        <<<blocks, kBackwardThreads, shared_bytes, stream>>>(
-            p, elements<kET>(q), elements<kET>(k), elements<kET>(v), kv_start.typed_data<int32_t>(),
-            kv_len.typed_data<int32_t>(), seed.typed_data<uint32_t>(), elements<kET>(o), elements<kET>(dout),
-            elements<kET>(dq), elements<kET>(dk), elements<kET>(dv));
+    constexpr int kD = decltype(d)::value, kN = decltype(n)::value;
+    constexpr bool kDropout = decltype(dropout)::value;
+    constexpr int kLanes = Team<kET, kD>::kLanes;
+    auto launch = [&](auto grouped) {
+      constexpr bool kGrouped = decltype(grouped)::value;
+      const int64_t team_bytes = BackwardPlan<kET, kD, kN, kDropout, kGrouped>::team_shared_bytes(group);
+      int threads = kBackwardThreads;
+      while (threads > kLanes && (threads / kLanes) * team_bytes > kMaxSharedBytes) threads /= 2;
+      small_seq_backward<kET, kD, kN, kDropout, kGrouped>
+          <<<blocks_for(tasks, threads, kLanes), threads, (threads / kLanes) * team_bytes, stream>>>(
+              p, elements<kET>(q), elements<kET>(k), elements<kET>(v), kv_start.typed_data<int32_t>(),
+              kv_len.typed_data<int32_t>(), seed.typed_data<uint32_t>(), elements<kET>(o), elements<kET>(dout),
+              elements<kET>(dq), elements<kET>(dk), elements<kET>(dv));
+    };
+    if (group == 1) return launch(std::false_type{});
+    launch(std::true_type{});
   });
   if (!known) return unsupported_head_dim(kOp, p.head_dim);
   return launch_status(kOp);
