@@ -10,13 +10,15 @@ backward masks, and by per-key determinism. CPU tests check the reasons
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from conftest import assert_close, make_config, random_array, tolerance
-from fusedattn.ops import AttentionSpec, SequenceDescriptor, explain, fused_attn
+from fusedattn.ops import AttentionSpec, SequenceDescriptor, explain, fused_attn, registry
 from fusedattn.ops.backends import cudnn
 from fusedattn.ops.backends.base import CallShapes, CanonicalArgs, TokenInfo, visible_mask
 
@@ -90,6 +92,37 @@ def test_ragged_offsets_must_fit_int32():
         spec(mask="padding", sequence={"format": "segment_ids"}),
         shapes(b=1024, sq=4096, skv=4096, h=16, h_kv=16, d=128), "cuda")
     assert "int32 element offsets" in reason, reason
+
+
+@pytest.mark.parametrize("mask", ["no_mask", "causal"])
+@pytest.mark.parametrize("with_backward", [False, True])
+def test_dense_call_lowers_to_the_ffi_calls_and_constants(monkeypatch, mask, with_backward):
+    """Without padding, dropout, bias or softmax offset, the module lowered for CUDA holds
+    cuDNN's calls and constants only: no segment or length math, casts or transposes,
+    and the operands the calls do not read are constants, not zero-filled arrays
+    (broadcasts XLA would run on every call, a fixed cost of short calls).
+    Lowered here without a GPU: the library's availability and cuDNN's check are faked."""
+    monkeypatch.setattr(cudnn, "available", lambda: None)
+    monkeypatch.setattr(cudnn, "_compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(cudnn, "_check", lambda *args: None)
+    monkeypatch.setattr(registry, "current_platform", lambda: "cuda")
+    config = make_config(backend="cudnn", mask=mask)
+    q = jax.ShapeDtypeStruct((2, 128, 4, 64), jnp.bfloat16)
+
+    def attend(q, k, v):
+        return fused_attn((q, k, v), config=config)
+
+    def attend_and_vjp(q, k, v, do):
+        out, vjp = jax.vjp(attend, q, k, v)
+        return out, vjp(do)
+
+    fn, args = (attend_and_vjp, (q,) * 4) if with_backward else (attend, (q,) * 3)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    ops = re.findall(r"=\s*\"?([a-z_]+\.[a-z_.]+)", text)
+    targets = re.findall(r"stablehlo\.custom_call @(\w+)", text)
+    assert targets == ([cudnn.FWD_TARGET, cudnn.BWD_TARGET] if with_backward
+                       else [cudnn.FWD_TARGET])
+    assert set(ops) == {"stablehlo.custom_call", "stablehlo.constant"}, sorted(set(ops))
 
 
 def segments_of(static, tokens, sequence=None):

@@ -516,6 +516,42 @@ def test_cudnn_glue_per_example_gradients_under_a_mesh(rng, fake_cudnn):
                   (P("data", None, "model"), P("data", "model")))
 
 
+@pytest.mark.parametrize("shardy", [True, False])
+def test_cudnn_unread_operands_shard_and_fold(rng, fake_cudnn, monkeypatch, shardy):
+    """Through CudnnBackend.attention without bias, dropout or softmax offset: the operands
+    the FFI calls do not read (numpy scalars, see cudnn._UNREAD_INT32, and the [1, 1, 1, 1]
+    bias) pass the mesh under both partitioners without gathering, and a vmap folds into
+    one call each way that equals a loop."""
+    from jax._src import config as jax_config
+
+    monkeypatch.setattr(cudnn, "available", lambda: None)
+    spec = AttentionSpec.from_config(make_config(mask="causal"))
+    q, k, v = (x.astype(jnp.bfloat16) for x in flash_inputs(rng))
+
+    def attend(q, k, v):
+        return cudnn.BACKEND.attention(spec, CanonicalArgs(q=q, k=k, v=v, tokens=None), 0.25)
+
+    mesh = make_mesh("2x2")
+    with jax_config.use_shardy_partitioner(shardy):
+        check_sharded(value_and_grads(attend, (0, 1, 2)),
+                      (random_array(rng, q.shape).astype(jnp.bfloat16), q, k, v), (QKV,) * 4,
+                      mesh, (QKV, (QKV,) * 3))
+    assert local(q.shape, mesh) in TRACED  # the stand-in ran on a shard
+    n = 2
+    batched = tuple(x.reshape((n, -1) + x.shape[1:]) for x in (q, k, v))
+
+    def loss(q, k, v):
+        return jnp.sum(attend(q, k, v).astype(jnp.float32) ** 2)
+
+    grads = jax.vmap(jax.grad(loss, argnums=(0, 1, 2)))
+    assert loops_and_kernel_calls(grads, *batched) == (False, 2)
+    got = jax.jit(grads)(*batched)
+    one = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    for i in range(n):
+        for name, a, e in zip(("dq", "dk", "dv"), got, one(*(x[i] for x in batched))):
+            assert_close(a[i], e, TOL, f"{name}[{i}]")
+
+
 @pytest.mark.parametrize("case", ["dense", "seqlens", "packed"])
 def test_cudnn_sink_gradient_rows_match_the_xla_backend(rng, case):
     """dsink from cuDNN's statistics: with lse the natural-log log-sum-exp of a row's scaled

@@ -92,6 +92,19 @@ LIBRARY_STEM = "fusedattn_cudnn"
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _MESSAGE_BYTES = 4096
 
+# Operands the FFI handlers do not read in a call's configuration (the lengths and
+# offsets without segments or ragged offsets, rng without dropout, sink without a
+# softmax offset; the handlers check their shapes only when they read them) are numpy
+# scalars: they lower to constants, where zero-filled arrays (jnp.zeros) lower to
+# broadcasts that XLA does not constant-fold: it keeps them as fusions run on every
+# call, a fixed cost that shows on short calls. Scalars, not [n] splats, because
+# XLA turns a constant of more than one equal element back into a broadcast.
+# The unused bias stays [1, 1, 1, 1] (one element: a constant too), as the batch
+# folding under vmap reads its leading dim.
+_UNREAD_INT32 = np.zeros((), np.int32)
+_UNREAD_UINT32 = np.zeros((), np.uint32)
+_UNREAD_FLOAT32 = np.zeros((), np.float32)
+
 
 # ---- the library ------------------------------------------------------------------
 
@@ -420,11 +433,10 @@ def _lengths_and_offsets(static: _Static, slots, q_shape, k_shape, v_shape):
     _, skv, h_kv, _ = k_shape
     dv = v_shape[3]
     if not static.segments:
-        dummy = jnp.zeros((1,), jnp.int32)
-        return dummy, dummy, jnp.zeros((4, 1), jnp.int32)
+        return _UNREAD_INT32, _UNREAD_INT32, _UNREAD_INT32
     q_start, q_len, kv_start, kv_len = (slots[:, i] for i in range(4))
     if not static.ragged:
-        return q_len.reshape(-1), kv_len.reshape(-1), jnp.zeros((4, 1), jnp.int32)
+        return q_len.reshape(-1), kv_len.reshape(-1), _UNREAD_INT32
     rows = jnp.arange(b, dtype=jnp.int32)[:, None]
     q_token = (rows * sq + q_start).reshape(-1)
     kv_token = (rows * skv + kv_start).reshape(-1)
@@ -559,7 +571,7 @@ def _cudnn(static: _Static, q, k, v, bias, rng, sink, segments: _Segments | None
 
 def _forward(static: _Static, q, k, v, bias, rng, sink, segments: _Segments | None):
     """(o, slots, stats) of the forward call; o masked where segments say."""
-    slots = segments.slots if segments else jnp.zeros((q.shape[0], 4, 1), jnp.int32)
+    slots = segments.slots if segments else np.zeros((q.shape[0], 4, 1), np.int32)  # unread
     o, stats = _folding_op(static, False)(q, k, v, bias, slots, rng, sink)
     if segments:
         o = _mask_rows(o, segments.q_keys, segments.broken)
@@ -693,7 +705,7 @@ class CudnnBackend:
             bias = bias.astype(q.dtype)
             has_bias = True
         elif spec.bias == BiasType.NO_BIAS:
-            bias, has_bias = jnp.zeros((1, 1, 1, 1), q.dtype), False
+            bias, has_bias = np.zeros((1, 1, 1, 1), q.dtype), False  # unread (see _UNREAD_INT32)
         else:
             raise ValueError(f"cudnn: config.bias {str(spec.bias)!r} is not served; use "
                              "backend='xla'")
@@ -702,14 +714,14 @@ class CudnnBackend:
             seed = jnp.asarray(args.dropout_seed).astype(jnp.uint32).reshape(2)
             rng = jnp.concatenate([seed, jnp.zeros((2,), jnp.uint32)])  # int64 seed, offset 0
         else:
-            rng = jnp.zeros((4,), jnp.uint32)
+            rng = _UNREAD_UINT32
         if spec.softmax != SoftmaxType.VANILLA:
             if args.softmax_offset is None:
                 raise ValueError(f"softmax_offset: config.softmax {str(spec.softmax)!r} needs a "
                                  f"float32 array of shape [h] = ({h},)")
             sink = jnp.asarray(args.softmax_offset, jnp.float32).reshape(h)
         else:
-            sink = jnp.zeros((h,), jnp.float32)
+            sink = _UNREAD_FLOAT32
         static = _static(spec, scale, dropout, has_bias, q.shape[1], k.shape[1])
         segments = None
         if static.segments:
