@@ -7,7 +7,7 @@ variants in parallel, sm_90 only, without cuDNN), then benchmarks/small_seq.py
 times the kernels alone with FUSEDATTN_LIB_DIR pointing at that build. The
 table compares every variant with "as_is" (the source unchanged).
 
-    python benchmarks/small_seq_sweep.py --out $OUT/sweep bwd16_b16_m3 bwd16_b8_m4
+    python benchmarks/small_seq_sweep.py --out $OUT/sweep bwd_pairs4_m2 bwd_pairs1_m4
 
 --phase build only builds (so the builds can overlap other GPU work), --phase time
 reuses the builds under --out.
@@ -27,26 +27,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = "ops_cuda/cuda/small_seq.cu"
 
-# BackwardPlan's 16-key plan (non-wide rows): batches of 16 vectors per lane (8 rows of 2
-# vectors), under 3 blocks/SM for bf16 d=128/256 without dropout or groups.
-_BWD16_BATCH = "kBatch = (N < 8 || !kWide ? 16 : N == 8 ? 8 : 4) / kVecsPerLane;"
-_BWD16_BLOCKS = "&& !grouped && !dropout ? 3 : 2;"
+# BackwardPlan: (K_j, V_j) pairs per batch (4 raw vectors per lane each at 2 vectors per row),
+# and the occupancy floor of one head without dropout below d=512.
+_BWD_PAIRS = "kPairs = 4 / kVecsPerLane < N ? 4 / kVecsPerLane : N;"
+_BWD_BLOCKS = "|| DROPOUT || D == 512 ? 2 : 3;"
 
 
-def _bwd16(batch_vectors: int, blocks: int) -> dict[str, str]:
-    return {_BWD16_BATCH: f"kBatch = (N < 8 ? 16 : N == 16 && !kWide ? {batch_vectors} : "
-                          "!kWide ? 16 : N == 8 ? 8 : 4) / kVecsPerLane;",
-            _BWD16_BLOCKS: f"&& !grouped && !dropout ? {blocks} : 2;"}
+def _bwd(vectors_per_batch: int, blocks: int) -> dict[str, str]:
+    edits = {_BWD_BLOCKS: f"|| DROPOUT || D == 512 ? 2 : {blocks};"}
+    if vectors_per_batch != 4:
+        edits[_BWD_PAIRS] = (f"kPairs = {vectors_per_batch} / kVecsPerLane < N ? "
+                             f"{vectors_per_batch} / kVecsPerLane : N;")
+    return edits
 
 
 VARIANTS: dict[str, dict[str, str]] = {
     "as_is": {},
-    "global_keys": {  # the backward's dq reloads the keys from global memory
-        "static constexpr bool kSharedKeys = !kKeepKeys && kKeyBytes <= kMaxSharedKeyBytes;":
-        "static constexpr bool kSharedKeys = false;"},
-    "bwd16_b32_m2": _bwd16(32, 2),
-    "bwd16_b16_m4": _bwd16(16, 4),
-    "bwd16_b8_m4": _bwd16(8, 4),
+    "bwd_pairs1_m4": _bwd(2, 4),
+    "bwd_pairs2_m2": _bwd(4, 2),
+    "bwd_pairs4_m2": _bwd(8, 2),
+    "bwd_pairs4_m3": _bwd(8, 3),
 }
 
 

@@ -8,6 +8,8 @@ dropout mask (both draw it from the same Philox definition).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +17,7 @@ import pytest
 from jax.experimental import checkify
 
 from conftest import assert_close, make_config, random_array, tolerance
+from fusedattn.ops import _library
 from fusedattn.ops import AttentionSpec, SequenceDescriptor, explain, fused_attn
 from fusedattn.ops.backends import small_seq
 
@@ -215,6 +218,44 @@ def test_guard_rejects_two_queries_in_one_segment(rng):
         fused_attn((q, k, v), config=config, sequence=sequence)
 
 
+def raw_op_library():
+    """Loads the op library of the default device, for tests calling the FFI ops directly."""
+    assert _library.load(jax.devices()[0].platform), _library.available(jax.devices()[0].platform)
+
+
+def test_forward_saves_the_log_sum_exp_of_each_query_heads_scores(rng):
+    """lse [b, 1, h] (float32) is log sum_j exp(scale * q.k_j): -inf without keys, NaN when broken."""
+    raw_op_library()
+    b, s_kv, h, h_kv, d = 5, 6, 4, 2, 64
+    q, k, v = bshd_inputs(rng, b, s_kv, h, h_kv, d, jnp.float32)
+    kv_start = jnp.asarray([[0], [1], [0], [2], [0]], jnp.int32)
+    kv_len = jnp.asarray([[6], [3], [0], [4], [-1]], jnp.int32)  # row 2 padding, row 4 broken
+    scale = d ** -0.5
+    o, lse = jax.jit(small_seq._forward_call, static_argnums=(6, 7, 8))(
+        q, k, v, kv_start, kv_len, jnp.zeros((2,), jnp.uint32), scale, 0.0, s_kv)
+    assert lse.shape == (b, 1, h) and lse.dtype == jnp.float32
+    q64, k64 = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    lse = np.asarray(lse)
+    for row in range(4):
+        start, length = int(kv_start[row, 0]), int(kv_len[row, 0])
+        for head in range(h):
+            keys = k64[row, start:start + length, head // (h // h_kv)]
+            scores = scale * keys @ q64[row, 0, head]
+            expected = np.log(np.exp(scores).sum()) if length else -np.inf
+            np.testing.assert_allclose(lse[row, 0, head], expected, rtol=1e-5, atol=1e-5)
+    assert np.all(np.isnan(lse[4])) and np.all(np.isnan(np.asarray(o)[4]))
+
+
+def test_backward_names_an_lse_of_the_wrong_shape(rng):
+    raw_op_library()
+    q, k, v = bshd_inputs(rng, 2, 4, 2, 2, 64, jnp.float32)
+    kv_start, kv_len = jnp.zeros((2, 1), jnp.int32), jnp.full((2, 1), 4, jnp.int32)
+    bad_lse = jnp.zeros((2, 2), jnp.float32)  # [b, h]: the query axis is missing
+    call = functools.partial(small_seq._backward, (0.125, 0.0, 4))
+    with pytest.raises(Exception, match=r"lse must have shape \[2, 1, 2\], got \[2, 2\]"):
+        jax.jit(call)(q, k, v, kv_start, kv_len, jnp.zeros((1, 2), jnp.uint32), q, bad_lse, q)
+
+
 def test_key_ranges_of_every_form():
     tokens = SequenceDescriptor.from_segment_ids_and_pos(
         jnp.asarray([[2, 1, 0]]), jnp.asarray([[1, 1, 2, 2, 2, 0, 1]])).token_info(
@@ -254,9 +295,10 @@ def test_unsupported_head_dim_is_explained(rng):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("d", small_seq.HEAD_DIMS)
 @pytest.mark.parametrize("s_kv", [1, 2, 3, 5, 8, 11, 16])
-def test_gpu_kernels_against_xla(rng, d, dtype, s_kv):
+@pytest.mark.parametrize("h_kv", [4, 2], ids=["one_head_per_kv_head", "grouped"])
+def test_gpu_kernels_against_xla(rng, d, dtype, s_kv, h_kv):
     b = 37
-    qkv = bshd_inputs(rng, b, s_kv, 4, 2, d, dtype)
+    qkv = bshd_inputs(rng, b, s_kv, 4, h_kv, d, dtype)
     kv_len = jnp.asarray(rng.integers(0, s_kv + 1, b), jnp.int32).at[0].set(s_kv)
     sequence = SequenceDescriptor.from_seqlens(jnp.ones((b,), jnp.int32), kv_len)
     _poison_allocator(qkv[1].size * 4 * 8)

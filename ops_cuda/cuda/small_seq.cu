@@ -13,9 +13,12 @@
 // - the softmax runs redundantly in every lane;
 // - o = sum_j P_j f_j v_j, dq, dk and dv are lane-local: no cross-lane sums,
 //   each lane stores its own slice.
-// Forward task: a (query token, query head); backward task: a (query token,
-// K/V head) and all query heads of its group, whose shares of dk and dv it
-// sums. Shuffles never leave a team, so a team past the last task just exits.
+// Forward task: a (query token, query head), writing o and the scores'
+// log-sum-exp; backward task: a (query token, K/V head) and all query heads of
+// its group, whose shares of dk and dv it sums. With the lse each key's weight
+// comes from its own score, so the backward takes key j and value j together,
+// once, and is done with them: dq += dS_j k_j, dk_j = dS_j q, dv_j = P_j f_j dO.
+// Shuffles never leave a team, so a team past the last task just exits.
 // A task's rows stream in batches, every load of a batch issued before any
 // is used (the q, dO and O loads before even the key range is known), so a
 // lane waits for memory once per batch; with up to 4 keys all rows of the
@@ -25,6 +28,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "fusedattn/gpu_runtime.h"  // first: the HIP runtime declares the device intrinsics
 #include "fusedattn/ffi_args.h"
@@ -346,13 +350,14 @@ class DropoutFactors {
 };
 
 // The softmax weights p_j from the lanes' partial dots q.k_j (in s): team sums, scale,
-// softmax over the first `len` keys. Every lane ends with every weight.
+// softmax over the first `len` keys. Every lane ends with every weight; returns the
+// scaled scores' log-sum-exp.
 template <int N, int LANES>
-__device__ __forceinline__ void attention_weights(const TeamComm<LANES>& team, float scale, int len,
-                                                  float (&s)[N]) {
+__device__ __forceinline__ float attention_weights(const TeamComm<LANES>& team, float scale, int len,
+                                                   float (&s)[N]) {
 #pragma unroll
   for (int j = 0; j < N; ++j) s[j] = team.sum(s[j]) * scale;
-  small_seq_softmax(s, len);
+  return small_seq_softmax(s, len);
 }
 
 // ---- a task's rows, in the order a pass consumes them ------------------------------
@@ -421,31 +426,26 @@ constexpr int backward_min_blocks(ElementType et, int d, int n, bool wide, bool 
   return n == 2 && !dropout ? 5 : 4;
 }
 
-// Backward rows per head: K_0..K_{N-1} (scores), V_0..V_{N-1} (dP, dS), and for dq the keys
-// once more: from registers when they take at most 4 vectors per lane, else from the team's
-// shared memory when a team's keys take at most kMaxSharedKeyBytes, else K_0..K_{N-1}
-// loaded again. Measured on the H200 (benchmarks/small_seq_sweep.py, bf16 d=128, b=30720,
-// h=16, fwd+bwd): loading the keys again took 7.26 ms at 16 keys against 3.72 at 12;
-// from shared memory 5.60 and 3.34; with the 16-key plan below, 4.76 and 3.09.
-constexpr int64_t kMaxSharedKeyBytes = 8192;
-
+// Backward rows per head: the pairs (K_j, V_j), kPairs of them per batch (8 raw vectors per
+// lane in flight). Registers (ptxas -v, sm_90, without a bound): the loop over a group's heads
+// and dropout take 30-60 more than the 160 of one head without dropout, and d=512 (whole-warp
+// teams) spills under 168, so only one head without dropout below d=512 gets 3 blocks per SM.
 template <ElementType ET, int D, int N, bool DROPOUT, bool GROUPED>
 struct BackwardPlan {
   static constexpr int kVecsPerLane = Team<ET, D>::kVecsPerLane;
-  static constexpr bool kWide = kVecsPerLane > 2;
-  static constexpr bool kKeepKeys = N * kVecsPerLane <= 4;
-  static constexpr int64_t kKeyBytes = N * D * int64_t{sizeof(typename Element<ET>::Storage)};
-  static constexpr bool kSharedKeys = !kKeepKeys && kKeyBytes <= kMaxSharedKeyBytes;
-  // Shared memory per team, 16-byte multiples: with GROUPED the scaled dS and the dropped P
-  // of every head, [group][2][N] floats; then the keys, [N][lanes] slices, if kSharedKeys.
-  __host__ __device__ static constexpr int64_t staged_bytes(int64_t group) {
+  // Shared memory per team with GROUPED: the scaled dS and the dropped P of every head,
+  // [group][2][N] floats, for phase 2.
+  __host__ __device__ static constexpr int64_t team_shared_bytes(int64_t group) {
     return GROUPED ? group * 2 * N * int64_t{sizeof(float)} : 0;
   }
-  __host__ __device__ static constexpr int64_t team_shared_bytes(int64_t group) {
-    return staged_bytes(group) + (kSharedKeys ? kKeyBytes : 0);
-  }
-  static constexpr int kBatch = (N < 8 || !kWide ? 16 : N == 8 ? 8 : 4) / kVecsPerLane;
-  static constexpr int kMinBlocks = backward_min_blocks(ET, D, N, kWide, GROUPED, DROPOUT);
+  static constexpr int kPairs = 4 / kVecsPerLane < N ? 4 / kVecsPerLane : N;
+  static constexpr int kMinBlocks = kVecsPerLane > 2 || GROUPED || DROPOUT || D == 512 ? 2 : 3;
+};
+
+// A key row and its value row, as one streamed unit of the backward.
+template <ElementType ET, int D>
+struct KeyValue {
+  Slice<ET, D> k, v;
 };
 
 // One team per (query token, query head): without a loop over the heads of a group the
@@ -457,7 +457,7 @@ __global__ void __launch_bounds__(kForwardThreads, (ForwardPlan<ET, D, N>::kMinB
                       const typename Element<ET>::Storage* __restrict__ k,
                       const typename Element<ET>::Storage* __restrict__ v, const int32_t* __restrict__ kv_start,
                       const int32_t* __restrict__ kv_len, const uint32_t* __restrict__ seed,
-                      typename Element<ET>::Storage* __restrict__ o) {
+                      typename Element<ET>::Storage* __restrict__ o, float* __restrict__ lse) {
   using T = Team<ET, D>;
   using S = Slice<ET, D>;
   using P = ForwardPlan<ET, D, N>;
@@ -472,6 +472,7 @@ __global__ void __launch_bounds__(kForwardThreads, (ForwardPlan<ET, D, N>::kMinB
   const Task t = make_task<N, DROPOUT>(p, token, h / (p.heads / p.kv_heads), D, kv_start, kv_len, seed);
   KeyRows kr;
   float w[N];
+  float row_lse = 0.0f;
   float acc[T::kElems] = {};
   // Rows: keys 0..N-1 (scores), then values 0..N-1 (o += P_j f_j v_j).
   stream_rows<S, 2 * N, P::kBatch>(
@@ -486,7 +487,7 @@ __global__ void __launch_bounds__(kForwardThreads, (ForwardPlan<ET, D, N>::kMinB
         if (r < N) {
           w[j] = dot<ET, D>(qs, kv);
           if (j == N - 1) {  // all scores: the weights P_j f_j
-            attention_weights(team, p.scale, kr.live, w);
+            row_lse = attention_weights(team, p.scale, kr.live, w);
             DropoutFactors<DROPOUT, N, T::kLanes> f;
             f.draw(p, t, kr.live, h, sub);
 #pragma unroll
@@ -497,6 +498,7 @@ __global__ void __launch_bounds__(kForwardThreads, (ForwardPlan<ET, D, N>::kMinB
         }
       });
   store_slice<ET, D>(o + row, sub, acc, t.ok);
+  if (sub == 0) lse[task] = t.ok ? row_lse : NAN;
 }
 
 // One team per (query token, K/V head), for all query heads of the group: dk and dv sum over
@@ -508,101 +510,67 @@ __global__ void __launch_bounds__(kBackwardThreads, (BackwardPlan<ET, D, N, DROP
                        const typename Element<ET>::Storage* __restrict__ k,
                        const typename Element<ET>::Storage* __restrict__ v, const int32_t* __restrict__ kv_start,
                        const int32_t* __restrict__ kv_len, const uint32_t* __restrict__ seed,
-                       const typename Element<ET>::Storage* __restrict__ o,
+                       const typename Element<ET>::Storage* __restrict__ o, const float* __restrict__ lse,
                        const typename Element<ET>::Storage* __restrict__ dout,
                        typename Element<ET>::Storage* __restrict__ dq, typename Element<ET>::Storage* __restrict__ dk,
                        typename Element<ET>::Storage* __restrict__ dv) {
   using T = Team<ET, D>;
   using S = Slice<ET, D>;
   using P = BackwardPlan<ET, D, N, DROPOUT, GROUPED>;
-  constexpr bool kKeep = P::kKeepKeys;
-  constexpr bool kShareKeys = P::kSharedKeys;
-  extern __shared__ uint4 shared[];  // uint4: 16-byte alignment for the key slices
+  extern __shared__ float staged[];
   const int64_t task = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / T::kLanes;
   if (task >= p.batch * p.seqlen_q * p.kv_heads) return;  // a whole team: its shuffles are team-local
   const int sub = threadIdx.x % T::kLanes;
   const TeamComm<T::kLanes> team;
   const int64_t group = GROUPED ? p.heads / p.kv_heads : 1;
   const int64_t token = task / p.kv_heads, kv_head = task % p.kv_heads;
-  const int64_t head_row0 = (token * p.heads + kv_head * group) * D;  // of q, o, dO, dq
-  // The first head's q, dO and O do not depend on the key range: in flight with it.
-  S qs = load_slice<ET, D>(q + head_row0, sub);
-  S dos = load_slice<ET, D>(dout + head_row0, sub);
-  S os = load_slice<ET, D>(o + head_row0, sub);
+  const int64_t head0 = token * p.heads + kv_head * group;  // (token, first head of the group)
+  // The first head's q, dO, O and lse do not depend on the key range: in flight with it.
+  S qs = load_slice<ET, D>(q + head0 * D, sub);
+  S dos = load_slice<ET, D>(dout + head0 * D, sub);
+  S os = load_slice<ET, D>(o + head0 * D, sub);
+  float row_lse = lse[head0];
   const Task t = make_task<N, DROPOUT>(p, token, kv_head, D, kv_start, kv_len, seed);
-  char* team_shared = reinterpret_cast<char*>(shared) + (threadIdx.x / T::kLanes) * P::team_shared_bytes(group);
-  float* staged = reinterpret_cast<float*>(team_shared);
-  S* shared_keys = reinterpret_cast<S*>(team_shared + P::staged_bytes(group));  // key j: [j * kLanes + sub]
+  float* team_staged = staged + (threadIdx.x / T::kLanes) * (P::team_shared_bytes(group) / sizeof(float));
 
   // Phase 1, per query head: dS and dq; with one head per K/V head also dk and dv.
   for (int64_t g = 0; g < group; ++g) {
     const int64_t h = kv_head * group + g;
-    const int64_t row = head_row0 + g * D;
+    const int64_t row = (head0 + g) * D;
     if (g > 0) {
       qs = load_slice<ET, D>(q + row, sub);
       dos = load_slice<ET, D>(dout + row, sub);
       os = load_slice<ET, D>(o + row, sub);
+      row_lse = lse[head0 + g];
     }
+    DropoutFactors<DROPOUT, N, T::kLanes> f;
+    f.draw(p, t, t.rows.live, h, sub);
     KeyRows kr;
     float delta = 0.0f;
-    float s[N], ds[N];
-    DropoutFactors<DROPOUT, N, T::kLanes> f;
     float dq_acc[T::kElems] = {};
-    S keys[kKeep ? N : 1];
-    // Rows: keys 0..N-1 (scores), values 0..N-1 (dP, dS; then dk and dv, so that q and dO
-    // are dead before dq needs its accumulators), keys 0..N-1 again (dq) unless they stayed
-    // in registers or shared memory since the scores.
-    stream_rows<S, kKeep || kShareKeys ? 2 * N : 3 * N, P::kBatch>(
+    stream_rows<KeyValue<ET, D>, N, P::kPairs>(
         team,
-        [&](auto r, S& sl) {
-          const int j = r % N;
-          if (j == 0) kr = t.rows.fresh(team, sub);
-          sl = load_slice_if<ET, D>((r >= N && r < 2 * N ? v : k) + kr(j), sub, j < kr.live);
+        [&](auto j, KeyValue<ET, D>& kv) {
+          if (j % P::kPairs == 0) kr = t.rows.fresh(team, sub);  // per batch: its loads' and stores' offsets
+          kv.k = load_slice_if<ET, D>(k + kr(j), sub, j < kr.live);
+          kv.v = load_slice_if<ET, D>(v + kr(j), sub, j < kr.live);
         },
-        [&](auto r, const S& kv) {
-          const int j = r % N;
-          if (r == 0) delta = team.sum(dot<ET, D>(dos, os));  // rowsum(dO * O), once the first rows are in flight
-          if (r < N) {
-            s[j] = dot<ET, D>(qs, kv);
-            if constexpr (kKeep) keys[j] = kv;
-            if constexpr (kShareKeys) shared_keys[j * T::kLanes + sub] = kv;
-            if (j == N - 1) {
-              attention_weights(team, p.scale, kr.live, s);
-              f.draw(p, t, kr.live, h, sub);
+        [&](auto j, const KeyValue<ET, D>& kv) {
+          if (j == 0) delta = team.sum(dot<ET, D>(dos, os));  // rowsum(dO * O), once the first rows are in flight
+          const float score = team.sum(dot<ET, D>(qs, kv.k)) * p.scale;
+          const float weight = j < kr.live ? small_seq_weight(score, row_lse) : 0.0f;
+          const float fj = f.factor(team, j);
+          const float dp = team.sum(dot<ET, D>(dos, kv.v)) * fj;
+          const float ds = weight * (dp - delta) * p.scale;
+          axpy<ET, D>(dq_acc, ds, kv.k);
+          if constexpr (GROUPED) {  // staged for phase 2
+            if (j % T::kLanes == sub) {
+              team_staged[g * 2 * N + j] = ds;
+              team_staged[g * 2 * N + N + j] = weight * fj;
             }
-          } else if (r < 2 * N) {
-            const float fj = f.factor(team, j);
-            const float dp = team.sum(dot<ET, D>(dos, kv)) * fj;
-            ds[j] = j < kr.live ? s[j] * (dp - delta) * p.scale : 0.0f;
-            s[j] *= fj;  // from here on P_j f_j, the weight of dO in dv_j
-            if (j == N - 1) {
-              if constexpr (GROUPED) {  // staged for phase 2
-#pragma unroll
-                for (int i = 0; i < N; ++i) {
-                  if (i % T::kLanes == sub) {
-                    staged[g * 2 * N + i] = ds[i];
-                    staged[g * 2 * N + N + i] = s[i];
-                  }
-                }
-              } else {  // this head's dk_i = dS_i q and dv_i = P_i f_i dO are the whole gradients
-                const KeyRows out = t.rows.fresh(team, sub);
-#pragma unroll
-                for (int i = 0; i < N; ++i) {
-                  if (i < out.live) {
-                    store_scaled<ET, D>(dk + out(i), sub, ds[i], qs);
-                    store_scaled<ET, D>(dv + out(i), sub, s[i], dos);
-                  }
-                }
-              }
-              if constexpr (kKeep || kShareKeys) {
-#pragma unroll
-                for (int i = 0; i < N; ++i) {
-                  axpy<ET, D>(dq_acc, ds[i], kKeep ? keys[i] : shared_keys[i * T::kLanes + sub]);
-                }
-              }
-            }
-          } else {
-            axpy<ET, D>(dq_acc, ds[j], kv);
+          } else if (j < kr.live) {  // this head's dk_j = dS_j q and dv_j = P_j f_j dO are the whole gradients
+            store_scaled<ET, D>(dk + kr(j), sub, ds, qs);
+            store_scaled<ET, D>(dv + kr(j), sub, weight * fj, dos);
           }
         });
     store_slice<ET, D>(dq + row, sub, dq_acc, t.ok);
@@ -615,9 +583,9 @@ __global__ void __launch_bounds__(kBackwardThreads, (BackwardPlan<ET, D, N, DROP
     for (int j = 0; j < t.rows.live; ++j) {
       float dk_acc[T::kElems] = {}, dv_acc[T::kElems] = {};
       for (int64_t g = 0; g < group; ++g) {
-        const int64_t row = head_row0 + g * D;
-        axpy<ET, D>(dk_acc, staged[g * 2 * N + j], load_slice<ET, D>(q + row, sub));
-        axpy<ET, D>(dv_acc, staged[g * 2 * N + N + j], load_slice<ET, D>(dout + row, sub));
+        const int64_t row = (head0 + g) * D;
+        axpy<ET, D>(dk_acc, team_staged[g * 2 * N + j], load_slice<ET, D>(q + row, sub));
+        axpy<ET, D>(dv_acc, team_staged[g * 2 * N + N + j], load_slice<ET, D>(dout + row, sub));
       }
       store_slice<ET, D>(dk + t.rows(j), sub, dk_acc);
       store_slice<ET, D>(dv + t.rows(j), sub, dv_acc);
@@ -674,10 +642,16 @@ int64_t blocks_for(int64_t tasks, int threads, int lanes) {
 
 ffi::Error SmallSeqFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::AnyBuffer kv_start, ffi::AnyBuffer kv_len, ffi::AnyBuffer seed,
-                           ffi::Result<ffi::AnyBuffer> o, float scale, double dropout_rate, int64_t max_keys) {
+                           ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse, float scale,
+                           double dropout_rate, int64_t max_keys) {
   constexpr const char* kOp = "fusedattn_small_seq_fwd (" FA_FFI_PLATFORM ")";
   SmallSeqParams p;
-  if (auto e = parse_small_seq_call(kOp, q, k, v, kv_start, kv_len, seed, scale, dropout_rate, max_keys, &p);
+  std::vector<int64_t> lead;
+  if (auto e = parse_small_seq_call(kOp, q, k, v, kv_start, kv_len, seed, scale, dropout_rate, max_keys, &p, &lead);
+      e.failure()) {
+    return e;
+  }
+  if (auto e = check_small_seq_forward_results(kOp, SmallSeqDims(p, lead), q.element_type(), *o, *lse);
       e.failure()) {
     return e;
   }
@@ -691,7 +665,8 @@ ffi::Error SmallSeqFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
     small_seq_forward<kET, kD, decltype(n)::value, decltype(dropout)::value>
         <<<blocks, kForwardThreads, 0, stream>>>(p, elements<kET>(q), elements<kET>(k), elements<kET>(v),
                                                  kv_start.typed_data<int32_t>(), kv_len.typed_data<int32_t>(),
-                                                 seed.typed_data<uint32_t>(), elements<kET>(o));
+                                                 seed.typed_data<uint32_t>(), elements<kET>(o),
+                                                 lse->typed_data<float>());
   });
   if (!known) return unsupported_head_dim(kOp, p.head_dim);
   return launch_status(kOp);
@@ -699,11 +674,18 @@ ffi::Error SmallSeqFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
 
 ffi::Error SmallSeqBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::AnyBuffer kv_start, ffi::AnyBuffer kv_len, ffi::AnyBuffer seed, ffi::AnyBuffer o,
-                           ffi::AnyBuffer dout, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                           ffi::Result<ffi::AnyBuffer> dv, float scale, double dropout_rate, int64_t max_keys) {
+                           ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::Result<ffi::AnyBuffer> dq,
+                           ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, float scale,
+                           double dropout_rate, int64_t max_keys) {
   constexpr const char* kOp = "fusedattn_small_seq_bwd (" FA_FFI_PLATFORM ")";
   SmallSeqParams p;
-  if (auto e = parse_small_seq_call(kOp, q, k, v, kv_start, kv_len, seed, scale, dropout_rate, max_keys, &p);
+  std::vector<int64_t> lead;
+  if (auto e = parse_small_seq_call(kOp, q, k, v, kv_start, kv_len, seed, scale, dropout_rate, max_keys, &p, &lead);
+      e.failure()) {
+    return e;
+  }
+  if (auto e = check_small_seq_backward_buffers(kOp, SmallSeqDims(p, lead), q.element_type(), o, lse, dout, *dq,
+                                                *dk, *dv);
       e.failure()) {
     return e;
   }
@@ -711,7 +693,7 @@ ffi::Error SmallSeqBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
   // Each team's shared memory (BackwardPlan::team_shared_bytes); blocks shrink (fewer teams)
   // until it fits the default shared memory limit, which one team always does.
   constexpr int64_t kMaxSharedBytes = 48 * 1024;
-  constexpr int64_t kMaxGroup = (kMaxSharedBytes - kMaxSharedKeyBytes) / (2 * kSmallSeqMaxKeys * sizeof(float));
+  constexpr int64_t kMaxGroup = kMaxSharedBytes / (2 * kSmallSeqMaxKeys * sizeof(float));
   if (group > kMaxGroup) {
     return invalid(kOp, "at most " + std::to_string(kMaxGroup) + " query heads per K/V head, got " +
                             std::to_string(group));
@@ -739,8 +721,8 @@ ffi::Error SmallSeqBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
       small_seq_backward<kET, kD, kN, kDropout, kGrouped>
           <<<blocks_for(tasks, threads, kLanes), threads, (threads / kLanes) * team_bytes, stream>>>(
               p, elements<kET>(q), elements<kET>(k), elements<kET>(v), kv_start.typed_data<int32_t>(),
-              kv_len.typed_data<int32_t>(), seed.typed_data<uint32_t>(), elements<kET>(o), elements<kET>(dout),
-              elements<kET>(dq), elements<kET>(dk), elements<kET>(dv));
+              kv_len.typed_data<int32_t>(), seed.typed_data<uint32_t>(), elements<kET>(o), lse.typed_data<float>(),
+              elements<kET>(dout), elements<kET>(dq), elements<kET>(dk), elements<kET>(dv));
     };
     if (group == 1) return launch(std::false_type{});
     launch(std::true_type{});

@@ -333,26 +333,20 @@ ffi::Error FlashBwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
   }
   const ffi::DataType dt = q.element_type();
   const auto o_dims = concat(lead, {p.seqlen_q, p.heads, p.head_dim_v});
-  struct Check {
-    const char* name;
-    ffi::DataType type;
-    ffi::AnyBuffer::Dimensions dims;
-    ffi::DataType want_type;
-    std::vector<int64_t> want;
-  };
-  const Check checks[] = {
-      {"o", o.element_type(), o.dimensions(), dt, o_dims},
-      {"lse", lse.element_type(), lse.dimensions(), ffi::DataType::F32, concat(lead, {p.heads, p.seqlen_q})},
-      {"do", dout.element_type(), dout.dimensions(), dt, o_dims},
-      {"result dq", dq->element_type(), dq->dimensions(), dt, concat(lead, {p.seqlen_q, p.heads, p.head_dim})},
-      {"result dk", dk->element_type(), dk->dimensions(), dt, concat(lead, {p.seqlen_kv, p.kv_heads, p.head_dim})},
-      {"result dv", dv->element_type(), dv->dimensions(), dt,
-       concat(lead, {p.seqlen_kv, p.kv_heads, p.head_dim_v})},
-      {"result d_offset", d_offset->element_type(), d_offset->dimensions(), ffi::DataType::F32,
-       concat(lead, {p.heads})},
-  };
-  for (const Check& c : checks) {
-    if (auto e = check_exact(kOp, c.name, c.type, c.dims, c.want_type, c.want); e.failure()) return e;
+  const auto q_dims = concat(lead, {p.seqlen_q, p.heads, p.head_dim});
+  const auto k_dims = concat(lead, {p.seqlen_kv, p.kv_heads, p.head_dim});
+  const auto v_dims = concat(lead, {p.seqlen_kv, p.kv_heads, p.head_dim_v});
+  constexpr ffi::DataType kF32 = ffi::DataType::F32;
+  if (auto e = check_all_exact(
+          kOp, {{"o", o.element_type(), o.dimensions(), dt, o_dims},
+                {"lse", lse.element_type(), lse.dimensions(), kF32, concat(lead, {p.heads, p.seqlen_q})},
+                {"do", dout.element_type(), dout.dimensions(), dt, o_dims},
+                {"result dq", dq->element_type(), dq->dimensions(), dt, q_dims},
+                {"result dk", dk->element_type(), dk->dimensions(), dt, k_dims},
+                {"result dv", dv->element_type(), dv->dimensions(), dt, v_dims},
+                {"result d_offset", d_offset->element_type(), d_offset->dimensions(), kF32, concat(lead, {p.heads})}});
+      e.failure()) {
+    return e;
   }
   if (p.batch == 0 || p.heads == 0) return ffi::Error::Success();
   with_element_type(dt, [&](auto et) {

@@ -51,10 +51,10 @@ bool range_ok(const SmallSeqParams& p, const QueryRange& r) {
   return small_seq_len_ok(r.len, p.max_keys) && r.start >= 0 && r.start + r.len <= p.seqlen_kv;
 }
 
-// Scaled scores of query head h against its keys, softmaxed in place.
+// Scaled scores of query head h against its first N keys (0 past the live ones).
 template <ElementType ET>
-void weights(const SmallSeqParams& p, const QueryRange& r, int64_t h, HostTensor<ET> q, HostTensor<ET> k,
-              float (&s)[kSmallSeqMaxKeys]) {
+void scores(const SmallSeqParams& p, const QueryRange& r, int64_t h, HostTensor<ET> q, HostTensor<ET> k,
+            float (&s)[kSmallSeqMaxKeys]) {
   const int64_t D = p.head_dim, kvh = kv_head_of(h, p.heads, p.kv_heads);
   for (int j = 0; j < kSmallSeqMaxKeys; ++j) {
     float dot = 0.0f;
@@ -66,12 +66,11 @@ void weights(const SmallSeqParams& p, const QueryRange& r, int64_t h, HostTensor
     }
     s[j] = dot * p.scale;
   }
-  small_seq_softmax(s, r.len);
 }
 
 template <ElementType ET>
 void forward(const SmallSeqParams& p, const void* q_data, const void* k_data, const void* v_data,
-             const int32_t* kv_start, const int32_t* kv_len, const uint32_t* seed, void* o_data) {
+             const int32_t* kv_start, const int32_t* kv_len, const uint32_t* seed, void* o_data, float* lse) {
   using Storage = typename Element<ET>::Storage;
   const HostTensor<ET> q{static_cast<const Storage*>(q_data)}, k{static_cast<const Storage*>(k_data)},
       v{static_cast<const Storage*>(v_data)};
@@ -81,12 +80,15 @@ void forward(const SmallSeqParams& p, const void* q_data, const void* k_data, co
     const QueryRange r = query_range(p, token, kv_start, kv_len, seed);
     for (int64_t h = 0; h < p.heads; ++h) {
       Storage* out = o + bshd_offset(r.b, r.i, h, 0, p.seqlen_q, p.heads, D);
+      float* out_lse = lse + token * p.heads + h;
       if (!range_ok(p, r)) {
         for (int64_t d = 0; d < D; ++d) out[d] = Element<ET>::store(NAN);
+        *out_lse = NAN;
         continue;
       }
       float s[kSmallSeqMaxKeys];
-      weights(p, r, h, q, k, s);
+      scores(p, r, h, q, k, s);
+      *out_lse = small_seq_softmax(s, r.len);
       const int64_t kvh = kv_head_of(h, p.heads, p.kv_heads);
       for (int j = 0; j < r.len; ++j) {
         s[j] *= small_seq_dropout_factor(p, r.seed0, r.seed1, r.philox_b, h, r.i, r.start + j);
@@ -105,7 +107,7 @@ void forward(const SmallSeqParams& p, const void* q_data, const void* k_data, co
 template <ElementType ET>
 void backward(const SmallSeqParams& p, const void* q_data, const void* k_data, const void* v_data,
               const int32_t* kv_start, const int32_t* kv_len, const uint32_t* seed, const void* o_data,
-              const void* do_data, void* dq_data, void* dk_data, void* dv_data) {
+              const float* lse, const void* do_data, void* dq_data, void* dk_data, void* dv_data) {
   using Storage = typename Element<ET>::Storage;
   const HostTensor<ET> q{static_cast<const Storage*>(q_data)}, k{static_cast<const Storage*>(k_data)},
       v{static_cast<const Storage*>(v_data)}, o{static_cast<const Storage*>(o_data)},
@@ -132,7 +134,9 @@ void backward(const SmallSeqParams& p, const void* q_data, const void* k_data, c
         return bshd_offset(r.b, r.start + j, kvh, d, p.seqlen_kv, p.kv_heads, D);
       };
       float s[kSmallSeqMaxKeys];
-      weights(p, r, h, q, k, s);  // recomputed: the same arithmetic as the forward
+      scores(p, r, h, q, k, s);
+      const float row_lse = lse[token * p.heads + h];
+      for (int j = 0; j < r.len; ++j) s[j] = small_seq_weight(s[j], row_lse);
       float delta = 0.0f;  // rowsum(dO * O)
       for (int64_t d = 0; d < D; ++d) {
         delta += do_at(d) * o.at(bshd_offset(r.b, r.i, h, d, p.seqlen_q, p.heads, D));
@@ -163,37 +167,45 @@ void backward(const SmallSeqParams& p, const void* q_data, const void* k_data, c
 }
 
 ffi::Error SmallSeqFwdHostImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer kv_start,
-                               ffi::AnyBuffer kv_len, ffi::AnyBuffer seed, ffi::Result<ffi::AnyBuffer> o, float scale, double dropout_rate,
-                               int64_t max_keys) {
+                               ffi::AnyBuffer kv_len, ffi::AnyBuffer seed, ffi::Result<ffi::AnyBuffer> o,
+                               ffi::Result<ffi::AnyBuffer> lse, float scale, double dropout_rate, int64_t max_keys) {
+  constexpr const char* kOp = "fusedattn_small_seq_fwd (cpu)";
   SmallSeqParams p;
-  if (auto e = parse_small_seq_call("fusedattn_small_seq_fwd (cpu)", q, k, v, kv_start, kv_len, seed, scale,
-                                    dropout_rate, max_keys, &p);
+  std::vector<int64_t> lead;
+  if (auto e = parse_small_seq_call(kOp, q, k, v, kv_start, kv_len, seed, scale, dropout_rate, max_keys, &p, &lead);
       e.failure()) {
     return e;
   }
+  if (auto e = check_small_seq_forward_results(kOp, SmallSeqDims(p, lead), q.element_type(), *o, *lse); e.failure()) return e;
   with_element_type(q.element_type(), [&](auto et) {
     forward<decltype(et)::value>(p, q.untyped_data(), k.untyped_data(), v.untyped_data(),
                                  kv_start.typed_data<int32_t>(), kv_len.typed_data<int32_t>(),
-                                 seed.typed_data<uint32_t>(), o->untyped_data());
+                                 seed.typed_data<uint32_t>(), o->untyped_data(), lse->typed_data<float>());
   });
   return ffi::Error::Success();
 }
 
 ffi::Error SmallSeqBwdHostImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer kv_start,
-                               ffi::AnyBuffer kv_len, ffi::AnyBuffer seed, ffi::AnyBuffer o, ffi::AnyBuffer dout, ffi::Result<ffi::AnyBuffer> dq,
-                               ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, float scale,
-                               double dropout_rate, int64_t max_keys) {
+                               ffi::AnyBuffer kv_len, ffi::AnyBuffer seed, ffi::AnyBuffer o, ffi::AnyBuffer lse,
+                               ffi::AnyBuffer dout, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                               ffi::Result<ffi::AnyBuffer> dv, float scale, double dropout_rate, int64_t max_keys) {
+  constexpr const char* kOp = "fusedattn_small_seq_bwd (cpu)";
   SmallSeqParams p;
-  if (auto e = parse_small_seq_call("fusedattn_small_seq_bwd (cpu)", q, k, v, kv_start, kv_len, seed, scale,
-                                    dropout_rate, max_keys, &p);
+  std::vector<int64_t> lead;
+  if (auto e = parse_small_seq_call(kOp, q, k, v, kv_start, kv_len, seed, scale, dropout_rate, max_keys, &p, &lead);
+      e.failure()) {
+    return e;
+  }
+  if (auto e = check_small_seq_backward_buffers(kOp, SmallSeqDims(p, lead), q.element_type(), o, lse, dout, *dq, *dk,
+                                                         *dv);
       e.failure()) {
     return e;
   }
   with_element_type(q.element_type(), [&](auto et) {
     backward<decltype(et)::value>(p, q.untyped_data(), k.untyped_data(), v.untyped_data(),
                                   kv_start.typed_data<int32_t>(), kv_len.typed_data<int32_t>(),
-                                  seed.typed_data<uint32_t>(), o.untyped_data(), dout.untyped_data(), dq->untyped_data(), dk->untyped_data(),
-                                  dv->untyped_data());
+                                  seed.typed_data<uint32_t>(), o.untyped_data(), lse.typed_data<float>(),
+                                  dout.untyped_data(), dq->untyped_data(), dk->untyped_data(), dv->untyped_data());
   });
   return ffi::Error::Success();
 }

@@ -5,8 +5,8 @@ history with a huge batch (ROCm TransformerEngine's small-sequence backend).
 Kernels: ops_cuda/cuda/small_seq.cu (CUDA and HIP), ops_cuda/host/small_seq_host.cc
 (platform "cpu"); contract in ops_cuda/include/fusedattn/small_seq.h:
 
-    fusedattn_small_seq_fwd(q, k, v, kv_start, kv_len, seed) -> o
-    fusedattn_small_seq_bwd(q, k, v, kv_start, kv_len, seed, o, do) -> (dq, dk, dv)
+    fusedattn_small_seq_fwd(q, k, v, kv_start, kv_len, seed) -> (o, lse)
+    fusedattn_small_seq_bwd(q, k, v, kv_start, kv_len, seed, o, lse, do) -> (dq, dk, dv)
     attributes: scale f32, dropout_rate f64, max_keys i64
 
 Eligibility is static: the query bound (the tighter of
@@ -24,8 +24,11 @@ bounds; the guard below checks it on the device, without a host sync:
   jax.experimental.checkify when the caller wraps the function with
   checkify.checkify (under jit without checkify, the NaN marks remain).
 
-The forward saves only its output: with at most 16 keys the backward
-recomputes the scores from q and k, which it reads anyway for dq and dk.
+The forward saves its output and the log-sum-exp of each query head's scores
+(lse, float32 [b, sq, h]: 4 bytes beside the row's 2 * D * (1 + 2 * keys) of
+bf16 traffic), so the backward takes each key's weight from its own score,
+p_j = exp(s_j - lse), in a single pass over the key and value rows (see
+ops_cuda/include/fusedattn/small_seq.h for the measurement).
 
 Both calls go through partitioning.py: jax.vmap folds into the kernel's batch
 (the seed reaches the kernels as rows [L, 2]), and under a device mesh the calls
@@ -142,8 +145,10 @@ def _attributes(scale, rate, max_keys) -> dict:
 
 
 def _forward(static, q, k, v, *operands):
-    return jax.ffi.ffi_call(FWD_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))(
-        q, k, v, *operands, **_attributes(*static))
+    return jax.ffi.ffi_call(
+        FWD_TARGET,
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(q.shape[:-1], jnp.float32)))(
+            q, k, v, *operands, **_attributes(*static))
 
 
 def _backward(static, q, k, v, *operands):
@@ -161,31 +166,32 @@ _SEED = 5
 @functools.lru_cache(maxsize=None)
 def _op(scale: float, rate: float, max_keys: int, backward: bool):
     """The FFI call of one direction, sharded over batch and heads, folded under vmap."""
-    operands, results = ((_OPERANDS + ("b.h.", "b.h."), ("b.h.", "b.g.", "b.g."))
-                         if backward else (_OPERANDS, ("b.h.",)))
+    operands, results = ((_OPERANDS + ("b.h.", "b.h", "b.h."), ("b.h.", "b.g.", "b.g."))
+                         if backward else (_OPERANDS, ("b.h.", "b.h")))
     signature = partitioning.Signature(operands, results, dropout=rate > 0, dropout_rows=_SEED)
     return partitioning.op(
         functools.partial(_backward if backward else _forward, (scale, rate, max_keys)), signature)
 
 
 def _forward_call(q, k, v, kv_start, kv_len, seed, scale, rate, max_keys):
-    (o,) = _op(scale, rate, max_keys, False)(q, k, v, kv_start, kv_len, seed[None])
-    return o
+    """(o [b, sq, h, d], lse float32 [b, sq, h])."""
+    return _op(scale, rate, max_keys, False)(q, k, v, kv_start, kv_len, seed[None])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
 def _small_seq(q, k, v, kv_start, kv_len, seed, scale, rate, max_keys):
-    return _forward_call(q, k, v, kv_start, kv_len, seed, scale, rate, max_keys)
+    o, _ = _forward_call(q, k, v, kv_start, kv_len, seed, scale, rate, max_keys)
+    return o
 
 
 def _small_seq_fwd(q, k, v, kv_start, kv_len, seed, scale, rate, max_keys):
-    o = _forward_call(q, k, v, kv_start, kv_len, seed, scale, rate, max_keys)
-    return o, (q, k, v, kv_start, kv_len, seed, o)
+    o, lse = _forward_call(q, k, v, kv_start, kv_len, seed, scale, rate, max_keys)
+    return o, (q, k, v, kv_start, kv_len, seed, o, lse)
 
 
 def _small_seq_bwd(scale, rate, max_keys, residuals, do):
-    q, k, v, kv_start, kv_len, seed, o = residuals
-    dq, dk, dv = _op(scale, rate, max_keys, True)(q, k, v, kv_start, kv_len, seed[None], o,
+    q, k, v, kv_start, kv_len, seed, o, lse = residuals
+    dq, dk, dv = _op(scale, rate, max_keys, True)(q, k, v, kv_start, kv_len, seed[None], o, lse,
                                                   do.astype(o.dtype))
     return dq, dk, dv, None, None, None
 

@@ -16,6 +16,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -132,6 +133,23 @@ inline ffi::Error check_exact(const char* op, const char* name, ffi::DataType ac
   if (!ok) {
     return invalid(op, std::string(name) + " must have shape " + dims_string(dims) + ", got " +
                            dims_string(actual));
+  }
+  return ffi::Error::Success();
+}
+
+// One buffer's expected dtype and dims, for check_all_exact.
+struct ExactCheck {
+  const char* name;
+  ffi::DataType type;
+  ffi::AnyBuffer::Dimensions dims;
+  ffi::DataType want_type;
+  std::vector<int64_t> want;
+};
+
+// check_exact over a list: the first mismatch's error.
+inline ffi::Error check_all_exact(const char* op, std::initializer_list<ExactCheck> checks) {
+  for (const ExactCheck& c : checks) {
+    if (auto e = check_exact(op, c.name, c.type, c.dims, c.want_type, c.want); e.failure()) return e;
   }
   return ffi::Error::Success();
 }

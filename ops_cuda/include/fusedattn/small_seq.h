@@ -5,13 +5,16 @@
 //   forward:  0 q [..., Sq, H, D]   1 k [..., Skv, Hkv, D]   2 v [..., Skv, Hkv, D]
 //             3 kv_start S32 [..., Sq]  4 kv_len S32 [..., Sq]   5 seed U32 [..., 2]
 //             attributes: scale f32, dropout_rate f64, max_keys i64 (the static bound)
-//             result: o [..., Sq, H, D] (q's dtype)
-//   backward: the forward's six, then 6 o, 7 do; results dq, dk, dv.
+//             results: o [..., Sq, H, D] (q's dtype), lse F32 [..., Sq, H]
+//   backward: the forward's six, then 6 o, 7 lse, 8 do; results dq, dk, dv.
 //
-// Nothing but o is saved for the backward: with at most 16 keys it recomputes
-// the scores from q and k, which it reads anyway for dq and dk, so storing P
-// (as ROCm TransformerEngine does) or the softmax statistics would only add
-// bytes to both passes.
+// lse is the log-sum-exp of a query's scaled scores (-inf without keys, NaN for
+// a broken bound). With it the backward gets each weight from its own score,
+// p_j = exp(s_j - lse), so it takes every key and value row once, in one pass,
+// without holding a query's scores, and stores dk_j and dv_j as it goes. The
+// forward's extra bytes are 4 per query head against 4 * D * (1 + 2 * keys)
+// for its rows. Measured on the H200 against recomputing the softmax in the
+// backward: see small_seq.cu's launch plans.
 //
 // Query token (b, i) attends keys kv_start .. kv_start + kv_len - 1 of row b.
 // kv_len == 0: a padding query (output 0, zero gradients). kv_len < 0 or
@@ -52,9 +55,10 @@ FA_HOST_DEVICE FA_INLINE bool small_seq_len_ok(int32_t kv_len, int64_t max_keys)
 }
 
 // Softmax of the first `len` of N scaled scores, in place: s[j] becomes p_j
-// (0 for j >= len; all 0 when len == 0).
+// (0 for j >= len; all 0 when len == 0). Returns the scores' log-sum-exp
+// (-inf when len == 0).
 template <int N>
-FA_HOST_DEVICE FA_INLINE void small_seq_softmax(float (&s)[N], int len) {
+FA_HOST_DEVICE FA_INLINE float small_seq_softmax(float (&s)[N], int len) {
   float m = -INFINITY;
 #if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
 #pragma unroll
@@ -73,6 +77,12 @@ FA_HOST_DEVICE FA_INLINE void small_seq_softmax(float (&s)[N], int len) {
 #pragma unroll
 #endif
   for (int j = 0; j < N; ++j) s[j] *= inv;
+  return len > 0 ? m + logf(total) : -INFINITY;
+}
+
+// The backward's weight of a live key from its scaled score and the forward's lse.
+FA_HOST_DEVICE FA_INLINE float small_seq_weight(float scaled_score, float lse) {
+  return expf(scaled_score - lse);
 }
 
 // The dropout factor of weight (b, h, i, j): 0 when dropped, 1/(1-rate) when

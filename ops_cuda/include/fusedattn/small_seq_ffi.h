@@ -18,9 +18,9 @@ namespace fusedattn {
 inline ffi::Error parse_small_seq_call(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                                        const ffi::AnyBuffer& v, const ffi::AnyBuffer& kv_start,
                                        const ffi::AnyBuffer& kv_len, const ffi::AnyBuffer& seed, float scale,
-                                       double dropout_rate, int64_t max_keys, SmallSeqParams* p) {
-  std::vector<int64_t> lead;
-  if (auto e = parse_q_and_k(op, q, k, v, p, &lead); e.failure()) return e;
+                                       double dropout_rate, int64_t max_keys, SmallSeqParams* p,
+                                       std::vector<int64_t>* lead) {
+  if (auto e = parse_q_and_k(op, q, k, v, p, lead); e.failure()) return e;
   const auto kd = k.dimensions(), vd = v.dimensions();
   if (vd.size() != kd.size() || leading_dims(vd, 0) != leading_dims(kd, 0)) {
     return invalid(op, "v must have k's shape " + dims_string(kd) + ", got " + dims_string(vd));
@@ -48,12 +48,40 @@ inline ffi::Error parse_small_seq_call(const char* op, const ffi::AnyBuffer& q, 
   return ffi::Error::Success();
 }
 
+// The full shapes of a call's q-like (q, o, do, dq), k-like (k, v, dk, dv) and lse
+// buffers, given q's leading dims `lead`.
+struct SmallSeqDims {
+  std::vector<int64_t> q, kv, lse;
+  SmallSeqDims(const SmallSeqParams& p, const std::vector<int64_t>& lead)
+      : q(concat(lead, {p.seqlen_q, p.heads, p.head_dim})),
+        kv(concat(lead, {p.seqlen_kv, p.kv_heads, p.head_dim})),
+        lse(concat(lead, {p.seqlen_q, p.heads})) {}
+};
+
+inline ffi::Error check_small_seq_forward_results(const char* op, const SmallSeqDims& want, ffi::DataType dtype,
+                                                  const ffi::AnyBuffer& o, const ffi::AnyBuffer& lse) {
+  return check_all_exact(op, {{"result o", o.element_type(), o.dimensions(), dtype, want.q},
+                              {"result lse", lse.element_type(), lse.dimensions(), ffi::DataType::F32, want.lse}});
+}
+
+inline ffi::Error check_small_seq_backward_buffers(const char* op, const SmallSeqDims& want, ffi::DataType dtype,
+                                                   const ffi::AnyBuffer& o, const ffi::AnyBuffer& lse,
+                                                   const ffi::AnyBuffer& dout, const ffi::AnyBuffer& dq,
+                                                   const ffi::AnyBuffer& dk, const ffi::AnyBuffer& dv) {
+  return check_all_exact(op, {{"o", o.element_type(), o.dimensions(), dtype, want.q},
+                              {"lse", lse.element_type(), lse.dimensions(), ffi::DataType::F32, want.lse},
+                              {"do", dout.element_type(), dout.dimensions(), dtype, want.q},
+                              {"result dq", dq.element_type(), dq.dimensions(), dtype, want.q},
+                              {"result dk", dk.element_type(), dk.dimensions(), dtype, want.kv},
+                              {"result dv", dv.element_type(), dv.dimensions(), dtype, want.kv}});
+}
+
 // The op's FFI signature (ffi_args.h's bind_buffers): the forward binds 6
-// operands and 1 result, the backward 8 and 3 (as small_seq.h lists them).
+// operands and 2 results, the backward 9 and 3 (as small_seq.h lists them).
 template <Pass kPass, typename FfiBinding>
 auto bind_small_seq(FfiBinding&& binding) {
   constexpr bool kForward = kPass == Pass::kForward;
-  return bind_attrs(bind_buffers<kForward ? 6 : 8, kForward ? 1 : 3>(std::forward<FfiBinding>(binding)),
+  return bind_attrs(bind_buffers<kForward ? 6 : 9, kForward ? 2 : 3>(std::forward<FfiBinding>(binding)),
                     ffi::StructMember<float>("scale"), ffi::StructMember<double>("dropout_rate"),
                     ffi::StructMember<int64_t>("max_keys"));
 }
