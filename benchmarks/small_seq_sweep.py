@@ -43,7 +43,6 @@ def _bwd(vectors_per_batch: int, blocks: int) -> dict[str, str]:
 
 VARIANTS: dict[str, dict[str, str]] = {
     "as_is": {},
-    "bwd_pairs1_m4": _bwd(2, 4),
     "bwd_pairs2_m2": _bwd(4, 2),
     "bwd_pairs4_m2": _bwd(8, 2),
     "bwd_pairs4_m3": _bwd(8, 3),
