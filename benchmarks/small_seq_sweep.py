@@ -7,7 +7,7 @@ variants in parallel, sm_90 only, without cuDNN), then benchmarks/small_seq.py
 times the kernels alone with FUSEDATTN_LIB_DIR pointing at that build. The
 table compares every variant with "as_is" (the source unchanged).
 
-    python benchmarks/small_seq_sweep.py --out $OUT/sweep bwd_pairs4_m2 bwd_pairs1_m4
+    python benchmarks/small_seq_sweep.py --out $OUT/sweep bwd_batch8 bwd_batch16
 
 --phase build only builds (so the builds can overlap other GPU work), --phase time
 reuses the builds under --out.
@@ -27,25 +27,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = "ops_cuda/cuda/small_seq.cu"
 
-# BackwardPlan: (K_j, V_j) pairs per batch (4 raw vectors per lane each at 2 vectors per row),
-# and the occupancy floor of one head without dropout below d=512.
-_BWD_PAIRS = "kPairs = 4 / kVecsPerLane < N ? 4 / kVecsPerLane : N;"
+# BackwardPlan: raw vectors per lane in one batch of (K_j, V_j) pairs, up to 4 keys and
+# beyond; the occupancy floor of one head without dropout below d=512.
+_BWD_BATCH = "kBatchVectors = N <= 4 ? 16 : 8;"
 _BWD_BLOCKS = "|| DROPOUT || D == 512 ? 2 : 3;"
-
-
-def _bwd(vectors_per_batch: int, blocks: int) -> dict[str, str]:
-    edits = {_BWD_BLOCKS: f"|| DROPOUT || D == 512 ? 2 : {blocks};"}
-    if vectors_per_batch != 4:
-        edits[_BWD_PAIRS] = (f"kPairs = {vectors_per_batch} / kVecsPerLane < N ? "
-                             f"{vectors_per_batch} / kVecsPerLane : N;")
-    return edits
-
 
 VARIANTS: dict[str, dict[str, str]] = {
     "as_is": {},
-    "bwd_pairs2_m2": _bwd(4, 2),
-    "bwd_pairs4_m2": _bwd(8, 2),
-    "bwd_pairs4_m3": _bwd(8, 3),
+    "bwd_batch8": {_BWD_BATCH: "kBatchVectors = 8;"},
+    "bwd_batch16": {_BWD_BATCH: "kBatchVectors = 16;"},
+    "bwd_blocks2": {_BWD_BLOCKS: "|| DROPOUT || D == 512 ? 2 : 2;"},
 }
 
 

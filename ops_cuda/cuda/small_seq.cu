@@ -426,8 +426,11 @@ constexpr int backward_min_blocks(ElementType et, int d, int n, bool wide, bool 
   return n == 2 && !dropout ? 5 : 4;
 }
 
-// Backward rows per head: the pairs (K_j, V_j), kPairs of them per batch (8 raw vectors per
-// lane in flight). Registers (ptxas -v, sm_90, without a bound): the loop over a group's heads
+// Backward rows per head: the pairs (K_j, V_j), kPairs of them per batch: all of them up to
+// 4 keys (one memory round trip), else 8 raw vectors per lane in flight. Measured on the
+// H200 (benchmarks/small_seq_sweep.py, bf16 d=128, b=30720, h=16, fwd+bwd of the kernels):
+// with 4 keys 0.93 ms against 0.99 for two batches; with 8 or 16 keys, batches of 4 pairs
+// were no faster (1.83 and 3.52 ms against 1.82 and 3.53). Registers (ptxas -v, sm_90, without a bound): the loop over a group's heads
 // and dropout take 30-60 more than the 160 of one head without dropout, and d=512 (whole-warp
 // teams) spills under 168, so only one head without dropout below d=512 gets 3 blocks per SM.
 template <ElementType ET, int D, int N, bool DROPOUT, bool GROUPED>
@@ -438,7 +441,10 @@ struct BackwardPlan {
   __host__ __device__ static constexpr int64_t team_shared_bytes(int64_t group) {
     return GROUPED ? group * 2 * N * int64_t{sizeof(float)} : 0;
   }
-  static constexpr int kPairs = 4 / kVecsPerLane < N ? 4 / kVecsPerLane : N;
+  static constexpr int kPairVectors = 2 * kVecsPerLane;  // raw vectors per lane of one pair
+  static constexpr int kBatchVectors = N <= 4 ? 16 : 8;
+  static constexpr int kPairs = kBatchVectors / kPairVectors < 1 ? 1
+                                : kBatchVectors / kPairVectors < N ? kBatchVectors / kPairVectors : N;
   static constexpr int kMinBlocks = kVecsPerLane > 2 || GROUPED || DROPOUT || D == 512 ? 2 : 3;
 };
 
