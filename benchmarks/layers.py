@@ -7,12 +7,26 @@ output with a random cotangent, with respect to the parameters and the input.
 Impls: fusedattn_{nnx,linen,equinox} (config backend "auto"), stock_{nnx,linen,
 equinox} (flax.nnx.MultiHeadAttention, flax.linen.MultiHeadDotProductAttention,
 equinox.nn.MultiheadAttention vmapped; causal mask arrays) and hand_cudnn (the
-same four projections around jax.nn.dot_product_attention(implementation="cudnn")).
+same four projections around jax.nn.dot_product_attention(implementation="cudnn"),
+without biases), with two diagnostics: hand_cudnn_bias (with the layers' four
+biases, so the same work as ours) and hand_cudnn_fused_qkv (q, k, v as one matmul).
+
+Timing: every impl is compiled and warmed up first; then each of --repeats rounds
+(21 by default) times every impl once (--iters back-to-back calls), in an order
+rotated by one per round, so all impls meet the same clocks, temperature and
+neighbours. "ms" is the median over the rounds; ms_min/ms_max show the spread.
+(Before, each impl was timed in a window of its own, where drift between windows
+reads as a gap between impls: fusedattn_linen and fusedattn_nnx lower to the same
+program, op for op, yet were once measured 1.979 against 1.884 ms, and 1.914 against
+1.905 ms in the run before, with no layer code changed in between.)
 
     python benchmarks/layers.py --out benchmarks/results/layers.json
 """
 
 from __future__ import annotations
+
+import statistics
+import time
 
 import equinox as eqx
 import flax.linen as linen
@@ -25,7 +39,7 @@ from fusedattn.layers import equinox as fa_equinox
 from fusedattn.layers import linen as fa_linen
 from fusedattn.layers import nnx as fa_nnx
 
-from common import H200_MEASURED_MATMUL_FLOPS, median_ms, parse_args, random_normal, write_results
+from common import H200_MEASURED_MATMUL_FLOPS, parse_args, random_normal, write_results
 
 B, L, D_MODEL, HEADS = 4, 2048, 2048, 16
 DTYPE = jnp.bfloat16
@@ -73,8 +87,11 @@ def stock_equinox_step(module):
     return apply, params
 
 
-def hand_cudnn_step(rng, fused_qkv: bool = False):
-    """Four projections around JAX's cuDNN attention; fused_qkv: q, k, v as one matmul."""
+def hand_cudnn_step(rng, fused_qkv: bool = False, use_bias: bool = False):
+    """Four projections around JAX's cuDNN attention; fused_qkv: q, k, v as one matmul;
+    use_bias: with the biases of the layers ([h, d] for q/k/v, [d_model] for the output)."""
+    if fused_qkv and use_bias:
+        raise ValueError("hand_cudnn_step: fused_qkv with use_bias is not a benchmarked variant")
     keys = jax.random.split(rng, 4)
     head_dim = D_MODEL // HEADS
     params = {name: jax.random.normal(k, (D_MODEL, HEADS, head_dim), jnp.float32) * D_MODEL ** -0.5
@@ -82,17 +99,58 @@ def hand_cudnn_step(rng, fused_qkv: bool = False):
     params["o"] = jax.random.normal(keys[3], (HEADS, head_dim, D_MODEL), jnp.float32) * D_MODEL ** -0.5
     if fused_qkv:
         params["qkv"] = jnp.stack([params.pop(n) for n in ("q", "k", "v")], axis=1)
+    if use_bias:
+        params["bias"] = {**{n: jnp.zeros((HEADS, head_dim), jnp.float32) for n in ("q", "k", "v")},
+                          "o": jnp.zeros((D_MODEL,), jnp.float32)}
 
     def apply(params, x):
         p = jax.tree.map(lambda w: w.astype(DTYPE), params)
+        bias = p.get("bias")
+
+        def project(name):
+            y = jnp.einsum("bld,dhe->blhe", x, p[name])
+            return y if bias is None else y + bias[name]
+
         if fused_qkv:
             q, k, v = jnp.unstack(jnp.einsum("bld,dthe->tblhe", x, p["qkv"]))
         else:
-            q, k, v = (jnp.einsum("bld,dhe->blhe", x, p[n]) for n in ("q", "k", "v"))
+            q, k, v = (project(n) for n in ("q", "k", "v"))
         out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-        return jnp.einsum("blhe,hed->bld", out, p["o"])
+        out = jnp.einsum("blhe,hed->bld", out, p["o"])
+        return out if bias is None else out + bias["o"]
 
     return apply, params
+
+
+def interleaved_ms(steps: dict, repeats: int, iters: int) -> tuple[dict, dict]:
+    """Times steps {name: (fn, args)} in rounds; returns ({name: [ms per round]}, {name: error}).
+
+    Each step is compiled and run twice first (a step that raises is reported in
+    the errors and left out). Each round then times every step once, as the mean
+    of `iters` back-to-back calls ending in block_until_ready, starting the round
+    one step further along the list than the last, so that no impl is measured in
+    a window of its own or always after the same neighbour.
+    """
+    times, errors = {}, {}
+    for name, (fn, args) in steps.items():
+        try:
+            jax.block_until_ready(fn(*args))
+            jax.block_until_ready(fn(*args))
+        except Exception as error:
+            errors[name] = str(error).splitlines()[0][:300]
+        else:
+            times[name] = []
+    names = list(times)
+    for round_ in range(repeats):
+        shift = round_ % len(names) if names else 0
+        for name in names[shift:] + names[:shift]:
+            fn, args = steps[name]
+            start = time.perf_counter()
+            for _ in range(iters):
+                out = fn(*args)
+            jax.block_until_ready(out)
+            times[name].append((time.perf_counter() - start) / iters * 1e3)
+    return times, errors
 
 
 def floor_ms() -> float:
@@ -122,40 +180,53 @@ def impls(x):
         "stock_equinox": stock_equinox_step(eqx.nn.MultiheadAttention(HEADS, D_MODEL,
                                                                       key=jax.random.key(2))),
         "hand_cudnn": hand_cudnn_step(jax.random.key(3)),
+        "hand_cudnn_bias": hand_cudnn_step(jax.random.key(3), use_bias=True),
         "hand_cudnn_fused_qkv": hand_cudnn_step(jax.random.key(3), fused_qkv=True),
     }
 
 
+def fwd_bwd_step(apply):
+    """The timed step: the VJP of the layer output with a given cotangent, w.r.t. params and x."""
+
+    def step(params, x, cotangent):
+        out, vjp = jax.vjp(apply, params, x)
+        return vjp(cotangent.astype(out.dtype))
+
+    return step
+
+
 def main():
-    args = parse_args("benchmarks/results/layers.json")
+    args = parse_args("benchmarks/results/layers.json",
+                      lambda parser: parser.set_defaults(repeats=21))
     keys = jax.random.split(jax.random.key(0), 2)
     x = random_normal(keys[0], (B, L, D_MODEL), DTYPE)
     cotangent = random_normal(keys[1], (B, L, D_MODEL), DTYPE)
+    steps = {name: (jax.jit(fwd_bwd_step(apply)), (params, x, cotangent))
+             for name, (apply, params) in impls(x).items()}
+    times, errors = interleaved_ms(steps, repeats=args.repeats, iters=args.iters)
     rows = []
-    for name, (apply, params) in impls(x).items():
-
-        @jax.jit
-        def step(params, x, cotangent, apply=apply):
-            out, vjp = jax.vjp(apply, params, x)
-            return vjp(cotangent.astype(out.dtype))
-
+    for name in steps:
         row = {"name": f"b{B}_L{L}_d{D_MODEL}_h{HEADS}_causal", "shape": {"b": B, "L": L, "d_model": D_MODEL,
                                                                "h": HEADS},
                "impl": name, "pass": "fwd+bwd"}
-        try:
-            row["ms"] = round(median_ms(step, params, x, cotangent, repeats=args.repeats,
-                                        iters=args.iters), 4)
-        except Exception as error:
-            row.update(ms=None, error=str(error).splitlines()[0][:300])
+        if name in errors:
+            row.update(ms=None, error=errors[name])
+        else:
+            row.update(ms=round(statistics.median(times[name]), 4),
+                       ms_min=round(min(times[name]), 4), ms_max=round(max(times[name]), 4),
+                       rounds=len(times[name]))
         rows.append(row)
         print(row, flush=True)
-    times = {r["impl"]: r["ms"] for r in rows}
+    medians = {r["impl"]: r["ms"] for r in rows}
     summary = {}
     for ours in ("fusedattn_nnx", "fusedattn_linen", "fusedattn_equinox"):
         stock = ours.replace("fusedattn", "stock")
-        if times.get(ours) and times.get(stock) and times.get("hand_cudnn"):
-            summary[ours] = {"speedup_vs_stock": round(times[stock] / times[ours], 2),
-                             "time_ratio_vs_hand_cudnn": round(times[ours] / times["hand_cudnn"], 3)}
+        if medians.get(ours) and medians.get(stock) and medians.get("hand_cudnn"):
+            summary[ours] = {"speedup_vs_stock": round(medians[stock] / medians[ours], 2),
+                             "time_ratio_vs_hand_cudnn": round(medians[ours] / medians["hand_cudnn"], 3)}
+            if medians.get("hand_cudnn_bias"):
+                summary[ours]["time_ratio_vs_hand_cudnn_bias"] = round(
+                    medians[ours] / medians["hand_cudnn_bias"], 3)
     head_dim = D_MODEL // HEADS
     structs = [jax.ShapeDtypeStruct((B, L, HEADS, head_dim), DTYPE)] * 3
     explanation = fusedattn.ops.explain(structs, config=attention_config())
@@ -165,10 +236,13 @@ def main():
         r["of_matmul_floor"] = round(floor / r["ms"], 3) if r["ms"] else None
     write_results(args.out, rows, summary=summary, attention_backend=explanation.backend,
                   matmul_floor_ms=round(floor, 4))
-    print(f"\n{'impl':<22}{'ms':>9}{'floor/ms':>10}   (matmul floor {floor:.3f} ms)")
+    print(f"\n{'impl':<22}{'ms':>9}{'min':>9}{'max':>9}{'floor/ms':>10}   (matmul floor {floor:.3f} ms)")
     for r in rows:
-        ms = 'error' if r['ms'] is None else format(r['ms'], '.3f')
-        print(f"{r['impl']:<22}{ms:>9}{r['of_matmul_floor'] or 0:>10.2f}")
+        if r['ms'] is None:
+            print(f"{r['impl']:<22}{'error':>9}")
+            continue
+        print(f"{r['impl']:<22}{r['ms']:>9.3f}{r['ms_min']:>9.3f}{r['ms_max']:>9.3f}"
+              f"{r['of_matmul_floor']:>10.2f}")
     for ours, s in summary.items():
         print(f"{ours}: {s['speedup_vs_stock']}x vs stock, {s['time_ratio_vs_hand_cudnn']} x hand_cudnn time")
 
