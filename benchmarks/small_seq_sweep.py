@@ -37,6 +37,8 @@ VARIANTS: dict[str, dict[str, str]] = {
     "bwd_batch8": {_BWD_BATCH: "kBatchVectors = 8;"},
     "bwd_batch16": {_BWD_BATCH: "kBatchVectors = 16;"},
     "bwd_blocks2": {_BWD_BLOCKS: "|| DROPOUT || D == 512 ? 2 : 2;"},
+    # 128 registers: ptxas -v spills 16-40 bytes per lane (bf16 d=128, 4 to 16 keys)
+    "bwd_blocks4": {_BWD_BLOCKS: "|| DROPOUT || D == 512 ? 2 : 4;"},
 }
 
 
