@@ -430,9 +430,11 @@ constexpr int backward_min_blocks(ElementType et, int d, int n, bool wide, bool 
 // 4 keys (one memory round trip), else 8 raw vectors per lane in flight. Measured on the
 // H200 (benchmarks/small_seq_sweep.py, bf16 d=128, b=30720, h=16, fwd+bwd of the kernels):
 // with 4 keys 0.93 ms against 0.99 for two batches; with 8 or 16 keys, batches of 4 pairs
-// were no faster (1.83 and 3.52 ms against 1.82 and 3.53). Registers (ptxas -v, sm_90, without a bound): the loop over a group's heads
-// and dropout take 30-60 more than the 160 of one head without dropout, and d=512 (whole-warp
-// teams) spills under 168, so only one head without dropout below d=512 gets 3 blocks per SM.
+// were no faster (1.83 and 3.52 ms against 1.82 and 3.53). Registers (ptxas -v, sm_90,
+// without a bound): the loop over a group's heads and dropout take 30-60 more than the 160
+// of one head without dropout, and d=512 (whole-warp teams) spills under 168, so only one
+// head without dropout below d=512 gets 3 blocks per SM; at 4 (128 registers) that one
+// spills 16-40 bytes per lane (the sweep's bwd_blocks4, not yet timed).
 template <ElementType ET, int D, int N, bool DROPOUT, bool GROUPED>
 struct BackwardPlan {
   static constexpr int kVecsPerLane = Team<ET, D>::kVecsPerLane;
