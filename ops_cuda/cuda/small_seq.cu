@@ -276,10 +276,10 @@ struct TeamComm {
 // ---- a query token's key range ---------------------------------------------------------
 
 // Where a task's key (and value, dk, dv) rows are: row j at element offset first + j * stride,
-// the first `live` rows readable. Every pass over the rows takes a fresh() copy that the
-// optimisers cannot see through: otherwise they compute each row's offset and bounds test
-// once and keep them, two or three registers per row, from the first pass (or the first
-// head) to the last, and spill.
+// the first `live` rows readable. The forward's pass over the rows, and each batch of the
+// backward's, takes a fresh() copy that the optimisers cannot see through: otherwise they
+// compute each row's offset and bounds test once and keep them, two or three registers per
+// row, from the first row (or the first head) to the last, and spill.
 struct KeyRows {
   int64_t first, stride;  // stride: Hkv * D
   int32_t live;

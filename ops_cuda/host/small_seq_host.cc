@@ -51,7 +51,7 @@ bool range_ok(const SmallSeqParams& p, const QueryRange& r) {
   return small_seq_len_ok(r.len, p.max_keys) && r.start >= 0 && r.start + r.len <= p.seqlen_kv;
 }
 
-// Scaled scores of query head h against its first N keys (0 past the live ones).
+// Scaled scores of query head h against its keys, all kSmallSeqMaxKeys slots (0 past the live ones).
 template <ElementType ET>
 void scores(const SmallSeqParams& p, const QueryRange& r, int64_t h, HostTensor<ET> q, HostTensor<ET> k,
             float (&s)[kSmallSeqMaxKeys]) {

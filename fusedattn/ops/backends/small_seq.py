@@ -25,8 +25,8 @@ bounds; the guard below checks it on the device, without a host sync:
   checkify.checkify (under jit without checkify, the NaN marks remain).
 
 The forward saves its output and the log-sum-exp of each query head's scores
-(lse, float32 [b, sq, h]: 4 bytes beside the row's 2 * D * (1 + 2 * keys) of
-bf16 traffic), so the backward takes each key's weight from its own score,
+(lse, float32 [b, sq, h]: 4 bytes beside the 2 * D * (2 + 2 * keys) bytes of
+bf16 q, o, k and v rows), so the backward takes each key's weight from its own score,
 p_j = exp(s_j - lse), in a single pass over the key and value rows (see
 ops_cuda/include/fusedattn/small_seq.h for the measurement).
 

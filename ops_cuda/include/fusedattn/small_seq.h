@@ -12,9 +12,9 @@
 // a broken bound). With it the backward gets each weight from its own score,
 // p_j = exp(s_j - lse), so it takes every key and value row once, in one pass,
 // without holding a query's scores, and stores dk_j and dv_j as it goes. The
-// forward's extra bytes are 4 per query head against 4 * D * (1 + 2 * keys)
-// for its rows. On the H200 (b=30720, h=16, bf16, fwd+bwd of the kernels) this
-// took the 16-key case from 4.76 to 3.53 ms at d=128 and from 9.82 to 6.85 ms
+// forward's extra bytes are 4 per query head against D * (2 + 2 * keys)
+// elements of q, o, k and v. On the H200 (b=30720, h=16, bf16, fwd+bwd of the
+// kernels) this took the 16-key case from 4.76 to 3.52 ms at d=128 and from 9.82 to 6.82 ms
 // at d=256, against a backward that recomputed the softmax and went over the
 // keys twice (benchmarks/small_seq_sweep.py, benchmarks/small_seq.py).
 //
