@@ -6,7 +6,8 @@ offsets descriptor, bounds declared), forward only:
 - "whole": fused_attn with backend "cudnn", jitted;
 - "slots": the backend's descriptor reading alone (slot table, per-token masks,
   the guard's flags), jitted;
-- "ffi": the cuDNN FFI call alone, on a precomputed slot table;
+- "ffi": the cuDNN FFI call alone, on a precomputed slot table (the forward
+  without stats, training=false, as "whole" runs it: nothing differentiates);
 - "dense": the same q, k, v as dense rows (no descriptor), for reference.
 
     python benchmarks/cudnn_thd_parts.py --out /tmp/thd_parts.json
@@ -38,8 +39,8 @@ def parts(q, k, v, causal: bool) -> dict:
     table = slots(q, k, v, sequence).slots
     bias, rng = jnp.zeros((1, 1, 1, 1), q.dtype), jnp.zeros((4,), jnp.uint32)
     sink = jnp.zeros((h,), jnp.float32)
-    ffi = jax.jit(lambda q, k, v, table: cudnn._folding_op(static, False)(q, k, v, bias, table,
-                                                                          rng, sink)[0])
+    forward = cudnn._folding_op(static, False, training=False)
+    ffi = jax.jit(lambda q, k, v, table: forward(q, k, v, bias, table, rng, sink)[0])
     whole = jax.jit(ours_thd(causal))
     dense = jax.jit(ours(causal))
     return {"whole": lambda: whole(q, k, v), "slots": lambda: slots(q, k, v, sequence),

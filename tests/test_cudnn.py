@@ -4,8 +4,10 @@ GPU tests (marked `gpu`) run the same call through backend "cudnn" and
 backend "xla" and compare the output and every gradient within the dtype's
 tolerance. Dropout cannot match the XLA backend (cuDNN draws its own Philox
 stream), so it is tested by statistics, by agreement of the forward and
-backward masks, and by per-key determinism. CPU tests check the reasons
-`supports` gives.
+backward masks, and by per-key determinism. A call nobody differentiates runs
+cuDNN's forward without stats (training=false): GPU tests compare it with the
+training forward. CPU tests check the reasons `supports` gives, and what the
+calls lower to for CUDA (the training attribute included).
 """
 
 from __future__ import annotations
@@ -94,18 +96,27 @@ def test_ragged_offsets_must_fit_int32():
     assert "int32 element offsets" in reason, reason
 
 
-@pytest.mark.parametrize("mask", ["no_mask", "causal"])
-@pytest.mark.parametrize("with_backward", [False, True])
-def test_dense_call_lowers_to_the_ffi_calls_and_constants(monkeypatch, mask, with_backward):
-    """Without padding, dropout, bias or softmax offset, the module lowered for CUDA holds
-    cuDNN's calls and constants only: no segment or length math, casts or transposes,
-    and the operands the calls do not read are constants, not zero-filled arrays
-    (broadcasts XLA would run on every call, a fixed cost of short calls).
-    Lowered here without a GPU: the library's availability and cuDNN's check are faked."""
+@pytest.fixture
+def lowering_for_cuda(monkeypatch):
+    """Lowers cuDNN calls for CUDA without a GPU: the library's availability and cuDNN's
+    check are faked."""
     monkeypatch.setattr(cudnn, "available", lambda: None)
     monkeypatch.setattr(cudnn, "_compute_capability", lambda: (9, 0))
     monkeypatch.setattr(cudnn, "_check", lambda *args: None)
     monkeypatch.setattr(registry, "current_platform", lambda: "cuda")
+
+
+def lowered_for_cuda(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("mask", ["no_mask", "causal"])
+@pytest.mark.parametrize("with_backward", [False, True])
+def test_dense_call_lowers_to_the_ffi_calls_and_constants(lowering_for_cuda, mask, with_backward):
+    """Without padding, dropout, bias or softmax offset, the module lowered for CUDA holds
+    cuDNN's calls and constants only: no segment or length math, casts or transposes,
+    and the operands the calls do not read are constants, not zero-filled arrays
+    (broadcasts XLA would run on every call, a fixed cost of short calls)."""
     config = make_config(backend="cudnn", mask=mask)
     q = jax.ShapeDtypeStruct((2, 128, 4, 64), jnp.bfloat16)
 
@@ -117,12 +128,61 @@ def test_dense_call_lowers_to_the_ffi_calls_and_constants(monkeypatch, mask, wit
         return out, vjp(do)
 
     fn, args = (attend_and_vjp, (q,) * 4) if with_backward else (attend, (q,) * 3)
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lowered_for_cuda(fn, *args)
     ops = re.findall(r"=\s*\"?([a-z_]+\.[a-z_.]+)", text)
     targets = re.findall(r"stablehlo\.custom_call @(\w+)", text)
     assert targets == ([cudnn.FWD_TARGET, cudnn.BWD_TARGET] if with_backward
                        else [cudnn.FWD_TARGET])
     assert set(ops) == {"stablehlo.custom_call", "stablehlo.constant"}, sorted(set(ops))
+
+
+def cudnn_calls(text: str) -> list[tuple[str, bool, list[str]]]:
+    """(target, its training attribute, its result types) of every custom call in `text`."""
+    calls = []
+    for line in text.splitlines():
+        target = re.search(r"stablehlo\.custom_call @(\w+)\(", line)
+        if target:
+            training = re.search(r"\btraining = (true|false)\b", line).group(1) == "true"
+            calls.append((target.group(1), training,
+                          re.findall(r"tensor<([^>]*)>", line.rsplit("->", 1)[1])))
+    return calls
+
+
+@pytest.mark.parametrize("case", ["dense", "dropout", "padding", "vmap"])
+def test_forward_writes_no_stats_unless_differentiated(lowering_for_cuda, case):
+    """A call nobody differentiates (the custom_vjp's primal) lowers to cuDNN's forward with
+    training=false and a float32 [0] placeholder for the stats, which cuDNN's graph without
+    stats does not write; the forward of a differentiated call, and the backward, have
+    training=true and the real stats [b * slots, h, sq, 1]."""
+    b, s, h, d = 2, 128, 4, 64
+    overrides = dict(dropout=dict(dropout_rate=0.1),
+                     padding=dict(mask="padding", sequence={"format": "segment_ids",
+                                                            "max_segments_per_seq": 2}))
+    config = make_config(**{"backend": "cudnn", "mask": "causal", **overrides.get(case, {})})
+    kw = dict(dropout_rng=jax.random.key(0), is_training=True) if case == "dropout" else {}
+    if case == "padding":
+        ids = np.repeat(np.array([[1, 2]], np.int32), s // 2, axis=1).repeat(b, 0)
+        kw = dict(sequence=SequenceDescriptor.from_segment_ids_and_pos(ids, ids))
+
+    def attend(q, k, v):
+        return fused_attn((q, k, v), config=config, **kw)
+
+    n = 3 if case == "vmap" else 1  # vmap: the examples fold into cuDNN's batch
+    if case == "vmap":
+        attend = jax.vmap(attend)
+    q = jax.ShapeDtypeStruct((b, s, h, d) if n == 1 else (n, b, s, h, d), jnp.bfloat16)
+
+    def attend_and_vjp(q, k, v, do):
+        out, vjp = jax.vjp(attend, q, k, v)
+        return out, vjp(do)
+
+    o = f"{n * b}x{s}x{h}x{d}xbf16"
+    stats = f"{n * b * (2 if case == 'padding' else 1)}x{h}x{s}x1xf32"
+    assert cudnn_calls(lowered_for_cuda(attend, q, q, q)) == [
+        (cudnn.FWD_TARGET, False, [o, "0xf32"])]
+    forward, backward = cudnn_calls(lowered_for_cuda(attend_and_vjp, q, q, q, q))
+    assert forward == (cudnn.FWD_TARGET, True, [o, stats])
+    assert backward[:2] == (cudnn.BWD_TARGET, True)
 
 
 def segments_of(static, tokens, sequence=None):
@@ -576,6 +636,118 @@ def test_deterministic_backward_is_bitwise_repeatable(rng):
         for a, b in zip(first, again):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     compare(config, qkv, rng)
+
+
+# ---- GPU: the forward without stats (training=false) --------------------------------------
+
+def inference_case(rng, case):
+    """(config, qkv, fused_attn keywords) of one configuration of the inference forward."""
+    kw = {}
+    if case == "issue_shape":  # issue 5's small shape, where the forward lagged JAX's
+        return make_config(mask="causal"), inputs(rng, 16, 512, 512, 16, 16, 64, jnp.bfloat16), kw
+    if case == "gqa_window":
+        return (make_config(mask="causal", window_size=(32, 0)),
+                inputs(rng, 2, 128, 128, 8, 2, 64, jnp.bfloat16), kw)
+    if case == "padding":
+        kw["sequence"] = SequenceDescriptor.from_seqlens(np.array([80, 33, 1, 50], np.int32),
+                                                         np.array([96, 40, 17, 20], np.int32))
+        return (make_config(mask="padding_causal", sequence={"format": "seqlens"}),
+                inputs(rng, 4, 80, 96, 4, 2, 64, jnp.bfloat16), kw)
+    if case == "packed":
+        ids = packed_segment_ids(rng, 3, 160, max_segments=5)
+        kw["sequence"] = SequenceDescriptor.from_segment_ids_and_pos(ids, ids)
+        return (make_config(mask="padding_causal",
+                            sequence={"format": "segment_ids", "max_segments_per_seq": 5}),
+                inputs(rng, 3, 160, 160, 4, 2, 64, jnp.bfloat16), kw)
+    if case == "bias":
+        kw["bias"] = random_array(rng, (1, 4, 64, 96), jnp.bfloat16)
+        return (make_config(mask="causal", bias="post_scale_bias"),
+                inputs(rng, 2, 64, 96, 4, 4, 64, jnp.bfloat16), kw)
+    assert case == "learnable_sink", case
+    kw["softmax_offset"] = jnp.asarray(rng.standard_normal(4), jnp.float32)
+    return (make_config(mask="causal", softmax="learnable"),
+            inputs(rng, 2, 64, 64, 4, 4, 64, jnp.bfloat16), kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["issue_shape", "gqa_window", "padding", "packed", "bias",
+                                  "learnable_sink"])
+def test_inference_forward_equals_the_training_forward(rng, case):
+    """The forward of a call nobody differentiates (cuDNN's graph without stats, possibly
+    another engine) gives the differentiated call's output: within the dtype's tolerance,
+    of it and of the xla backend (the comparisons against xla elsewhere differentiate, so
+    they run the training forward only)."""
+    config, qkv, kw = inference_case(rng, case)
+    skip_if_cudnn_refuses(config, qkv, **{k: v for k, v in kw.items() if k != "softmax_offset"})
+
+    def attention(backend):  # a new function per backend: jit caches traces per function
+        def attend(*qkv):
+            return fused_attn(qkv, config=config, **kw)
+        config.backend = backend
+        return jax.jit(attend)
+
+    attend = attention("cudnn")
+    inference = attend(*qkv)
+    training, _ = jax.vjp(attend, *qkv)
+    tol = tolerance(jnp.bfloat16)
+    assert_close(inference, training, tol, "inference forward against the training forward")
+    assert_close(inference, attention("xla")(*qkv), tol * 1.5, "inference forward against xla")
+
+
+@pytest.mark.gpu
+def test_inference_forward_draws_the_training_forwards_dropout_mask():
+    """With dropout (is_training=True), a call nobody differentiates draws the same mask
+    from the same key as the differentiated call: cuDNN's graph without stats keeps the
+    composite implementation whose mask the training forward and the backward share."""
+    rate = 0.3
+    config, (q, k, v) = dropout_probe(rate)
+    key = jax.random.key(11)
+
+    def attend(v):
+        return fused_attn((q, k, v), config=config, dropout_rng=key, is_training=True)
+
+    inference = np.asarray(jax.jit(attend)(v), np.float32)
+    training, _ = jax.vjp(jax.jit(attend), v)
+    training = np.asarray(training, np.float32)
+    s = q.shape[1]
+    np.testing.assert_array_equal(np.round(inference * (1 - rate) * s),
+                                  np.round(training * (1 - rate) * s))
+    np.testing.assert_allclose(inference, training, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_forward_and_backward_check_the_training_attribute(rng):
+    """The FFI calls themselves: with training=false the forward's stats result must be the
+    float32 [0] placeholder, and the backward refuses training=false."""
+    assert cudnn.available() is None
+    q, k, v = inputs(rng, 2, 64, 64, 4, 4, 64, jnp.bfloat16)
+    static = cudnn._static(spec(mask="causal"), 0.125, False, False, 64, 64)
+    bias = np.zeros((1, 1, 1, 1), q.dtype)
+    # bias, seqlen_q, seqlen_kv, offsets, rng, sink: none read by a dense call
+    unread = (bias,) + (cudnn._UNREAD_INT32,) * 3 + (cudnn._UNREAD_UINT32, cudnn._UNREAD_FLOAT32)
+
+    def run(target, results, training, *arrays):
+        call = jax.ffi.ffi_call(target, tuple(jax.ShapeDtypeStruct(*r) for r in results))
+        return jax.block_until_ready(jax.jit(lambda q, k, v, *more: call(
+            q, k, v, *unread, *more, **static.attributes(training)))(q, k, v, *arrays))
+
+    def forward(training, stats_shape):
+        return run(cudnn.FWD_TARGET, ((q.shape, q.dtype), (stats_shape, jnp.float32)), training)
+
+    def backward(training, o, stats):
+        results = [(x.shape, x.dtype) for x in (q, k, v, bias)] + [((), jnp.float32)]
+        return run(cudnn.BWD_TARGET, results, training, o, stats, o)
+
+    o, _ = forward(False, (0,))
+    o_training, stats = forward(True, (2, 4, 64, 1))
+    assert_close(o, o_training, tolerance(jnp.bfloat16), "o")
+    with pytest.raises(Exception, match=r"with training false, a placeholder stats float32 \[0\]"):
+        forward(False, (2, 4, 64, 1))
+    with pytest.raises(Exception, match=r"stats float32 \[B \* max\(segments, 1\), H, Sq', 1\]"):
+        forward(True, (0,))
+    backward(True, o_training, stats)
+    with pytest.raises(Exception, match="training must be true"):
+        backward(False, o_training, stats)
 
 
 # ---- GPU: dropout -------------------------------------------------------------------------

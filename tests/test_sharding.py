@@ -356,13 +356,16 @@ def _fake_attention(static, q, k, v, bias, sink):
 
 TRACED: list[tuple[int, ...]] = []  # q shapes the stand-ins were traced with (global and shards)
 BACKWARD_BIAS: list[tuple[int, ...]] = []  # bias shapes the backward stand-in was traced with
+FORWARD_TRAINING: list[bool] = []  # the training flags the forward stand-in was traced with
 
 
-def _fake_forward(static, q, k, v, bias, slots, rng, sink):
-    """cuDNN's forward FFI call (o, stats [b, h, sq, 1]) for calls without segments."""
+def _fake_forward(static, q, k, v, bias, slots, rng, sink, training=True):
+    """cuDNN's forward FFI call (o, stats [b, h, sq, 1]) for calls without segments; (o,)
+    without stats (training=False, the call nobody differentiates)."""
     TRACED.append(q.shape)
+    FORWARD_TRAINING.append(training)
     o, lse = _fake_attention(static, q, k, v, bias, sink)
-    return o.astype(q.dtype), lse[..., None]
+    return (o.astype(q.dtype), lse[..., None]) if training else (o.astype(q.dtype),)
 
 
 def _fake_backward(static, q, k, v, bias, slots, rng, sink, o, stats, do):
@@ -381,6 +384,7 @@ def fake_cudnn(monkeypatch):
     cudnn._folding_op.cache_clear()
     TRACED.clear()
     BACKWARD_BIAS.clear()
+    FORWARD_TRAINING.clear()
     yield cudnn._cudnn
     cudnn._folding_op.cache_clear()
 
@@ -430,6 +434,36 @@ def test_cudnn_glue_dropout_runs_unsharded(rng, fake_cudnn):
     check_sharded(value_and_grads(attend, (0, 1, 2)), (random_array(rng, q.shape), q, k, v),
                   (QKV,) * 4, mesh, (QKV, (QKV,) * 3), exact=False)
     assert set(TRACED) == {q.shape}  # never on a shard
+
+
+@pytest.mark.parametrize("mesh_name", MESHES)
+def test_cudnn_glue_inference_forward_shards_and_folds(rng, fake_cudnn, mesh_name):
+    """A call nobody differentiates runs the forward without stats (training=False: the
+    placeholder stats result never reaches the partitioning): it shards like the training
+    forward without gathering, a vmap folds it into one call equal to a loop, and its
+    output equals the differentiated call's, whose forward keeps training=True."""
+    mesh = make_mesh(mesh_name)
+    static = cudnn_static()
+    q, k, v = flash_inputs(rng)
+    bias, sink = random_array(rng, (1, 4, 8, 8)), random_array(rng, (4,))
+    rng_words = jnp.zeros((4,), jnp.uint32)
+
+    def attend(q, k, v):
+        return fake_cudnn(static, q, k, v, bias, rng_words, sink, None)
+
+    hlo = check_sharded(attend, (q, k, v), (QKV,) * 3, mesh, QKV)
+    assert "all-reduce" not in hlo  # nothing summed: no stats, no gradients
+    assert local(q.shape, mesh) in TRACED and set(FORWARD_TRAINING) == {False}
+    FORWARD_TRAINING.clear()
+    out, _ = jax.jit(value_and_grads(attend, (0,)))(random_array(rng, q.shape), q, k, v)
+    assert set(FORWARD_TRAINING) == {True}
+    assert_close(out, jax.jit(attend)(q, k, v), TOL, "differentiated output")
+    n = 2
+    batched = tuple(x.reshape((n, -1) + x.shape[1:]) for x in (q, k, v))
+    assert loops_and_kernel_calls(jax.vmap(attend), *batched) == (False, 1)
+    got = jax.jit(jax.vmap(attend))(*batched)
+    for i in range(n):
+        assert_close(got[i], jax.jit(attend)(*(x[i] for x in batched)), TOL, f"example {i}")
 
 
 def loops_and_kernel_calls(fn, *args) -> tuple[bool, int]:

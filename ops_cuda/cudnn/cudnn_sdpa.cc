@@ -5,8 +5,9 @@
 // link-time dependency. FusedattnCudnnLoad() dlopens the libcudnn.so.9 that
 // JAX's CUDA plugin already loaded (or a path given by Python) and hands it to
 // the frontend. Graphs are built once per (shapes, dtype, mask, bias, dropout,
-// window, GQA, sink, determinism, device) and cached; a step pays no graph
-// build after the first. Workspace comes from XLA's FFI scratch allocator.
+// window, GQA, sink, determinism, training or inference forward, device) and
+// cached; a step pays no graph build after the first. Workspace comes from
+// XLA's FFI scratch allocator.
 //
 // Operands are the canonical BSHD arrays of fusedattn/ops/backends/base.py,
 // given to cuDNN as strided [b, h, s, d] views (no copies).
@@ -28,11 +29,15 @@
 //       unless dropout_rate > 0
 //   sink F32 [H]; ignored unless has_sink
 //   stats F32 [B * max(M, 1), H, Sq', 1]: log-sum-exp of the scaled scores (cuDNN's Stats),
-//       Sq' = max_seqlen_q when ragged and given, else Sq
+//       Sq' = max_seqlen_q when ragged and given, else Sq. With training false the forward
+//       writes no stats: its stats result is a placeholder F32 [0]
 //   dbias like bias; dsink like sink
 // attributes: scale f32, dropout_rate f32, causal bool, bottom_right bool,
 //   window_left i64, window_right i64 (inclusive, -1 unbounded), segments i64, ragged bool,
-//   max_seqlen_q i64, max_seqlen_kv i64, has_bias bool, has_sink bool, deterministic bool
+//   max_seqlen_q i64, max_seqlen_kv i64, has_bias bool, has_sink bool, deterministic bool,
+//   training bool: the forward builds cuDNN's training graph (with stats) when true, else its
+//       inference graph (set_generate_stats(false): no stats, which lets cuDNN choose other
+//       engines). Dropout draws the same mask either way. The backward takes true only.
 // A jax.vmap reaches these handlers folded into B by the custom_vmap rule of
 // fusedattn/ops/backends/cudnn.py, so every operand has exactly the ranks above.
 #include <dlfcn.h>
@@ -156,14 +161,15 @@ struct Params {
   int64_t seg_sq = 0, seg_skv = 0;   // cuDNN's sequence extents: sq, skv unless ragged bounds
   int64_t bias_b = 0, bias_h = 0;  // 0, 0: no bias
   int64_t sink = 0, deterministic = 0;
+  int64_t inference = 0;  // forward only: 1 builds the graph without stats (training = false)
   float scale = 1.0f, dropout = 0.0f;
 
   // Everything that shapes a graph, with the device and direction: the cache key. Built
   // on every call, so plain integers (the floats by their bits), not a formatted string.
-  using Key = std::array<int64_t, 24>;
+  using Key = std::array<int64_t, 25>;
   Key key(int device, bool backward) const {
-    return {backward, device, b, h, hkv, sq, skv, d, dv, bf16, causal, bottom_right, left, right,
-            segments, ragged, seg_sq, seg_skv, bias_b, bias_h, sink, deterministic, bits(scale), bits(dropout)};
+    return {backward, device, b, h, hkv, sq, skv, d, dv, bf16, causal, bottom_right, left, right, segments,
+            ragged, seg_sq, seg_skv, bias_b, bias_h, sink, deterministic, inference, bits(scale), bits(dropout)};
   }
 
  private:
@@ -313,20 +319,31 @@ Tensor stats_tensor(fe::graph::Graph& g, const Params& p) {
                       .set_data_type(fe::DataType_t::FLOAT));
 }
 
+// The training forward writes the stats the backward reads; the inference forward
+// (p.inference) does not, so cuDNN may pick another engine (and skip the stats' stores).
 std::shared_ptr<fe::graph::Graph> forward_graph(const Params& p) {
   auto g = new_graph(p);
   const RaggedOffsets offsets = ragged_offsets(*g, p);
   auto [q, k, v] = qkv_tensors(*g, p, offsets);
   fe::graph::SDPA_attributes a;
-  a.set_name("fusedattn_sdpa").set_generate_stats(true);
+  a.set_name("fusedattn_sdpa").set_generate_stats(!p.inference);
+#if CUDNN_FRONTEND_VERSION >= 11400
+  // With dropout, cuDNN's unified SDPA node serves only graphs without stats, so the
+  // frontend would pick it for the inference forward alone; the composite node, which the
+  // training forward and the backward use, keeps the dropout mask the same for the same
+  // seed whether or not the call is differentiated. (Frontends before 1.14 have no other.)
+  if (p.inference && p.dropout > 0.0f) a.set_implementation(fe::AttentionImplementation_t::COMPOSITE);
+#endif
   set_common(*g, a, p);
   auto [o, stats] = g->sdpa(q, k, v, a);
   set_bshd(o, kO, p, offsets.o, p.h, p.seg_sq, p.dv);
-  stats->set_output(true)
-      .set_uid(kStats)
-      .set_data_type(fe::DataType_t::FLOAT)
-      .set_dim(stats_dims(p))
-      .set_stride(stats_strides(p));
+  if (!p.inference) {
+    stats->set_output(true)
+        .set_uid(kStats)
+        .set_data_type(fe::DataType_t::FLOAT)
+        .set_dim(stats_dims(p))
+        .set_stride(stats_strides(p));
+  }
   return g;
 }
 
@@ -495,6 +512,7 @@ struct Attrs {
   bool ragged;
   int64_t max_seqlen_q, max_seqlen_kv;
   bool has_bias, has_sink, deterministic;
+  bool training;  // the forward's graph: with stats (true) or without (false); the backward's: true
 };
 
 // The operands both directions share.
@@ -613,12 +631,36 @@ std::unordered_map<int64_t, void*> common_pack(const Params& p, const Inputs& in
   return pack;
 }
 
+// `bytes` of XLA's FFI scratch memory, for `what`, into *out.
+ffi::Error allocate(const char* op, ffi::ScratchAllocator& scratch, int64_t bytes, const char* what, void** out) {
+  // XLA's FFI allocator accepts alignments up to 16 (its blocks are 256-aligned in practice).
+  auto allocation = scratch.Allocate(static_cast<size_t>(bytes), 16);
+  if (!allocation.has_value()) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      std::string(op) + ": could not allocate " + std::to_string(bytes) + " bytes of " + what);
+  }
+  *out = *allocation;
+  return ffi::Error::Success();
+}
+
 ffi::Error execute(const char* op, const Params& p, bool backward, cudaStream_t stream, int device,
                    ffi::ScratchAllocator& scratch, std::unordered_map<int64_t, void*>& pack) {
   if (p.b == 0 || p.sq == 0 || p.skv == 0 || p.h == 0) return ffi::Error::Success();
   cudnnHandle_t handle = nullptr;
   std::string error;
   auto entry = get_graph(p, backward, device, &handle, &error);
+  if (entry && !entry->graph && p.inference) {
+    // cuDNN cannot build the forward without stats for this call (the failure is cached):
+    // run the training forward instead, its stats in scratch memory.
+    trace("no inference forward (" + entry->error + "); running the training forward");
+    Params training = p;
+    training.inference = 0;
+    entry = get_graph(training, backward, device, &handle, &error);
+    if (entry && entry->graph) {
+      const int64_t bytes = cudnn_batch(p) * p.h * p.seg_sq * static_cast<int64_t>(sizeof(float));
+      if (auto e = allocate(op, scratch, bytes, "scratch for the stats", &pack[kStats]); e.failure()) return e;
+    }
+  }
   if (!entry) return ffi::Error::Internal(std::string(op) + ": " + error);
   if (!entry->graph) {
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
@@ -626,14 +668,7 @@ ffi::Error execute(const char* op, const Params& p, bool backward, cudaStream_t 
   }
   void* workspace = nullptr;
   if (entry->workspace > 0) {
-    // XLA's FFI allocator accepts alignments up to 16 (its blocks are 256-aligned in practice).
-    auto allocation = scratch.Allocate(static_cast<size_t>(entry->workspace), 16);
-    if (!allocation.has_value()) {
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                        std::string(op) + ": could not allocate " + std::to_string(entry->workspace) +
-                            " bytes of cuDNN workspace");
-    }
-    workspace = *allocation;
+    if (auto e = allocate(op, scratch, entry->workspace, "cuDNN workspace", &workspace); e.failure()) return e;
   }
   try {
     std::lock_guard<std::mutex> lock(g_handle_mutex);  // one stream per handle at a time
@@ -658,15 +693,18 @@ ffi::Error ForwardImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
   Params p;
   if (auto e = parse(kFwd, in, at, &p); e.failure()) return e;
   p.deterministic = 0;  // the forward is deterministic anyway: one graph for both settings
+  p.inference = !at.training;
   if (static_cast<int64_t>(o->element_count()) != p.b * p.sq * p.h * p.dv || o->element_type() != q.element_type() ||
       stats->element_type() != ffi::DataType::F32 ||
-      static_cast<int64_t>(stats->element_count()) != cudnn_batch(p) * p.h * p.seg_sq) {
-    return invalid(kFwd, "results must be o [B, Sq, H, Dv] in q's dtype and stats float32 "
-                         "[B * max(segments, 1), H, Sq', 1]");
+      static_cast<int64_t>(stats->element_count()) != (at.training ? cudnn_batch(p) * p.h * p.seg_sq : 0)) {
+    return invalid(kFwd, at.training ? "results must be o [B, Sq, H, Dv] in q's dtype and stats float32 "
+                                       "[B * max(segments, 1), H, Sq', 1]"
+                                     : "results must be o [B, Sq, H, Dv] in q's dtype and, with training "
+                                       "false, a placeholder stats float32 [0]");
   }
   auto pack = common_pack(p, in);
   pack[kO] = o->untyped_data();
-  pack[kStats] = stats->untyped_data();
+  if (at.training) pack[kStats] = stats->untyped_data();
   return execute(kFwd, p, false, stream, device, scratch, pack);
 }
 
@@ -679,6 +717,7 @@ ffi::Error BackwardImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocat
   const Inputs in{q, k, v, bias, seqlen_q, seqlen_kv, offsets, rng, sink};
   Params p;
   if (auto e = parse(kBwd, in, at, &p); e.failure()) return e;
+  if (!at.training) return invalid(kBwd, "training must be true (the backward reads the training forward's stats)");
   if (o.element_count() != d_o.element_count() ||
       static_cast<int64_t>(o.element_count()) != p.b * p.sq * p.h * p.dv ||
       static_cast<int64_t>(stats.element_count()) != cudnn_batch(p) * p.h * p.seg_sq ||
@@ -728,10 +767,12 @@ FA_CUDNN_EXPORT int64_t FusedattnCudnnLoad(const char* path, char* msg, int64_t 
   return static_cast<int64_t>(fusedattn_cudnn::g_cudnn_version);
 }
 
-// Builds (and caches) the forward and backward graphs of a call on `device` without
-// running them. params: b, h, hkv, sq, skv, d, dv, bf16, causal, bottom_right, left, right,
-// segments, ragged, seg_sq, seg_skv, bias_b, bias_h, sink, deterministic (20 values).
-// Returns 1 when both build, else 0 with cuDNN's reason in msg.
+// Builds (and caches) the training forward and the backward graphs of a call on `device`
+// without running them. params: b, h, hkv, sq, skv, d, dv, bf16, causal, bottom_right, left,
+// right, segments, ragged, seg_sq, seg_skv, bias_b, bias_h, sink, deterministic (20 values).
+// Returns 1 when both build, else 0 with cuDNN's reason in msg. The inference forward
+// (training false) is built at its first call, and where cuDNN cannot build it that call
+// runs the training forward instead: it never serves less than this check promises.
 FA_CUDNN_EXPORT int64_t FusedattnCudnnCheck(const int64_t* params, int64_t n, float scale, float dropout,
                                             int64_t device, char* msg, int64_t msg_len) {
   using fusedattn_cudnn::Params;
@@ -787,7 +828,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(fusedattn_cudnn::Attrs, StructMember<float
                                       StructMember<int64_t>("window_right"), StructMember<int64_t>("segments"),
                                       StructMember<bool>("ragged"), StructMember<int64_t>("max_seqlen_q"),
                                       StructMember<int64_t>("max_seqlen_kv"), StructMember<bool>("has_bias"),
-                                      StructMember<bool>("has_sink"), StructMember<bool>("deterministic"));
+                                      StructMember<bool>("has_sink"), StructMember<bool>("deterministic"),
+                                      StructMember<bool>("training"));
 
 FA_CUDNN_EXPORT XLA_FFI_Error* FusedattnCudnnFwd(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnCudnnFwd, fusedattn_cudnn::ForwardImpl,

@@ -12,10 +12,16 @@ nvidia-cudnn wheel. Two XLA FFI calls around a `jax.custom_vjp`:
 
 q/k/v are the canonical [b, s, h, d] arrays, read by cuDNN as strided
 [b, h, s, d] views (no transposes); stats is cuDNN's float32 log-sum-exp
-[b', h, sq', 1], saved for the backward. Graphs are built once per static
-configuration and device and cached in the library; `supports` builds them
-(forward and backward) at trace time, so a configuration cuDNN cannot run is
-rejected with cuDNN's own reason and "auto" moves on to flash or xla.
+[b', h, sq', 1], saved for the backward. A call nobody differentiates (the
+custom_vjp's primal) runs the forward with the attribute training=false: cuDNN's
+inference graph, without stats (its stats result is a float32 [0] placeholder,
+dropped at once), which lets cuDNN pick another engine, as JAX's own cuDNN
+attention does; the forward rule of a differentiated call passes training=true.
+Graphs are built once per static configuration and device and cached in the
+library; `supports` builds them (the training forward and the backward) at trace
+time, so a configuration cuDNN cannot run is rejected with cuDNN's own reason
+and "auto" moves on to flash or xla. The inference forward is built at its first
+call; where cuDNN cannot build it, that call runs the training forward.
 
 What it serves (everything else is rejected by `supports` with the reason):
 
@@ -39,7 +45,9 @@ What it serves (everything else is rejected by `supports` with the reason):
   words as one int64, offset 0. The mask is NOT the one of the shared Philox
   dropout (fusedattn/ops/philox.py) that the xla and flash backends draw, so
   dropout outputs match the other backends only in distribution; the same key
-  gives the same mask (forward and backward agree, runs repeat);
+  gives the same mask (forward and backward agree, runs repeat, and the forward
+  without stats keeps cuDNN's composite implementation, that of the training
+  forward, so a call nobody differentiates draws it too);
 - deterministic backward (config.deterministic_backward) through cuDNN's
   deterministic algorithm.
 
@@ -271,14 +279,17 @@ class _Static(NamedTuple):
     has_sink: bool
     deterministic: bool
 
-    def attributes(self) -> dict:
+    def attributes(self, training: bool = True) -> dict:
+        """The FFI attributes; training=False (the forward only) builds cuDNN's graph
+        without stats."""
         return dict(scale=np.float32(self.scale), dropout_rate=np.float32(self.dropout_rate),
                     causal=bool(self.causal), bottom_right=bool(self.bottom_right),
                     window_left=np.int64(self.window_left),
                     window_right=np.int64(self.window_right), segments=np.int64(self.segments),
                     ragged=bool(self.ragged), max_seqlen_q=np.int64(self.max_seqlen_q),
                     max_seqlen_kv=np.int64(self.max_seqlen_kv), has_bias=bool(self.has_bias),
-                    has_sink=bool(self.has_sink), deterministic=bool(self.deterministic))
+                    has_sink=bool(self.has_sink), deterministic=bool(self.deterministic),
+                    training=bool(training))
 
     @property
     def batch_per_row(self) -> int:
@@ -451,15 +462,19 @@ def _lengths_and_offsets(static: _Static, slots, q_shape, k_shape, v_shape):
 
 # ---- the FFI calls, sharded and folded under vmap ----------------------------------
 
-def _forward_ffi(static: _Static, q, k, v, bias, slots, rng, sink):
+def _forward_ffi(static: _Static, q, k, v, bias, slots, rng, sink, training=True):
+    """(o, stats) of the training forward; (o,) with training=False, the forward without
+    stats, whose stats result (the FFI call's results are fixed) is a float32 [0] placeholder
+    dropped here, so that sharding and vmap folding never see it."""
     b, sq, h, _ = q.shape
     seqlen_q, seqlen_kv, offsets = _lengths_and_offsets(static, slots, q.shape, k.shape, v.shape)
-    return jax.ffi.ffi_call(
+    stats_shape = (b * static.batch_per_row, h, static.max_seqlen_q or sq, 1) if training else (0,)
+    o, stats = jax.ffi.ffi_call(
         FWD_TARGET,
         (jax.ShapeDtypeStruct((b, sq, h, v.shape[-1]), q.dtype),
-         jax.ShapeDtypeStruct((b * static.batch_per_row, h, static.max_seqlen_q or sq, 1),
-                              jnp.float32)),
-    )(q, k, v, bias, seqlen_q, seqlen_kv, offsets, rng, sink, **static.attributes())
+         jax.ShapeDtypeStruct(stats_shape, jnp.float32)),
+    )(q, k, v, bias, seqlen_q, seqlen_kv, offsets, rng, sink, **static.attributes(training))
+    return (o, stats) if training else (o,)
 
 
 def _backward_ffi(static: _Static, q, k, v, bias, slots, rng, sink, o, stats, do):
@@ -508,8 +523,11 @@ _DBIAS, _DSINK = 3, 4  # results of the backward call
 
 
 @functools.lru_cache(maxsize=None)
-def _folding_op(static: _Static, backward: bool, unread: frozenset[int] = frozenset()):
+def _folding_op(static: _Static, backward: bool, unread: frozenset[int] = frozenset(),
+                training: bool = True):
     """The FFI call of one direction, sharded over batch and heads, folded under vmap.
+
+    The forward returns (o, stats), or (o,) with training=False (`_forward_ffi`).
 
     The shared mechanism of fusedattn/ops/backends/partitioning.py. Under jax.vmap,
     row-wise operands (q, k, v, slots, o, stats, do and a bias with a batch axis) are
@@ -531,9 +549,10 @@ def _folding_op(static: _Static, backward: bool, unread: frozenset[int] = frozen
     sharded axes. A shard cannot draw the unsharded call's dropout mask from cuDNN's
     generator, so with dropout the batch and heads stay unsharded (gathered).
     """
-    signature = _signature(static.dropout_rate > 0, backward, unread)
+    signature = _signature(static.dropout_rate > 0, backward, unread, training)
     if not backward:
-        return partitioning.op(functools.partial(_forward_ffi, static), signature)
+        return partitioning.op(functools.partial(_forward_ffi, static, training=training),
+                               signature)
 
     def sink_rows(q, k, v, bias, slots, rng, sink, o, stats, do):
         return (_sink_gradient_rows(static, sink, slots, o, stats, do),)
@@ -541,13 +560,14 @@ def _folding_op(static: _Static, backward: bool, unread: frozenset[int] = frozen
     return partitioning.op(functools.partial(_backward_ffi, static), signature, sink_rows)
 
 
-def _signature(dropout: bool, backward: bool,
-               unread: frozenset[int] = frozenset()) -> partitioning.Signature:
+def _signature(dropout: bool, backward: bool, unread: frozenset[int] = frozenset(),
+               training: bool = True) -> partitioning.Signature:
     if backward:
         return partitioning.Signature(
             _OPERANDS + ("b.h.", "bh..", "b.h."), ("b.h.", "b.g.", "b.g.", "BH..", "h"),
             batch_sums=frozenset({_DSINK}), dropout=dropout, unread=unread)
-    return partitioning.Signature(_OPERANDS, ("b.h.", "bh.."), dropout=dropout)
+    return partitioning.Signature(_OPERANDS, ("b.h.", "bh..") if training else ("b.h.",),
+                                  dropout=dropout)
 
 
 # ---- the op --------------------------------------------------------------------------
@@ -566,16 +586,20 @@ class _Unread:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _cudnn(static: _Static, q, k, v, bias, rng, sink, segments: _Segments | None):
-    return _forward(static, q, k, v, bias, rng, sink, segments)[0]
+    """The primal, run when nobody differentiates the call: the forward without stats."""
+    return _forward(static, q, k, v, bias, rng, sink, segments, training=False)[0]
 
 
-def _forward(static: _Static, q, k, v, bias, rng, sink, segments: _Segments | None):
-    """(o, slots, stats) of the forward call; o masked where segments say."""
+def _forward(static: _Static, q, k, v, bias, rng, sink, segments: _Segments | None,
+             training: bool = True):
+    """(o, slots, stats) of the forward call; o masked where segments say. With
+    training=False cuDNN runs its graph without stats (the same dropout mask), and stats is
+    None."""
     slots = segments.slots if segments else np.zeros((q.shape[0], 4, 1), np.int32)  # unread
-    o, stats = _folding_op(static, False)(q, k, v, bias, slots, rng, sink)
+    o, *stats = _folding_op(static, False, training=training)(q, k, v, bias, slots, rng, sink)
     if segments:
         o = _mask_rows(o, segments.q_keys, segments.broken)
-    return o, slots, stats
+    return o, slots, stats[0] if training else None
 
 
 def _cudnn_fwd(static: _Static, q, k, v, bias, rng, sink, segments):
