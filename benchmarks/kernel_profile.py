@@ -3,7 +3,8 @@
 Sums the durations of the GPU's kernel and memory events in
 <trace dir>/plugins/profile/*/perfetto_trace.json.gz, per kind (attention,
 matmul, our own kernels, copies, other XLA fusions), and lists the longest
-kernels. Used by benchmarks/lm_train.py --profile; also on its own:
+kernels with their calls per step. Used by benchmarks/lm_train.py --profile and
+benchmarks/layers.py --profile DIR; also on its own:
 
     python benchmarks/kernel_profile.py WORKDIR/profile --steps 5
 """
@@ -61,23 +62,36 @@ def device_events(trace_dir: Path) -> list[tuple[str, float]]:
             if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams]
 
 
-def summarize(trace_dir: Path, steps: int) -> dict:
-    """Device milliseconds per step by kind, and the 15 longest kernels (ms per step)."""
-    events = device_events(trace_dir)
+def summarize_events(events: list[tuple[str, float]], steps: int, top: int = 15) -> dict:
+    """Device milliseconds per step by kind, and the `top` longest kernels: their ms
+    per step, and in the same order their calls per step. events: device_events()."""
     if not events:
-        raise ValueError(f"{trace_dir}: the trace has no GPU events")
+        raise ValueError("the trace has no GPU events")
     by_kind: dict[str, float] = collections.defaultdict(float)
     by_name: dict[str, float] = collections.defaultdict(float)
+    calls: collections.Counter = collections.Counter()
     for name, us in events:
         by_kind[_kind(name)] += us
         by_name[name] += us
+        calls[name] += 1
     per_step = 1e-3 / steps
-    top = sorted(by_name.items(), key=lambda item: -item[1])[:15]
+    longest = sorted(by_name.items(), key=lambda item: -item[1])[:top]
     return {"steps": steps,
             "ms_per_step": {kind: round(us * per_step, 3) for kind, us in
                             sorted(by_kind.items(), key=lambda item: -item[1])},
             "device_ms_per_step": round(sum(by_kind.values()) * per_step, 3),
-            "top_kernels_ms_per_step": [[name[:120], round(us * per_step, 3)] for name, us in top]}
+            "top_kernels_ms_per_step": [[name[:120], round(us * per_step, 3)]
+                                        for name, us in longest],
+            "top_kernels_calls_per_step": [[name[:120], round(calls[name] / steps, 2)]
+                                           for name, _ in longest]}
+
+
+def summarize(trace_dir: Path, steps: int, top: int = 15) -> dict:
+    """summarize_events() of the trace in trace_dir (written by jax.profiler)."""
+    events = device_events(trace_dir)
+    if not events:
+        raise ValueError(f"{trace_dir}: the trace has no GPU events")
+    return summarize_events(events, steps, top)
 
 
 def print_summary(summary: dict) -> None:
@@ -85,9 +99,16 @@ def print_summary(summary: dict) -> None:
           f"(over {summary['steps']} traced steps)")
     for kind, ms in summary["ms_per_step"].items():
         print(f"  {kind:<10}{ms:>9.2f} ms")
-    print("longest kernels (ms per step):")
-    for name, ms in summary["top_kernels_ms_per_step"]:
-        print(f"  {ms:>8.3f}  {name}")
+    print_top_kernels(summary, "longest kernels")
+
+
+def print_top_kernels(summary: dict, title: str) -> None:
+    """The longest kernels of a summarize() result: ms and calls per step, kind, name."""
+    calls = [c for _, c in summary.get("top_kernels_calls_per_step", [])]
+    print(f"{title} (ms per step, calls per step, kind, name):")
+    for i, (name, ms) in enumerate(summary["top_kernels_ms_per_step"]):
+        count = f"{calls[i]:g}" if i < len(calls) else "?"
+        print(f"  {ms:>8.3f}  {count:>6}  {_kind(name):<10} {name}")
 
 
 def main():

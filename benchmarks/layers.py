@@ -21,12 +21,24 @@ program, op for op, yet were once measured 1.979 against 1.884 ms, and 1.914 aga
 1.905 ms in the run before, with no layer code changed in between.)
 
     python benchmarks/layers.py --out benchmarks/results/layers.json
+
+With --profile DIR, after the timing (and after the results are written once
+without it), each impl's step is traced with jax.profiler (PROFILE_STEPS back-to-back
+calls, into DIR/<impl>), and the device time per step by kernel kind and the longest
+kernels with their calls per step (benchmarks/kernel_profile.py) go under "profile"
+in the results, {impl: summary} or {impl: {"error": ...}} where the trace could not
+be taken or read (on a CPU there are no GPU streams to read: every impl gets an error).
+
+    python benchmarks/layers.py --out OUT/layers.json --profile OUT/layers_profile
+
+--small (b=2, L=256, d_model=256, 2 heads) is for trying the script out on a CPU.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 import equinox as eqx
 import flax.linen as linen
@@ -40,9 +52,14 @@ from fusedattn.layers import linen as fa_linen
 from fusedattn.layers import nnx as fa_nnx
 
 from common import H200_MEASURED_MATMUL_FLOPS, parse_args, random_normal, write_results
+from kernel_profile import KINDS, print_top_kernels, summarize
 
 B, L, D_MODEL, HEADS = 4, 2048, 2048, 16
+SMALL_SHAPE = (2, 256, 256, 2)  # --small: head dim 128 as in the full shape
 DTYPE = jnp.bfloat16
+PROFILE_STEPS = 5  # calls traced per impl with --profile
+PROFILE_TOP = 8  # longest kernels kept per impl
+PROFILE_KERNELS_SHOWN = ("fusedattn_nnx", "hand_cudnn", "hand_cudnn_bias")
 
 
 def attention_config():
@@ -185,6 +202,50 @@ def impls(x):
     }
 
 
+def profile_impls(steps: dict, errors: dict, profile_dir: str,
+                  n_steps: int = PROFILE_STEPS, top: int = PROFILE_TOP) -> dict:
+    """Traces n_steps back-to-back calls of each step {name: (fn, args)} (already
+    compiled and warmed up by the timing) into profile_dir/<name>, and sums each trace's
+    device time by kernel kind (kernel_profile.summarize). Returns {name: summary}, or
+    {name: {"error": ...}} for a step that failed in the timing or whose trace could
+    not be taken or read."""
+    profile = {}
+    for name, (fn, args) in steps.items():
+        if name in errors:
+            profile[name] = {"error": f"not traced: the step failed: {errors[name]}"}
+            continue
+        trace_dir = Path(profile_dir) / name
+        try:
+            with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+                for _ in range(n_steps):
+                    out = fn(*args)
+                jax.block_until_ready(out)
+            profile[name] = {"trace_dir": str(trace_dir), **summarize(trace_dir, n_steps, top=top)}
+        except Exception as error:
+            message = (str(error).splitlines() or [""])[0][:300]
+            profile[name] = {"error": f"{type(error).__name__}: {message}",
+                             "trace_dir": str(trace_dir)}
+    return profile
+
+
+def print_profile(profile: dict, medians: dict) -> None:
+    """One line per impl (device ms per step, in all and by kind, against the timed
+    ms), then the longest kernels of the impls in PROFILE_KERNELS_SHOWN."""
+    kinds = [kind for kind, _ in KINDS]
+    print(f"\ndevice ms per step by kind (traced, {PROFILE_STEPS} steps per impl)")
+    print(f"{'impl':<22}{'timed':>8}{'device':>8}" + "".join(f"{k:>10}" for k in kinds))
+    for name, p in profile.items():
+        timed = f"{medians[name]:>8.3f}" if medians.get(name) else f"{'-':>8}"
+        if "error" in p:
+            print(f"{name:<22}{timed}  error: {p['error'][:100]}")
+            continue
+        print(f"{name:<22}{timed}{p['device_ms_per_step']:>8.3f}"
+              + "".join(f"{p['ms_per_step'].get(k, 0.0):>10.3f}" for k in kinds))
+    for name in PROFILE_KERNELS_SHOWN:
+        if name in profile and "error" not in profile[name]:
+            print_top_kernels(profile[name], f"{name}, longest kernels")
+
+
 def fwd_bwd_step(apply):
     """The timed step: the VJP of the layer output with a given cotangent, w.r.t. params and x."""
 
@@ -196,8 +257,19 @@ def fwd_bwd_step(apply):
 
 
 def main():
-    args = parse_args("benchmarks/results/layers.json",
-                      lambda parser: parser.set_defaults(repeats=21))
+    global B, L, D_MODEL, HEADS
+
+    def add_arguments(parser):
+        parser.set_defaults(repeats=21)
+        parser.add_argument("--profile", metavar="DIR", default=None,
+                            help=f"after the timing, trace {PROFILE_STEPS} steps of each impl "
+                                 "into DIR/<impl> and add device time per kernel kind")
+        parser.add_argument("--small", action="store_true",
+                            help=f"b, L, d_model, heads = {SMALL_SHAPE} (to try it on a CPU)")
+
+    args = parse_args("benchmarks/results/layers.json", add_arguments)
+    if args.small:
+        B, L, D_MODEL, HEADS = SMALL_SHAPE
     keys = jax.random.split(jax.random.key(0), 2)
     x = random_normal(keys[0], (B, L, D_MODEL), DTYPE)
     cotangent = random_normal(keys[1], (B, L, D_MODEL), DTYPE)
@@ -234,8 +306,9 @@ def main():
     floor = floor_ms()
     for r in rows:
         r["of_matmul_floor"] = round(floor / r["ms"], 3) if r["ms"] else None
-    write_results(args.out, rows, summary=summary, attention_backend=explanation.backend,
-                  matmul_floor_ms=round(floor, 4))
+    results = dict(summary=summary, attention_backend=explanation.backend,
+                   matmul_floor_ms=round(floor, 4))
+    write_results(args.out, rows, **results)
     print(f"\n{'impl':<22}{'ms':>9}{'min':>9}{'max':>9}{'floor/ms':>10}   (matmul floor {floor:.3f} ms)")
     for r in rows:
         if r['ms'] is None:
@@ -245,6 +318,11 @@ def main():
               f"{r['of_matmul_floor']:>10.2f}")
     for ours, s in summary.items():
         print(f"{ours}: {s['speedup_vs_stock']}x vs stock, {s['time_ratio_vs_hand_cudnn']} x hand_cudnn time")
+    if args.profile:
+        # The timings are written above already, in case tracing takes the process down.
+        profile = profile_impls(steps, errors, args.profile)
+        write_results(args.out, rows, **results, profile=profile)
+        print_profile(profile, medians)
 
 
 if __name__ == "__main__":
