@@ -27,18 +27,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = "ops_cuda/cuda/small_seq.cu"
 
-# BackwardPlan: raw vectors per lane in one batch of (K_j, V_j) pairs, up to 4 keys and
-# beyond; the occupancy floor of one head without dropout below d=512.
-_BWD_BATCH = "kBatchVectors = N <= 4 ? 16 : 8;"
+# BackwardPlan: raw vectors per lane of the (K_j, V_j) pair slots in shared memory (CUDA);
+# the occupancy floor of one head without dropout below d=512.
+_BWD_SLOTS = "kSlotVectors = 24;"
 _BWD_BLOCKS = "|| DROPOUT || D == 512 ? 2 : 3;"
+# The HIP build's pairs streamed through registers, in batches, instead of the slots.
+_REGISTER_PAIRS = {"constexpr bool kStagedPairs = true;": "constexpr bool kStagedPairs = false;",
+                   "#if defined(__HIPCC__)\n    stream_rows<": "#if 1\n    stream_rows<"}
 
 VARIANTS: dict[str, dict[str, str]] = {
     "as_is": {},
-    "bwd_batch8": {_BWD_BATCH: "kBatchVectors = 8;"},
-    "bwd_batch16": {_BWD_BATCH: "kBatchVectors = 16;"},
+    "bwd_slots16": {_BWD_SLOTS: "kSlotVectors = 16;"},
+    "bwd_slots32": {_BWD_SLOTS: "kSlotVectors = 32;"},
     "bwd_blocks2": {_BWD_BLOCKS: "|| DROPOUT || D == 512 ? 2 : 2;"},
-    # 128 registers: ptxas -v spills 16-40 bytes per lane (bf16 d=128, 4 to 16 keys)
     "bwd_blocks4": {_BWD_BLOCKS: "|| DROPOUT || D == 512 ? 2 : 4;"},
+    "bwd_registers": _REGISTER_PAIRS,
 }
 
 

@@ -139,6 +139,12 @@ struct Slice {
   uint4 v[Team<ET, D>::kVecsPerLane];
 };
 
+// A key row and its value row, as one streamed unit of the backward.
+template <ElementType ET, int D>
+struct KeyValue {
+  Slice<ET, D> k, v;
+};
+
 // The same slice as floats.
 template <ElementType ET, int D>
 using Floats = float[Team<ET, D>::kElems];
@@ -394,6 +400,90 @@ __device__ __forceinline__ void stream_rows(const TeamComm<LANES>& team, Load&& 
   });
 }
 
+// ---- rows staged through shared memory (CUDA) ---------------------------------------
+
+// On CUDA (sm_80+) the backward's (K_j, V_j) pairs stream through a ring of shared-memory
+// slots filled by cp.async: bytes in flight without registers holding them, so a lane has
+// several pairs in flight while the registers hold only q, dO, O and the dq accumulator.
+// HIP has no cp.async: there the pairs stream through registers (stream_rows).
+#if defined(__HIPCC__)
+constexpr bool kStagedPairs = false;
+#else
+constexpr bool kStagedPairs = true;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#error "small_seq.cu needs sm_80 or newer (cp.async)"
+#endif
+
+// Starts copying 16 bytes from global `src` to shared `dst`; writes zeros, reading nothing,
+// when !live.
+__device__ __forceinline__ void copy_async(uint4* dst, const void* src, bool live) {
+  const auto shared = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared), "l"(src), "r"(live ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most PENDING of this lane's committed groups of copies are unfinished.
+template <int PENDING>
+__device__ __forceinline__ void wait_copies() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+}
+
+// A lane's SLOTS slots of one (K_j, V_j) pair each, in shared memory. Vector t of slot s is
+// at base[(s * kVectors + t) * stride] (stride: the block's threads), so a warp's accesses
+// to one vector are contiguous. Only the lane that fills a slot reads it: no block syncs.
+template <ElementType ET, int D, int SLOTS>
+struct PairSlots {
+  using T = Team<ET, D>;
+  static constexpr int kVectors = 2 * T::kVecsPerLane;  // per slot: the k slice, then the v slice
+  uint4* base;
+  int stride;
+
+  __device__ __forceinline__ uint4* at(int slot, int t) const { return base + (slot * kVectors + t) * stride; }
+  // Starts filling `slot` with the lane's slices of rows k_row and v_row (zeros when !live).
+  __device__ __forceinline__ void fill(int slot, const typename Element<ET>::Storage* k_row,
+                                       const typename Element<ET>::Storage* v_row, int sub, bool live) const {
+#pragma unroll
+    for (int t = 0; t < T::kVecsPerLane; ++t) {
+      const int offset = (sub + t * T::kLanes) * T::kVec;
+      copy_async(at(slot, t), k_row + offset, live);
+      copy_async(at(slot, T::kVecsPerLane + t), v_row + offset, live);
+    }
+  }
+  __device__ __forceinline__ KeyValue<ET, D> take(int slot) const {
+    KeyValue<ET, D> kv;
+#pragma unroll
+    for (int t = 0; t < T::kVecsPerLane; ++t) {
+      kv.k.v[t] = *at(slot, t);
+      kv.v.v[t] = *at(slot, T::kVecsPerLane + t);
+    }
+    return kv;
+  }
+};
+
+// Calls fill(u, slot) and use(u, slot) for units u = 0 .. UNITS-1 (u an
+// std::integral_constant) through SLOTS <= UNITS slots: the first SLOTS units start at once,
+// and unit u + SLOTS starts in u's slot as soon as u is used. fill's copies are one group
+// per unit; use(u) runs once u's group has landed.
+template <int UNITS, int SLOTS, class Fill, class Use>
+__device__ __forceinline__ void stream_staged(Fill&& fill, Use&& use) {
+  static_assert(SLOTS >= 1 && SLOTS <= UNITS, "one slot per unit at most");
+  static_for<0, SLOTS>([&](auto u) {
+    fill(u, decltype(u)::value);
+    commit_copies();
+  });
+  static_for<0, UNITS>([&](auto u) {
+    constexpr int kU = decltype(u)::value;
+    constexpr int kLater = UNITS - 1 - kU < SLOTS - 1 ? UNITS - 1 - kU : SLOTS - 1;  // units started after u
+    wait_copies<kLater>();
+    use(u, kU % SLOTS);
+    if constexpr (kU + SLOTS < UNITS) {  // after use(u) has read the slot into registers
+      fill(std::integral_constant<int, kU + SLOTS>{}, kU % SLOTS);
+      commit_copies();
+    }
+  });
+}
+#endif
+
 // ---- launch shapes ---------------------------------------------------------------------
 
 // Blocks of 128 threads. The kernels are bound by the bytes in flight per SM: resident
@@ -426,34 +516,34 @@ constexpr int backward_min_blocks(ElementType et, int d, int n, bool wide, bool 
   return n == 2 && !dropout ? 5 : 4;
 }
 
-// Backward rows per head: the pairs (K_j, V_j), kPairs of them per batch: all of them up to
-// 4 keys (one memory round trip), else 8 raw vectors per lane in flight. Measured on the
-// H200 (benchmarks/small_seq_sweep.py, bf16 d=128, b=30720, h=16, fwd+bwd of the kernels):
-// with 4 keys 0.93 ms against 0.99 for two batches; with 8 or 16 keys, batches of 4 pairs
-// were no faster (1.83 and 3.52 ms against 1.82 and 3.53). Registers (ptxas -v, sm_90,
-// without a bound): the loop over a group's heads and dropout take 30-60 more than the 160
-// of one head without dropout, and d=512 (whole-warp teams) spills under 168, so only one
-// head without dropout below d=512 gets 3 blocks per SM; at 4 (128 registers) that one
-// spills 16-40 bytes per lane (the sweep's bwd_blocks4, not yet timed).
+// Backward rows per head: the pairs (K_j, V_j). On CUDA they stream through kSlots
+// shared-memory slots per lane (stream_staged): 6 pairs of 2-vector slices in flight, 384
+// bytes per lane, 48 KB per block of 128. On HIP, through registers, kPairs of them per
+// batch: all of them up to 4 keys (one memory round trip), else 8 raw vectors per lane in
+// flight. Measured on the H200 with registers (benchmarks/small_seq_sweep.py, bf16 d=128,
+// b=30720, h=16, fwd+bwd of the kernels): with 4 keys 0.93 ms against 0.99 for two batches;
+// with 8 or 16 keys, batches of 4 pairs were no faster (1.83 and 3.52 ms against 1.82 and
+// 3.53). Registers (ptxas -v, sm_90, without a bound): the loop over a group's heads and
+// dropout take 30-60 more than the 160 of one head without dropout, and d=512 (whole-warp
+// teams) spills under 168, so only one head without dropout below d=512 gets 3 blocks per SM.
 template <ElementType ET, int D, int N, bool DROPOUT, bool GROUPED>
 struct BackwardPlan {
   static constexpr int kVecsPerLane = Team<ET, D>::kVecsPerLane;
-  // Shared memory per team with GROUPED: the scaled dS and the dropped P of every head,
-  // [group][2][N] floats, for phase 2.
-  __host__ __device__ static constexpr int64_t team_shared_bytes(int64_t group) {
-    return GROUPED ? group * 2 * N * int64_t{sizeof(float)} : 0;
-  }
   static constexpr int kPairVectors = 2 * kVecsPerLane;  // raw vectors per lane of one pair
   static constexpr int kBatchVectors = N <= 4 ? 16 : 8;
   static constexpr int kPairs = kBatchVectors / kPairVectors < 1 ? 1
                                 : kBatchVectors / kPairVectors < N ? kBatchVectors / kPairVectors : N;
+  static constexpr int kSlotVectors = 24;
+  static constexpr int kSlots = kSlotVectors / kPairVectors < 1 ? 1
+                                : kSlotVectors / kPairVectors < N ? kSlotVectors / kPairVectors : N;
   static constexpr int kMinBlocks = kVecsPerLane > 2 || GROUPED || DROPOUT || D == 512 ? 2 : 3;
-};
-
-// A key row and its value row, as one streamed unit of the backward.
-template <ElementType ET, int D>
-struct KeyValue {
-  Slice<ET, D> k, v;
+  // Shared memory per lane: the pair slots (kStagedPairs), 16 bytes a vector.
+  static constexpr int64_t kLaneSharedBytes = kStagedPairs ? kSlots * kPairVectors * 16 : 0;
+  // Shared memory per team with GROUPED: the scaled dS and the dropped P of every head,
+  // [group][2][N] floats, for phase 2; after the block's slots.
+  __host__ __device__ static constexpr int64_t team_shared_bytes(int64_t group) {
+    return GROUPED ? group * 2 * N * int64_t{sizeof(float)} : 0;
+  }
 };
 
 // One team per (query token, query head): without a loop over the heads of a group the
@@ -525,7 +615,7 @@ __global__ void __launch_bounds__(kBackwardThreads, (BackwardPlan<ET, D, N, DROP
   using T = Team<ET, D>;
   using S = Slice<ET, D>;
   using P = BackwardPlan<ET, D, N, DROPOUT, GROUPED>;
-  extern __shared__ float staged[];
+  extern __shared__ uint4 shared[];  // the block's pair slots, then its teams' staging
   const int64_t task = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / T::kLanes;
   if (task >= p.batch * p.seqlen_q * p.kv_heads) return;  // a whole team: its shuffles are team-local
   const int sub = threadIdx.x % T::kLanes;
@@ -539,7 +629,8 @@ __global__ void __launch_bounds__(kBackwardThreads, (BackwardPlan<ET, D, N, DROP
   S os = load_slice<ET, D>(o + head0 * D, sub);
   float row_lse = lse[head0];
   const Task t = make_task<N, DROPOUT>(p, token, kv_head, D, kv_start, kv_len, seed);
-  float* team_staged = staged + (threadIdx.x / T::kLanes) * (P::team_shared_bytes(group) / sizeof(float));
+  float* team_staged = reinterpret_cast<float*>(shared + blockDim.x * (P::kLaneSharedBytes / 16)) +
+                      (threadIdx.x / T::kLanes) * (P::team_shared_bytes(group) / sizeof(float));
 
   // Phase 1, per query head: dS and dq; with one head per K/V head also dk and dv.
   for (int64_t g = 0; g < group; ++g) {
@@ -553,34 +644,47 @@ __global__ void __launch_bounds__(kBackwardThreads, (BackwardPlan<ET, D, N, DROP
     }
     DropoutFactors<DROPOUT, N, T::kLanes> f;
     f.draw(p, t, t.rows.live, h, sub);
-    KeyRows kr;
     float delta = 0.0f;
     float dq_acc[T::kElems] = {};
+    auto use = [&](auto j, const KeyValue<ET, D>& kv) {
+      if (j == 0) delta = team.sum(dot<ET, D>(dos, os));  // rowsum(dO * O), once the first rows are in flight
+      const KeyRows kr = t.rows.fresh(team, sub);
+      const float score = team.sum(dot<ET, D>(qs, kv.k)) * p.scale;
+      const float weight = j < kr.live ? small_seq_weight(score, row_lse) : 0.0f;
+      const float fj = f.factor(team, j);
+      const float dp = team.sum(dot<ET, D>(dos, kv.v)) * fj;
+      const float ds = weight * (dp - delta) * p.scale;
+      axpy<ET, D>(dq_acc, ds, kv.k);
+      if constexpr (GROUPED) {  // staged for phase 2
+        if (j % T::kLanes == sub) {
+          team_staged[g * 2 * N + j] = ds;
+          team_staged[g * 2 * N + N + j] = weight * fj;
+        }
+      } else if (j < kr.live) {  // this head's dk_j = dS_j q and dv_j = P_j f_j dO are the whole gradients
+        store_scaled<ET, D>(dk + kr(j), sub, ds, qs);
+        store_scaled<ET, D>(dv + kr(j), sub, weight * fj, dos);
+      }
+    };
+#if defined(__HIPCC__)
     stream_rows<KeyValue<ET, D>, N, P::kPairs>(
         team,
         [&](auto j, KeyValue<ET, D>& kv) {
-          if (j % P::kPairs == 0) kr = t.rows.fresh(team, sub);  // per batch: its loads' and stores' offsets
+          const KeyRows kr = t.rows.fresh(team, sub);
           kv.k = load_slice_if<ET, D>(k + kr(j), sub, j < kr.live);
           kv.v = load_slice_if<ET, D>(v + kr(j), sub, j < kr.live);
         },
-        [&](auto j, const KeyValue<ET, D>& kv) {
-          if (j == 0) delta = team.sum(dot<ET, D>(dos, os));  // rowsum(dO * O), once the first rows are in flight
-          const float score = team.sum(dot<ET, D>(qs, kv.k)) * p.scale;
-          const float weight = j < kr.live ? small_seq_weight(score, row_lse) : 0.0f;
-          const float fj = f.factor(team, j);
-          const float dp = team.sum(dot<ET, D>(dos, kv.v)) * fj;
-          const float ds = weight * (dp - delta) * p.scale;
-          axpy<ET, D>(dq_acc, ds, kv.k);
-          if constexpr (GROUPED) {  // staged for phase 2
-            if (j % T::kLanes == sub) {
-              team_staged[g * 2 * N + j] = ds;
-              team_staged[g * 2 * N + N + j] = weight * fj;
-            }
-          } else if (j < kr.live) {  // this head's dk_j = dS_j q and dv_j = P_j f_j dO are the whole gradients
-            store_scaled<ET, D>(dk + kr(j), sub, ds, qs);
-            store_scaled<ET, D>(dv + kr(j), sub, weight * fj, dos);
-          }
-        });
+        use);
+#else
+    const PairSlots<ET, D, P::kSlots> slots{shared + threadIdx.x, static_cast<int>(blockDim.x)};
+    stream_staged<N, P::kSlots>(
+        [&](auto j, int slot) {
+          const KeyRows kr = t.rows.fresh(team, sub);
+          const bool live = j < kr.live;
+          const int64_t offset = live ? kr(j) : 0;  // a dead row reads nothing: any valid address
+          slots.fill(slot, k + offset, v + offset, sub, live);
+        },
+        [&](auto j, int slot) { use(j, slots.take(slot)); });
+#endif
     store_slice<ET, D>(dq + row, sub, dq_acc, t.ok);
   }
 
@@ -698,10 +802,10 @@ ffi::Error SmallSeqBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
     return e;
   }
   const int64_t group = p.heads / p.kv_heads;
-  // Each team's shared memory (BackwardPlan::team_shared_bytes); blocks shrink (fewer teams)
-  // until it fits the default shared memory limit, which one team always does.
-  constexpr int64_t kMaxSharedBytes = 48 * 1024;
-  constexpr int64_t kMaxGroup = kMaxSharedBytes / (2 * kSmallSeqMaxKeys * sizeof(float));
+  // Each team's staging (BackwardPlan::team_shared_bytes); blocks shrink (fewer teams) until
+  // it fits the default shared memory limit, which one team always does.
+  constexpr int64_t kMaxStagingBytes = 48 * 1024;
+  constexpr int64_t kMaxGroup = kMaxStagingBytes / (2 * kSmallSeqMaxKeys * sizeof(float));
   if (group > kMaxGroup) {
     return invalid(kOp, "at most " + std::to_string(kMaxGroup) + " query heads per K/V head, got " +
                             std::to_string(group));
@@ -723,14 +827,23 @@ ffi::Error SmallSeqBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
     constexpr int kLanes = Team<kET, kD>::kLanes;
     auto launch = [&](auto grouped) {
       constexpr bool kGrouped = decltype(grouped)::value;
-      const int64_t team_bytes = BackwardPlan<kET, kD, kN, kDropout, kGrouped>::team_shared_bytes(group);
+      using Plan = BackwardPlan<kET, kD, kN, kDropout, kGrouped>;
+      const int64_t team_bytes = Plan::team_shared_bytes(group);
       int threads = kBackwardThreads;
-      while (threads > kLanes && (threads / kLanes) * team_bytes > kMaxSharedBytes) threads /= 2;
-      small_seq_backward<kET, kD, kN, kDropout, kGrouped>
-          <<<blocks_for(tasks, threads, kLanes), threads, (threads / kLanes) * team_bytes, stream>>>(
-              p, elements<kET>(q), elements<kET>(k), elements<kET>(v), kv_start.typed_data<int32_t>(),
-              kv_len.typed_data<int32_t>(), seed.typed_data<uint32_t>(), elements<kET>(o), lse.typed_data<float>(),
-              elements<kET>(dout), elements<kET>(dq), elements<kET>(dk), elements<kET>(dv));
+      while (threads > kLanes && (threads / kLanes) * team_bytes > kMaxStagingBytes) threads /= 2;
+      // The pair slots (at most 48 KB a block) and the staging: beyond 48 KB a kernel must
+      // ask for its shared memory.
+      const int64_t shared_bytes = threads * Plan::kLaneSharedBytes + (threads / kLanes) * team_bytes;
+      auto* kernel = small_seq_backward<kET, kD, kN, kDropout, kGrouped>;
+      if (shared_bytes > 48 * 1024 &&
+          gpuFuncSetAttribute(reinterpret_cast<const void*>(kernel), gpuFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(shared_bytes)) != gpuSuccess) {
+        return;  // launch_status reports the error
+      }
+      kernel<<<blocks_for(tasks, threads, kLanes), threads, shared_bytes, stream>>>(
+          p, elements<kET>(q), elements<kET>(k), elements<kET>(v), kv_start.typed_data<int32_t>(),
+          kv_len.typed_data<int32_t>(), seed.typed_data<uint32_t>(), elements<kET>(o), lse.typed_data<float>(),
+          elements<kET>(dout), elements<kET>(dq), elements<kET>(dk), elements<kET>(dv));
     };
     if (group == 1) return launch(std::false_type{});
     launch(std::true_type{});

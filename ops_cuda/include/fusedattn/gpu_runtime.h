@@ -16,6 +16,8 @@ using gpuError_t = hipError_t;
 #define gpuGetLastError hipGetLastError
 #define gpuGetErrorString hipGetErrorString
 #define gpuMemsetAsync hipMemsetAsync
+#define gpuFuncSetAttribute hipFuncSetAttribute
+#define gpuFuncAttributeMaxDynamicSharedMemorySize hipFuncAttributeMaxDynamicSharedMemorySize
 #else
 #include <cuda_runtime.h>
 #define FA_FFI_PLATFORM "CUDA"
@@ -25,6 +27,8 @@ using gpuError_t = cudaError_t;
 #define gpuGetLastError cudaGetLastError
 #define gpuGetErrorString cudaGetErrorString
 #define gpuMemsetAsync cudaMemsetAsync
+#define gpuFuncSetAttribute cudaFuncSetAttribute
+#define gpuFuncAttributeMaxDynamicSharedMemorySize cudaFuncAttributeMaxDynamicSharedMemorySize
 #endif
 
 #include <string>
