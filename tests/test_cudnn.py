@@ -148,19 +148,24 @@ def cudnn_calls(text: str) -> list[tuple[str, bool, list[str]]]:
     return calls
 
 
-@pytest.mark.parametrize("case", ["dense", "dropout", "padding", "vmap"])
-def test_forward_writes_no_stats_unless_differentiated(lowering_for_cuda, case):
+@pytest.mark.parametrize("case", ["dense", "dropout", "seqlens", "packed", "vmap"])
+def test_forward_writes_no_stats_unless_differentiated_or_ragged(lowering_for_cuda, case):
     """A call nobody differentiates (the custom_vjp's primal) lowers to cuDNN's forward with
     training=false and a float32 [0] placeholder for the stats, which cuDNN's graph without
     stats does not write; the forward of a differentiated call, and the backward, have
-    training=true and the real stats [b * slots, h, sq, 1]."""
+    training=true and the real stats [b * slots, h, sq, 1]. Ragged rows (packed segments)
+    keep the training forward either way: cuDNN's inference engine is slower there."""
     b, s, h, d = 2, 128, 4, 64
     overrides = dict(dropout=dict(dropout_rate=0.1),
-                     padding=dict(mask="padding", sequence={"format": "segment_ids",
-                                                            "max_segments_per_seq": 2}))
+                     seqlens=dict(mask="padding_causal", sequence={"format": "seqlens"}),
+                     packed=dict(mask="padding_causal", sequence={"format": "segment_ids",
+                                                                  "max_segments_per_seq": 2}))
     config = make_config(**{"backend": "cudnn", "mask": "causal", **overrides.get(case, {})})
     kw = dict(dropout_rng=jax.random.key(0), is_training=True) if case == "dropout" else {}
-    if case == "padding":
+    if case == "seqlens":
+        lengths = np.array([s, s // 2], np.int32)
+        kw = dict(sequence=SequenceDescriptor.from_seqlens(lengths, lengths))
+    if case == "packed":
         ids = np.repeat(np.array([[1, 2]], np.int32), s // 2, axis=1).repeat(b, 0)
         kw = dict(sequence=SequenceDescriptor.from_segment_ids_and_pos(ids, ids))
 
@@ -177,9 +182,10 @@ def test_forward_writes_no_stats_unless_differentiated(lowering_for_cuda, case):
         return out, vjp(do)
 
     o = f"{n * b}x{s}x{h}x{d}xbf16"
-    stats = f"{n * b * (2 if case == 'padding' else 1)}x{h}x{s}x1xf32"
-    assert cudnn_calls(lowered_for_cuda(attend, q, q, q)) == [
-        (cudnn.FWD_TARGET, False, [o, "0xf32"])]
+    stats = f"{n * b * (2 if case == 'packed' else 1)}x{h}x{s}x1xf32"
+    primal = (cudnn.FWD_TARGET, True, [o, stats]) if case == "packed" else (
+        cudnn.FWD_TARGET, False, [o, "0xf32"])
+    assert cudnn_calls(lowered_for_cuda(attend, q, q, q)) == [primal]
     forward, backward = cudnn_calls(lowered_for_cuda(attend_and_vjp, q, q, q, q))
     assert forward == (cudnn.FWD_TARGET, True, [o, stats])
     assert backward[:2] == (cudnn.BWD_TARGET, True)

@@ -13,10 +13,13 @@ nvidia-cudnn wheel. Two XLA FFI calls around a `jax.custom_vjp`:
 q/k/v are the canonical [b, s, h, d] arrays, read by cuDNN as strided
 [b, h, s, d] views (no transposes); stats is cuDNN's float32 log-sum-exp
 [b', h, sq', 1], saved for the backward. A call nobody differentiates (the
-custom_vjp's primal) runs the forward with the attribute training=false: cuDNN's
-inference graph, without stats (its stats result is a float32 [0] placeholder,
-dropped at once), which lets cuDNN pick another engine, as JAX's own cuDNN
-attention does; the forward rule of a differentiated call passes training=true.
+custom_vjp's primal) on dense rows runs the forward with the attribute
+training=false: cuDNN's inference graph, without stats (its stats result is a
+float32 [0] placeholder, dropped at once), which lets cuDNN pick another engine,
+as JAX's own cuDNN attention does. On ragged rows (packed segments) cuDNN's
+inference engine was 1.2-2.5x slower than its training forward on the H200
+(benchmarks/cudnn.py, THD with 4 segments per row), so they keep the training
+forward; so does the forward rule of a differentiated call.
 Graphs are built once per static configuration and device and cached in the
 library; `supports` builds them (the training forward and the backward) at trace
 time, so a configuration cuDNN cannot run is rejected with cuDNN's own reason
@@ -586,8 +589,9 @@ class _Unread:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _cudnn(static: _Static, q, k, v, bias, rng, sink, segments: _Segments | None):
-    """The primal, run when nobody differentiates the call: the forward without stats."""
-    return _forward(static, q, k, v, bias, rng, sink, segments, training=False)[0]
+    """The primal, run when nobody differentiates the call: the forward without stats,
+    except on ragged rows (see the module's docstring)."""
+    return _forward(static, q, k, v, bias, rng, sink, segments, training=static.ragged)[0]
 
 
 def _forward(static: _Static, q, k, v, bias, rng, sink, segments: _Segments | None,
