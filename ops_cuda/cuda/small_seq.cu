@@ -22,7 +22,10 @@
 // A task's rows stream in batches, every load of a batch issued before any
 // is used (the q, dO and O loads before even the key range is known), so a
 // lane waits for memory once per batch; with up to 4 keys all rows of the
-// forward are one batch. Compile-time specialised on the element type, head
+// forward are one batch. On CUDA the backward's pairs instead stream through
+// shared-memory slots filled by cp.async, several pairs ahead of their use,
+// which keeps more bytes in flight than its registers could hold (HIP, without
+// cp.async, uses the register batches). Compile-time specialised on the element type, head
 // dim, key bound (2, 4, 8, 16) and dropout, so the score arrays and row
 // slices live in registers.
 #include <cstdint>
@@ -519,13 +522,15 @@ constexpr int backward_min_blocks(ElementType et, int d, int n, bool wide, bool 
 // Backward rows per head: the pairs (K_j, V_j). On CUDA they stream through kSlots
 // shared-memory slots per lane (stream_staged): 6 pairs of 2-vector slices in flight, 384
 // bytes per lane, 48 KB per block of 128. On HIP, through registers, kPairs of them per
-// batch: all of them up to 4 keys (one memory round trip), else 8 raw vectors per lane in
-// flight. Measured on the H200 with registers (benchmarks/small_seq_sweep.py, bf16 d=128,
-// b=30720, h=16, fwd+bwd of the kernels): with 4 keys 0.93 ms against 0.99 for two batches;
-// with 8 or 16 keys, batches of 4 pairs were no faster (1.83 and 3.52 ms against 1.82 and
-// 3.53). Registers (ptxas -v, sm_90, without a bound): the loop over a group's heads and
-// dropout take 30-60 more than the 160 of one head without dropout, and d=512 (whole-warp
-// teams) spills under 168, so only one head without dropout below d=512 gets 3 blocks per SM.
+// batch: all of them up to 4 keys (one memory round trip), else 8 raw vectors per lane.
+// Measured on the H200 (benchmarks/small_seq_sweep.py, results/small_seq_sweep.json, bf16
+// d=128, b=30720, h=16, fwd+bwd of the kernels, ms at 2, 4, 6, 8, 12, 16 keys): the slots
+// 0.578, 0.938, 1.351, 1.701, 2.621, 3.289 against the register batches' 0.622, 0.945,
+// 1.456, 1.821, 2.837, 3.541; 4 or 8 slots, or 4 blocks per SM, were within 2% either way.
+// Registers (ptxas -v, sm_90) stay about 120-160 for one head without dropout: q, dO and the
+// dq accumulator, not the pairs, hold them; the loop over a group's heads and dropout take
+// 20-60 more, and d=512 (whole-warp teams) spills under 168, so only one head without
+// dropout below d=512 gets 3 blocks per SM.
 template <ElementType ET, int D, int N, bool DROPOUT, bool GROUPED>
 struct BackwardPlan {
   static constexpr int kVecsPerLane = Team<ET, D>::kVecsPerLane;
