@@ -6,8 +6,10 @@ offsets descriptor, bounds declared), forward only:
 - "whole": fused_attn with backend "cudnn", jitted;
 - "slots": the backend's descriptor reading alone (slot table, per-token masks,
   the guard's flags), jitted;
-- "ffi": the cuDNN FFI call alone, on a precomputed slot table (the forward
-  without stats, training=false, as "whole" runs it: nothing differentiates);
+- "ffi": the cuDNN FFI call alone, on a precomputed slot table: the training
+  forward (with stats), as "whole" runs it on ragged rows;
+- "ffi_inference": the same without stats (training=false), the forward that
+  dense rows get when nothing differentiates;
 - "dense": the same q, k, v as dense rows (no descriptor), for reference.
 
     python benchmarks/cudnn_thd_parts.py --out /tmp/thd_parts.json
@@ -39,12 +41,15 @@ def parts(q, k, v, causal: bool) -> dict:
     table = slots(q, k, v, sequence).slots
     bias, rng = jnp.zeros((1, 1, 1, 1), q.dtype), jnp.zeros((4,), jnp.uint32)
     sink = jnp.zeros((h,), jnp.float32)
-    forward = cudnn._folding_op(static, False, training=False)
-    ffi = jax.jit(lambda q, k, v, table: forward(q, k, v, bias, table, rng, sink)[0])
+    def ffi(training):
+        forward = cudnn._folding_op(static, False, training=training)
+        call = jax.jit(lambda q, k, v, table: forward(q, k, v, bias, table, rng, sink)[0])
+        return lambda: call(q, k, v, table)
+
     whole = jax.jit(ours_thd(causal))
     dense = jax.jit(ours(causal))
     return {"whole": lambda: whole(q, k, v), "slots": lambda: slots(q, k, v, sequence),
-            "ffi": lambda: ffi(q, k, v, table), "dense": lambda: dense(q, k, v)}
+            "ffi": ffi(True), "ffi_inference": ffi(False), "dense": lambda: dense(q, k, v)}
 
 
 def main():
@@ -61,9 +66,10 @@ def main():
             rows.append(row)
             print(row, flush=True)
     write_results(args.out, rows)
-    print(f"\n{'case':<26}{'whole':>8}{'slots':>8}{'ffi':>8}{'dense':>8}   (ms, forward)")
+    columns = ("whole", "slots", "ffi", "ffi_inference", "dense")
+    print(f"\n{'case':<26}" + "".join(f"{part:>15}" for part in columns) + "   (ms, forward)")
     for r in rows:
-        print(f"{r['name']:<26}{r['whole']:>8.3f}{r['slots']:>8.3f}{r['ffi']:>8.3f}{r['dense']:>8.3f}")
+        print(f"{r['name']:<26}" + "".join(f"{r[part]:>15.3f}" for part in columns))
 
 
 if __name__ == "__main__":

@@ -16,10 +16,11 @@ q/k/v are the canonical [b, s, h, d] arrays, read by cuDNN as strided
 custom_vjp's primal) on dense rows runs the forward with the attribute
 training=false: cuDNN's inference graph, without stats (its stats result is a
 float32 [0] placeholder, dropped at once), which lets cuDNN pick another engine,
-as JAX's own cuDNN attention does. On ragged rows (packed segments) cuDNN's
-inference engine was 1.2-2.5x slower than its training forward on the H200
-(benchmarks/cudnn.py, THD with 4 segments per row), so they keep the training
-forward; so does the forward rule of a differentiated call.
+as JAX's own cuDNN attention does. Ragged rows (packed segments) keep the
+training forward: with the inference graph the THD forward of benchmarks/cudnn.py
+(b=1, s=8192, 4 segments per row) took 0.54 ms on the H200 against 0.33-0.35 with
+the training forward (benchmarks/cudnn_thd_parts.py compares the two directly). The
+forward rule of a differentiated call always runs the training forward.
 Graphs are built once per static configuration and device and cached in the
 library; `supports` builds them (the training forward and the backward) at trace
 time, so a configuration cuDNN cannot run is rejected with cuDNN's own reason
