@@ -13,14 +13,12 @@ nvidia-cudnn wheel. Two XLA FFI calls around a `jax.custom_vjp`:
 q/k/v are the canonical [b, s, h, d] arrays, read by cuDNN as strided
 [b, h, s, d] views (no transposes); stats is cuDNN's float32 log-sum-exp
 [b', h, sq', 1], saved for the backward. A call nobody differentiates (the
-custom_vjp's primal) on dense rows runs the forward with the attribute
-training=false: cuDNN's inference graph, without stats (its stats result is a
-float32 [0] placeholder, dropped at once), which lets cuDNN pick another engine,
-as JAX's own cuDNN attention does. Ragged rows (packed segments) keep the
-training forward: with the inference graph the THD forward of benchmarks/cudnn.py
-(b=1, s=8192, 4 segments per row) took 0.54 ms on the H200 against 0.33-0.35 with
-the training forward (benchmarks/cudnn_thd_parts.py compares the two directly). The
-forward rule of a differentiated call always runs the training forward.
+custom_vjp's primal) runs the forward with the attribute training=false: cuDNN's
+inference graph, without stats (its stats result is a float32 [0] placeholder,
+dropped at once), which lets cuDNN pick another engine, as JAX's own cuDNN
+attention does; the forward rule of a differentiated call passes training=true.
+On ragged rows the two forwards take the same time (benchmarks/cudnn_thd_parts.py,
+H200: 0.107 against 0.103 ms at b=4, s=2048; 0.288 against 0.286 at b=1, s=8192).
 Graphs are built once per static configuration and device and cached in the
 library; `supports` builds them (the training forward and the backward) at trace
 time, so a configuration cuDNN cannot run is rejected with cuDNN's own reason
@@ -590,9 +588,8 @@ class _Unread:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _cudnn(static: _Static, q, k, v, bias, rng, sink, segments: _Segments | None):
-    """The primal, run when nobody differentiates the call: the forward without stats,
-    except on ragged rows (see the module's docstring)."""
-    return _forward(static, q, k, v, bias, rng, sink, segments, training=static.ragged)[0]
+    """The primal, run when nobody differentiates the call: the forward without stats."""
+    return _forward(static, q, k, v, bias, rng, sink, segments, training=False)[0]
 
 
 def _forward(static: _Static, q, k, v, bias, rng, sink, segments: _Segments | None,
