@@ -42,6 +42,9 @@ VARIANTS: dict[str, dict[str, str]] = {
     "bwd_blocks2": {_BWD_BLOCKS: "|| DROPOUT || D == 512 ? 2 : 2;"},
     "bwd_blocks4": {_BWD_BLOCKS: "|| DROPOUT || D == 512 ? 2 : 4;"},
     "bwd_registers": _REGISTER_PAIRS,
+    # Timing only, WRONG gradients: the backward reads no O rows (delta from q), the bound
+    # on what computing delta = sum_j P_j dP_j instead of rowsum(dO * O) could save.
+    "bwd_no_o_rows": {"S os = load_slice<ET, D>(o + head0 * D, sub);": "S os = qs;"},
 }
 
 
