@@ -526,11 +526,13 @@ constexpr int backward_min_blocks(ElementType et, int d, int n, bool wide, bool 
 // Measured on the H200 (benchmarks/small_seq_sweep.py, results/small_seq_sweep.json, bf16
 // d=128, b=30720, h=16, fwd+bwd of the kernels, ms at 2, 4, 6, 8, 12, 16 keys): the slots
 // 0.578, 0.938, 1.351, 1.701, 2.621, 3.289 against the register batches' 0.622, 0.945,
-// 1.456, 1.821, 2.837, 3.541; 4 or 8 slots, or 4 blocks per SM, were within 2% either way.
+// 1.456, 1.821, 2.837, 3.541; 4 or 8 slots were within 2% either way. 4 blocks per SM
+// (128 registers) were faster with 8 keys in two runs (6 keys: 1.329 and 1.321 against 1.351
+// and 1.350; 8 keys: 1.688 and 1.678 against 1.701 and 1.698), not with 2, 4 or 16 keys.
 // Registers (ptxas -v, sm_90) stay about 120-160 for one head without dropout: q, dO and the
 // dq accumulator, not the pairs, hold them; the loop over a group's heads and dropout take
 // 20-60 more, and d=512 (whole-warp teams) spills under 168, so only one head without
-// dropout below d=512 gets 3 blocks per SM.
+// dropout below d=512 gets 3 blocks per SM (4 with 8 keys).
 template <ElementType ET, int D, int N, bool DROPOUT, bool GROUPED>
 struct BackwardPlan {
   static constexpr int kVecsPerLane = Team<ET, D>::kVecsPerLane;
@@ -541,7 +543,7 @@ struct BackwardPlan {
   static constexpr int kSlotVectors = 24;
   static constexpr int kSlots = kSlotVectors / kPairVectors < 1 ? 1
                                 : kSlotVectors / kPairVectors < N ? kSlotVectors / kPairVectors : N;
-  static constexpr int kMinBlocks = kVecsPerLane > 2 || GROUPED || DROPOUT || D == 512 ? 2 : 3;
+  static constexpr int kMinBlocks = kVecsPerLane > 2 || GROUPED || DROPOUT || D == 512 ? 2 : N == 8 ? 4 : 3;
   // Shared memory per lane: the pair slots (kStagedPairs), 16 bytes a vector.
   static constexpr int64_t kLaneSharedBytes = kStagedPairs ? kSlots * kPairVectors * 16 : 0;
   // Shared memory per team with GROUPED: the scaled dS and the dropped P of every head,
