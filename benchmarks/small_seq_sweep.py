@@ -42,6 +42,8 @@ VARIANTS: dict[str, dict[str, str]] = {
     "bwd_blocks3": {_BWD_BLOCKS: "|| DROPOUT || D == 512 ? 2 : 3;"},
     "bwd_blocks4": {_BWD_BLOCKS: "|| DROPOUT || D == 512 ? 2 : 4;"},
     "bwd_registers": _REGISTER_PAIRS,
+    # 9 to 12 keys served by the 16-key kernels, as before the 12-key instantiations.
+    "no_12_keys": {"    if (max_keys <= 12) return with_dropout(et_tag, d_tag, std::integral_constant<int, 12>{}), true;\n": ""},
 }
 
 

@@ -26,7 +26,7 @@
 // shared-memory slots filled by cp.async, several pairs ahead of their use,
 // which keeps more bytes in flight than its registers could hold (HIP, without
 // cp.async, uses the register batches). Compile-time specialised on the element type, head
-// dim, key bound (2, 4, 8, 16) and dropout, so the score arrays and row
+// dim, key bound (2, 4, 8, 12, 16) and dropout, so the score arrays and row
 // slices live in registers.
 #include <cstdint>
 #include <string>
@@ -507,18 +507,6 @@ struct ForwardPlan {
   static constexpr int kMinBlocks = N < 16 ? 4 : kWide ? 2 : 3;
 };
 
-// The backward's occupancy floors by key bound n (see above): its loop over heads (grouped),
-// dropout and wide rows cost registers. With 16 keys, 3 blocks (168 registers) fit without
-// spills only for bf16 rows of 128 or 256 without dropout or groups (ptxas -v), and there
-// beat 2 blocks: 4.76 against 5.60 ms (benchmarks/small_seq_sweep.py, bf16 d=128 fwd+bwd).
-constexpr int backward_min_blocks(ElementType et, int d, int n, bool wide, bool grouped, bool dropout) {
-  if (n == 16) return et == ElementType::kBF16 && (d == 128 || d == 256) && !grouped && !dropout ? 3 : 2;
-  if (wide) return n == 8 || dropout ? 2 : 3;
-  if (grouped) return n == 8 && dropout ? 2 : 3;
-  if (n == 8) return dropout ? 3 : 4;
-  return n == 2 && !dropout ? 5 : 4;
-}
-
 // Backward rows per head: the pairs (K_j, V_j). On CUDA they stream through kSlots
 // shared-memory slots per lane (stream_staged): 6 pairs of 2-vector slices in flight, 384
 // bytes per lane, 48 KB per block of 128. On HIP, through registers, kPairs of them per
@@ -735,6 +723,7 @@ bool dispatch(ffi::DataType dtype, int64_t head_dim, int64_t max_keys, bool drop
     if (max_keys <= 2) return with_dropout(et_tag, d_tag, std::integral_constant<int, 2>{}), true;
     if (max_keys <= 4) return with_dropout(et_tag, d_tag, std::integral_constant<int, 4>{}), true;
     if (max_keys <= 8) return with_dropout(et_tag, d_tag, std::integral_constant<int, 8>{}), true;
+    if (max_keys <= 12) return with_dropout(et_tag, d_tag, std::integral_constant<int, 12>{}), true;
     return with_dropout(et_tag, d_tag, std::integral_constant<int, 16>{}), true;
   };
   auto with_dim = [&](auto et_tag) {
