@@ -5,11 +5,14 @@ Impls: "cudnn" (fusedattn.ops.fused_attn with backend "cudnn"), "jax_cudnn"
 (jax.nn.dot_product_attention(implementation="xla")), "cudnn_dropout"
 (ours with dropout 0.1, training) and "cudnn_thd4" (ours on the thd_thd_thd
 layout, each row packing 4 sequences of s/4 tokens: a quarter of the FLOPs,
-which JAX's path cannot run). Passes "fwd" and "fwd+bwd" (the VJP with a
-random cotangent, all of dq, dk, dv). bf16, BSHD.
+which JAX's path cannot run), "cudnn_thd4_unchecked" (the same with
+config.sequence.check_bounds = False: no checkify effect, so JAX's C++ dispatch
+fast path; a lone packed call is short enough for its dispatch to show).
+Passes "fwd" and "fwd+bwd" (the VJP with a random cotangent, all of dq, dk, dv).
+bf16, BSHD.
 
 TF/s counts matmul FLOPs only: forward 4*b*h*sq*skv*d, halved for causal
-(a quarter of that for cudnn_thd4); fwd+bwd 3.5x the forward. "of_peak" is the fraction of ~790 TF/s, a large
+(a quarter of that on THD); fwd+bwd 3.5x the forward. "of_peak" is the fraction of ~790 TF/s, a large
 bf16 matmul measured on the H200.
 
     python benchmarks/cudnn.py --out benchmarks/results/cudnn.json
@@ -42,10 +45,11 @@ def ours(causal: bool, dropout: float = 0.0):
     return attend
 
 
-def thd_config(causal: bool, t: int):
+def thd_config(causal: bool, t: int, check_bounds: bool = True):
     """Ours on thd_thd_thd rows of t tokens packing THD_SEGMENTS sequences, bounds declared
     (cuDNN's work per segment follows the declared bound)."""
     config = fusedattn.configs.attention_config()
+    config.sequence.check_bounds = check_bounds
     config.backend = "cudnn"
     config.qkv_layout = "thd_thd_thd"
     config.mask = "padding_causal" if causal else "padding"
@@ -63,11 +67,12 @@ def thd_descriptor(b: int, t: int) -> SequenceDescriptor:
     return SequenceDescriptor.from_seqlens_and_offsets(lengths, lengths, offsets, offsets)
 
 
-def ours_thd(causal: bool):
+def ours_thd(causal: bool, check_bounds: bool = True):
     """Ours on THD rows packing THD_SEGMENTS equal sequences (q, k, v [b, t, h, d])."""
     def attend(q, k, v):
         b, t = q.shape[:2]
-        return fused_attn((q, k, v), config=thd_config(causal, t), sequence=thd_descriptor(b, t))
+        return fused_attn((q, k, v), config=thd_config(causal, t, check_bounds),
+                          sequence=thd_descriptor(b, t))
     return attend
 
 
@@ -81,7 +86,8 @@ def jax_attention(implementation: str, causal: bool):
 def impls(causal: bool) -> dict:
     return {"cudnn": ours(causal), "jax_cudnn": jax_attention("cudnn", causal),
             "xla": jax_attention("xla", causal), "cudnn_dropout": ours(causal, 0.1),
-            "cudnn_thd4": ours_thd(causal)}
+            "cudnn_thd4": ours_thd(causal),
+            "cudnn_thd4_unchecked": ours_thd(causal, check_bounds=False)}
 
 
 def passes(attend):
@@ -97,7 +103,7 @@ def passes(attend):
 
 def flops(b, sq, skv, h, d, causal, pass_name, impl):
     forward = 4 * b * h * sq * skv * d / (2 if causal else 1)
-    if impl == "cudnn_thd4":
+    if impl.startswith("cudnn_thd4"):
         forward /= THD_SEGMENTS
     return forward if pass_name == "fwd" else 3.5 * forward
 
@@ -138,6 +144,9 @@ def main():
     print_table(summary)
 
 
+_VARIANTS = ("cudnn_dropout", "cudnn_thd4", "cudnn_thd4_unchecked")
+
+
 def summarize(rows):
     times = {(r["name"], r["impl"], r["pass"]): r for r in rows}
     out = []
@@ -146,11 +155,11 @@ def summarize(rows):
             continue
         entry = {"name": r["name"], "pass": r["pass"], "ms": r["ms"], "tflops": r.get("tflops"),
                  "of_peak": r.get("of_peak")}
-        for peer in ("jax_cudnn", "xla", "cudnn_dropout", "cudnn_thd4"):
+        for peer in ("jax_cudnn", "xla") + _VARIANTS:
             other = times.get((r["name"], peer, r["pass"]), {})
             entry[f"{peer}_ms"] = other.get("ms")
             entry[f"{peer}_tflops"] = other.get("tflops")
-        for variant in ("cudnn_dropout", "cudnn_thd4"):  # throughput against the plain call
+        for variant in _VARIANTS:  # throughput against the plain call
             tflops = entry[f"{variant}_tflops"]
             entry[f"{variant}_of_plain"] = (round(tflops / r["tflops"], 3)
                                             if tflops and r.get("tflops") else None)
@@ -163,16 +172,17 @@ def summarize(rows):
 def print_table(summary):
     fmt = lambda x, f="{:.2f}": "n/a" if x is None else f.format(x)
     print(f"\n{'case':<26}{'pass':<8}{'ours ms':>8}{'TF/s':>6}{'peak':>6}{'jax_cudnn':>10}"
-          f"{'ratio':>7}{'xla ms':>8}{'drop.1':>8}{'thd4':>7}")
+          f"{'ratio':>7}{'xla ms':>8}{'drop.1':>8}{'thd4':>7}{'thd4u':>7}")
     for s in summary:
         print(f"{s['name']:<26}{s['pass']:<8}{fmt(s['ms'], '{:.3f}'):>8}"
               f"{fmt(s['tflops'], '{:.0f}'):>6}{fmt(s['of_peak'] and 100 * s['of_peak'], '{:.0f}%'):>6}"
               f"{fmt(s['jax_cudnn_ms'], '{:.3f}'):>10}{fmt(s['time_vs_jax_cudnn'], '{:.3f}'):>7}"
               f"{fmt(s['xla_ms'], '{:.2f}'):>8}{fmt(s['cudnn_dropout_of_plain'], '{:.2f}'):>8}"
-              f"{fmt(s['cudnn_thd4_of_plain'], '{:.2f}'):>7}")
+              f"{fmt(s['cudnn_thd4_of_plain'], '{:.2f}'):>7}"
+              f"{fmt(s['cudnn_thd4_unchecked_of_plain'], '{:.2f}'):>7}")
     print("ratio = ours / jax_cudnn time (<= 1.03 is the target); drop.1 and thd4 = throughput "
           "(TF/s) of ours with dropout 0.1 and of ours on THD with 4 sequences per row, as a "
-          "fraction of ours plain (target >= 0.85)")
+          "fraction of ours plain (target >= 0.85); thd4u the same without the bounds check")
 
 
 if __name__ == "__main__":

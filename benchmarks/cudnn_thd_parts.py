@@ -4,6 +4,8 @@ For each shape of benchmarks/cudnn.py (rows of 4 equal sequences, lengths and
 offsets descriptor, bounds declared), forward only:
 
 - "whole": fused_attn with backend "cudnn", jitted;
+- "whole_unchecked": the same with config.sequence.check_bounds = False (no
+  checkify effect: JAX's C++ dispatch fast path);
 - "slots": the backend's descriptor reading alone (slot table, per-token masks,
   the guard's flags), jitted;
 - "ffi": the cuDNN FFI call alone, on a precomputed slot table: the training
@@ -47,8 +49,10 @@ def parts(q, k, v, causal: bool) -> dict:
         return lambda: call(q, k, v, table)
 
     whole = jax.jit(ours_thd(causal))
+    whole_unchecked = jax.jit(ours_thd(causal, check_bounds=False))
     dense = jax.jit(ours(causal))
-    return {"whole": lambda: whole(q, k, v), "slots": lambda: slots(q, k, v, sequence),
+    return {"whole": lambda: whole(q, k, v),
+            "whole_unchecked": lambda: whole_unchecked(q, k, v), "slots": lambda: slots(q, k, v, sequence),
             "ffi": ffi(True), "ffi_inference": ffi(False), "dense": lambda: dense(q, k, v)}
 
 
@@ -66,7 +70,7 @@ def main():
             rows.append(row)
             print(row, flush=True)
     write_results(args.out, rows)
-    columns = ("whole", "slots", "ffi", "ffi_inference", "dense")
+    columns = ("whole", "whole_unchecked", "slots", "ffi", "ffi_inference", "dense")
     print(f"\n{'case':<26}" + "".join(f"{part:>15}" for part in columns) + "   (ms, forward)")
     for r in rows:
         print(f"{r['name']:<26}" + "".join(f"{r[part]:>15.3f}" for part in columns))
