@@ -285,8 +285,8 @@ struct TeamComm {
 // ---- a query token's key range ---------------------------------------------------------
 
 // Where a task's key (and value, dk, dv) rows are: row j at element offset first + j * stride,
-// the first `live` rows readable. The forward's pass over the rows, and each batch of the
-// backward's, takes a fresh() copy that the optimisers cannot see through: otherwise they
+// the first `live` rows readable. The forward's pass over the rows, and each load and use of
+// a backward row, take a fresh() copy that the optimisers cannot see through: otherwise they
 // compute each row's offset and bounds test once and keep them, two or three registers per
 // row, from the first row (or the first head) to the last, and spill.
 struct KeyRows {
