@@ -96,13 +96,17 @@ def test_ragged_offsets_must_fit_int32():
     assert "int32 element offsets" in reason, reason
 
 
+FAKE_WORKSPACE_BYTES = 4096
+
+
 @pytest.fixture
 def lowering_for_cuda(monkeypatch):
-    """Lowers cuDNN calls for CUDA without a GPU: the library's availability and cuDNN's
-    check are faked."""
+    """Lowers cuDNN calls for CUDA without a GPU: the library's availability, cuDNN's
+    check and the workspace sizes (FAKE_WORKSPACE_BYTES) are faked."""
     monkeypatch.setattr(cudnn, "available", lambda: None)
     monkeypatch.setattr(cudnn, "_compute_capability", lambda: (9, 0))
     monkeypatch.setattr(cudnn, "_check", lambda *args: None)
+    monkeypatch.setattr(cudnn, "_workspace_bytes", lambda *args: FAKE_WORKSPACE_BYTES)
     monkeypatch.setattr(registry, "current_platform", lambda: "cuda")
 
 
@@ -154,7 +158,7 @@ def test_forward_writes_no_stats_unless_differentiated(lowering_for_cuda, case):
     training=false and a float32 [0] placeholder for the stats, which cuDNN's graph without
     stats does not write; the forward of a differentiated call, and the backward, have
     training=true and the real stats [b * slots, h, sq, 1]. Dense rows, rows with lengths and
-    ragged rows (packed segments) alike."""
+    ragged rows (packed segments) alike. Every call's last result is its uint8 workspace."""
     b, s, h, d = 2, 128, 4, 64
     overrides = dict(dropout=dict(dropout_rate=0.1),
                      seqlens=dict(mask="padding_causal", sequence={"format": "seqlens"}),
@@ -183,11 +187,13 @@ def test_forward_writes_no_stats_unless_differentiated(lowering_for_cuda, case):
 
     o = f"{n * b}x{s}x{h}x{d}xbf16"
     stats = f"{n * b * (2 if case == 'packed' else 1)}x{h}x{s}x1xf32"
+    workspace = f"{FAKE_WORKSPACE_BYTES}xui8"
     assert cudnn_calls(lowered_for_cuda(attend, q, q, q)) == [
-        (cudnn.FWD_TARGET, False, [o, "0xf32"])]
+        (cudnn.FWD_TARGET, False, [o, "0xf32", workspace])]
     forward, backward = cudnn_calls(lowered_for_cuda(attend_and_vjp, q, q, q, q))
-    assert forward == (cudnn.FWD_TARGET, True, [o, stats])
+    assert forward == (cudnn.FWD_TARGET, True, [o, stats, workspace])
     assert backward[:2] == (cudnn.BWD_TARGET, True)
+    assert backward[2][-1] == workspace
 
 
 def segments_of(static, tokens, sequence=None):

@@ -82,9 +82,11 @@ ffi::Error PhiloxCudaImpl(gpuStream_t stream, ffi::AnyBuffer counters, ffi::AnyB
 FA_FFI_EXPORT(FusedattnDropoutMaskCuda);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnDropoutMaskCuda, fusedattn::DropoutMaskCudaImpl,
                               fusedattn::bind_dropout_mask(
-                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<gpuStream_t>>()));
+                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<gpuStream_t>>()),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 FA_FFI_EXPORT(FusedattnPhiloxCuda);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnPhiloxCuda, fusedattn::PhiloxCudaImpl,
                               fusedattn::bind_philox(
-                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<gpuStream_t>>()));
+                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<gpuStream_t>>()),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -500,13 +500,17 @@ constexpr int kBackwardThreads = 128;
 
 // Forward rows: K_0..K_{N-1}, V_0..V_{N-1}, 8 rows per batch (so with up to 4 keys all at
 // once: one memory round trip); wide: 4, and 1 with 16 keys. 12 keys take 3 batches where
-// the 16-key kernels took 4: 0.788 against 0.846 ms (results/small_seq_sweep.json); with
-// dropout their 128 registers spill 8-24 bytes per lane (ptxas -v, sm_90).
-template <ElementType ET, int D, int N>
+// the 16-key kernels took 4: 0.788 against 0.846 ms (results/small_seq_sweep.json). 4
+// blocks per SM (128 registers) unless ptxas -v (sm_90) showed spills there: 16 keys, and
+// from 9 keys with dropout (8-24 bytes per lane), take 3; wide ones from 9 keys, or 8 with
+// dropout, take 2.
+template <ElementType ET, int D, int N, bool DROPOUT>
 struct ForwardPlan {
   static constexpr bool kWide = Team<ET, D>::kVecsPerLane > 2;
   static constexpr int kBatch = (N < 16 ? 16 : kWide ? 4 : 16) / Team<ET, D>::kVecsPerLane;
-  static constexpr int kMinBlocks = N < 16 ? 4 : kWide ? 2 : 3;
+  static constexpr bool kHeavy = N == 16 || (N > 8 && DROPOUT);  // spills under 128 registers
+  static constexpr bool kWideHeavy = kWide && (N > 8 || (N == 8 && DROPOUT));
+  static constexpr int kMinBlocks = kWideHeavy ? 2 : kHeavy ? 3 : 4;
 };
 
 // Backward rows per head: the pairs (K_j, V_j). On CUDA they stream through kSlots
@@ -534,8 +538,8 @@ struct BackwardPlan {
   static constexpr int kSlots = kSlotVectors / kPairVectors < 1 ? 1
                                 : kSlotVectors / kPairVectors < N ? kSlotVectors / kPairVectors : N;
   static constexpr int kMinBlocks = kVecsPerLane > 2 || GROUPED || DROPOUT || D == 512 ? 2 : N == 8 ? 4 : 3;
-  // Shared memory per lane: the pair slots (kStagedPairs), 16 bytes a vector.
-  static constexpr int64_t kLaneSharedBytes = kStagedPairs ? kSlots * kPairVectors * 16 : 0;
+  // Shared-memory vectors (uint4) per lane: the pair slots (kStagedPairs).
+  static constexpr int64_t kLaneSharedVectors = kStagedPairs ? kSlots * kPairVectors : 0;
   // Shared memory per team with GROUPED: the scaled dS and the dropped P of every head,
   // [group][2][N] floats, for phase 2; after the block's slots.
   __host__ __device__ static constexpr int64_t team_shared_bytes(int64_t group) {
@@ -547,7 +551,7 @@ struct BackwardPlan {
 // kernel needs fewer registers, and with grouped-query attention the teams of one K/V head
 // are neighbours in the grid, so its rows still come from HBM once (then from L1 or L2).
 template <ElementType ET, int D, int N, bool DROPOUT>
-__global__ void __launch_bounds__(kForwardThreads, (ForwardPlan<ET, D, N>::kMinBlocks))
+__global__ void __launch_bounds__(kForwardThreads, (ForwardPlan<ET, D, N, DROPOUT>::kMinBlocks))
     small_seq_forward(SmallSeqParams p, const typename Element<ET>::Storage* __restrict__ q,
                       const typename Element<ET>::Storage* __restrict__ k,
                       const typename Element<ET>::Storage* __restrict__ v, const int32_t* __restrict__ kv_start,
@@ -555,7 +559,7 @@ __global__ void __launch_bounds__(kForwardThreads, (ForwardPlan<ET, D, N>::kMinB
                       typename Element<ET>::Storage* __restrict__ o, float* __restrict__ lse) {
   using T = Team<ET, D>;
   using S = Slice<ET, D>;
-  using P = ForwardPlan<ET, D, N>;
+  using P = ForwardPlan<ET, D, N, DROPOUT>;
   const int64_t task = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / T::kLanes;
   if (task >= p.batch * p.seqlen_q * p.heads) return;  // a whole team: its shuffles are team-local
   const int sub = threadIdx.x % T::kLanes;
@@ -626,7 +630,7 @@ __global__ void __launch_bounds__(kBackwardThreads, (BackwardPlan<ET, D, N, DROP
   S os = load_slice<ET, D>(o + head0 * D, sub);
   float row_lse = lse[head0];
   const Task t = make_task<N, DROPOUT>(p, token, kv_head, D, kv_start, kv_len, seed);
-  float* team_staged = reinterpret_cast<float*>(shared + blockDim.x * (P::kLaneSharedBytes / 16)) +
+  float* team_staged = reinterpret_cast<float*>(shared + blockDim.x * P::kLaneSharedVectors) +
                       (threadIdx.x / T::kLanes) * (P::team_shared_bytes(group) / sizeof(float));
 
   // Phase 1, per query head: dS and dq; with one head per K/V head also dk and dv.
@@ -831,7 +835,8 @@ ffi::Error SmallSeqBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
       while (threads > kLanes && (threads / kLanes) * team_bytes > kMaxStagingBytes) threads /= 2;
       // The pair slots (at most 48 KB a block) and the staging: beyond 48 KB a kernel must
       // ask for its shared memory.
-      const int64_t shared_bytes = threads * Plan::kLaneSharedBytes + (threads / kLanes) * team_bytes;
+      const int64_t shared_bytes =
+          threads * Plan::kLaneSharedVectors * int64_t{sizeof(uint4)} + (threads / kLanes) * team_bytes;
       auto* kernel = small_seq_backward<kET, kD, kN, kDropout, kGrouped>;
       if (shared_bytes > 48 * 1024 &&
           gpuFuncSetAttribute(reinterpret_cast<const void*>(kernel), gpuFuncAttributeMaxDynamicSharedMemorySize,
@@ -855,8 +860,10 @@ ffi::Error SmallSeqBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnSmallSeqFwdGpu, fusedattn::SmallSeqFwdImpl,
                               fusedattn::bind_small_seq<fusedattn::Pass::kForward>(
-                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<gpuStream_t>>()));
+                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<gpuStream_t>>()),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnSmallSeqBwdGpu, fusedattn::SmallSeqBwdImpl,
                               fusedattn::bind_small_seq<fusedattn::Pass::kBackward>(
-                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<gpuStream_t>>()));
+                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<gpuStream_t>>()),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

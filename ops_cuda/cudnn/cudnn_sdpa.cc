@@ -6,15 +6,18 @@
 // JAX's CUDA plugin already loaded (or a path given by Python) and hands it to
 // the frontend. Graphs are built once per (shapes, dtype, mask, bias, dropout,
 // window, GQA, sink, determinism, training or inference forward, device) and
-// cached; a step pays no graph build after the first. Workspace comes from
-// XLA's FFI scratch allocator.
+// cached; a step pays no graph build after the first. The workspace is a result
+// of the call, sized at trace time by FusedattnCudnnWorkspace (which builds the
+// graph): the handlers allocate nothing, so they declare themselves command-buffer
+// compatible and XLA can trace them into its CUDA graphs with the kernels around.
 //
 // Operands are the canonical BSHD arrays of fusedattn/ops/backends/base.py,
 // given to cuDNN as strided [b, h, s, d] views (no copies).
 //
-//   fusedattn_cudnn_fwd(q, k, v, bias, seqlen_q, seqlen_kv, offsets, rng, sink) -> (o, stats)
+//   fusedattn_cudnn_fwd(q, k, v, bias, seqlen_q, seqlen_kv, offsets, rng, sink)
+//       -> (o, stats, workspace)
 //   fusedattn_cudnn_bwd(q, k, v, bias, seqlen_q, seqlen_kv, offsets, rng, sink, o, stats, do)
-//       -> (dq, dk, dv, dbias, dsink)
+//       -> (dq, dk, dv, dbias, dsink, workspace)
 //
 //   q [B, Sq, H, D]; k [B, Skv, Hkv, D]; v [B, Skv, Hkv, Dv] (bf16 or f16)
 //   bias [Bb, Bh, Sq, Skv] in q's dtype (Bb in {1, B}, Bh in {1, H}); ignored unless has_bias
@@ -32,6 +35,7 @@
 //       Sq' = max_seqlen_q when ragged and given, else Sq. With training false the forward
 //       writes no stats: its stats result is a placeholder F32 [0]
 //   dbias like bias; dsink like sink
+//   workspace U8 [n]: at least FusedattnCudnnWorkspace's bytes for the call; scratch
 // attributes: scale f32, dropout_rate f32, causal bool, bottom_right bool,
 //   window_left i64, window_right i64 (inclusive, -1 unbounded), segments i64, ragged bool,
 //   max_seqlen_q i64, max_seqlen_kv i64, has_bias bool, has_sink bool, deterministic bool,
@@ -388,6 +392,20 @@ std::string cuda_error(const char* what, cudaError_t e) {
   return std::string(what) + " failed: " + cudaGetErrorString(e);
 }
 
+// While alive, this thread may make CUDA calls that stream capture forbids (cudnnCreate
+// and graph builds allocate and load kernels): a handler traced into an XLA command buffer
+// whose graph is not yet cached builds it outside the capture instead of failing.
+class CaptureRelaxed {
+ public:
+  CaptureRelaxed() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  ~CaptureRelaxed() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  CaptureRelaxed(const CaptureRelaxed&) = delete;
+  CaptureRelaxed& operator=(const CaptureRelaxed&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+
 std::mutex g_handle_mutex;
 std::unordered_map<int, cudnnHandle_t> g_handles;
 
@@ -406,6 +424,7 @@ std::string get_handle(int device, cudnnHandle_t* out) {
     if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess) return cuda_error("cudaSetDevice", e);
   }
   cudnnHandle_t handle = nullptr;
+  const CaptureRelaxed relaxed;
   trace("cudnnCreate on device " + std::to_string(device));
   const cudnnStatus_t status = fe::detail::create_handle(&handle);
   trace("cudnnCreate done");
@@ -482,10 +501,38 @@ std::shared_ptr<Entry> get_graph(const Params& p, bool backward, int device, cud
   int previous = -1;
   cudaGetDevice(&previous);
   if (previous != device) cudaSetDevice(device);
+  const CaptureRelaxed relaxed;
   auto entry = build(p, backward, handle);
   if (previous != device && previous >= 0) cudaSetDevice(previous);
   g_cache.emplace(key, entry);
   return entry;
+}
+
+// The graph a call runs, and the workspace it needs (the FFI call's workspace result).
+// Where cuDNN cannot build the forward without stats, the training forward stands in,
+// its stats at the start of the workspace.
+struct CallPlan {
+  std::shared_ptr<Entry> entry;
+  cudnnHandle_t handle = nullptr;
+  int64_t stats_bytes = 0;  // the stand-in's stats, then cuDNN's workspace from stats_bytes
+  int64_t workspace_bytes() const { return stats_bytes + entry->workspace; }
+};
+
+// Fills *plan, or returns why the call cannot run (the build's failure is cached).
+std::string plan_call(const Params& p, bool backward, int device, CallPlan* plan) {
+  std::string error;
+  plan->entry = get_graph(p, backward, device, &plan->handle, &error);
+  if (plan->entry && !plan->entry->graph && p.inference) {
+    trace("no inference forward (" + plan->entry->error + "); running the training forward");
+    Params training = p;
+    training.inference = 0;
+    plan->entry = get_graph(training, backward, device, &plan->handle, &error);
+    // 256-byte aligned, so cuDNN's workspace after it stays aligned.
+    plan->stats_bytes = (cudnn_batch(p) * p.h * p.seg_sq * static_cast<int64_t>(sizeof(float)) + 255) / 256 * 256;
+  }
+  if (!plan->entry) return error;
+  if (!plan->entry->graph) return "cuDNN cannot run this attention call: " + plan->entry->error;
+  return "";
 }
 
 // ---- FFI handlers ---------------------------------------------------------------
@@ -631,53 +678,34 @@ std::unordered_map<int64_t, void*> common_pack(const Params& p, const Inputs& in
   return pack;
 }
 
-// `bytes` of XLA's FFI scratch memory, for `what`, into *out.
-ffi::Error allocate(const char* op, ffi::ScratchAllocator& scratch, int64_t bytes, const char* what, void** out) {
-  // XLA's FFI allocator accepts alignments up to 16 (its blocks are 256-aligned in practice).
-  auto allocation = scratch.Allocate(static_cast<size_t>(bytes), 16);
-  if (!allocation.has_value()) {
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                      std::string(op) + ": could not allocate " + std::to_string(bytes) + " bytes of " + what);
-  }
-  *out = *allocation;
-  return ffi::Error::Success();
-}
-
+// Runs the call's graph with `workspace` (the FFI call's uint8 result, sized by
+// FusedattnCudnnWorkspace): no allocation at run time, so XLA may trace the handler into a
+// command buffer.
 ffi::Error execute(const char* op, const Params& p, bool backward, cudaStream_t stream, int device,
-                   ffi::ScratchAllocator& scratch, std::unordered_map<int64_t, void*>& pack) {
+                   ffi::AnyBuffer workspace, std::unordered_map<int64_t, void*>& pack) {
   if (p.b == 0 || p.sq == 0 || p.skv == 0 || p.h == 0) return ffi::Error::Success();
-  cudnnHandle_t handle = nullptr;
-  std::string error;
-  auto entry = get_graph(p, backward, device, &handle, &error);
-  if (entry && !entry->graph && p.inference) {
-    // cuDNN cannot build the forward without stats for this call (the failure is cached):
-    // run the training forward instead, its stats in scratch memory.
-    trace("no inference forward (" + entry->error + "); running the training forward");
-    Params training = p;
-    training.inference = 0;
-    entry = get_graph(training, backward, device, &handle, &error);
-    if (entry && entry->graph) {
-      const int64_t bytes = cudnn_batch(p) * p.h * p.seg_sq * static_cast<int64_t>(sizeof(float));
-      if (auto e = allocate(op, scratch, bytes, "scratch for the stats", &pack[kStats]); e.failure()) return e;
-    }
+  CallPlan plan;
+  if (std::string error = plan_call(p, backward, device, &plan); !error.empty()) {
+    const bool unsupported = plan.entry != nullptr;
+    return ffi::Error(unsupported ? ffi::ErrorCode::kUnimplemented : ffi::ErrorCode::kInternal,
+                      std::string(op) + ": " + error);
   }
-  if (!entry) return ffi::Error::Internal(std::string(op) + ": " + error);
-  if (!entry->graph) {
-    return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      std::string(op) + ": cuDNN cannot run this attention call: " + entry->error);
+  if (workspace.element_type() != ffi::DataType::U8 ||
+      static_cast<int64_t>(workspace.size_bytes()) < plan.workspace_bytes()) {
+    return invalid(op, "the workspace result must be uint8 of at least " + std::to_string(plan.workspace_bytes()) +
+                           " bytes (FusedattnCudnnWorkspace), got " + std::to_string(workspace.size_bytes()));
   }
-  void* workspace = nullptr;
-  if (entry->workspace > 0) {
-    if (auto e = allocate(op, scratch, entry->workspace, "cuDNN workspace", &workspace); e.failure()) return e;
-  }
+  char* base = static_cast<char*>(workspace.untyped_data());
+  if (plan.stats_bytes > 0) pack[kStats] = base;
   try {
     std::lock_guard<std::mutex> lock(g_handle_mutex);  // one stream per handle at a time
-    const cudnnStatus_t status = fe::detail::set_stream(handle, stream);
+    const cudnnStatus_t status = fe::detail::set_stream(plan.handle, stream);
     if (status != CUDNN_STATUS_SUCCESS) {
       return ffi::Error::Internal(std::string(op) + ": cudnnSetStream failed: " +
                                   fe::detail::get_error_string(status));
     }
-    fe::error_t e = entry->graph->execute(handle, pack, workspace);
+    void* cudnn_workspace = plan.entry->workspace > 0 ? base + plan.stats_bytes : nullptr;
+    fe::error_t e = plan.entry->graph->execute(plan.handle, pack, cudnn_workspace);
     if (e.is_bad()) return ffi::Error::Internal(std::string(op) + ": cuDNN execute failed: " + e.get_message());
   } catch (const std::exception& x) {
     return ffi::Error::Internal(std::string(op) + ": cuDNN execute threw: " + x.what());
@@ -685,10 +713,11 @@ ffi::Error execute(const char* op, const Params& p, bool backward, cudaStream_t 
   return ffi::Error::Success();
 }
 
-ffi::Error ForwardImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
+ffi::Error ForwardImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                        ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias, ffi::AnyBuffer seqlen_q,
                        ffi::AnyBuffer seqlen_kv, ffi::AnyBuffer offsets, ffi::AnyBuffer rng, ffi::AnyBuffer sink,
-                       ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> stats, const Attrs& at) {
+                       ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> stats,
+                       ffi::Result<ffi::AnyBuffer> workspace, const Attrs& at) {
   const Inputs in{q, k, v, bias, seqlen_q, seqlen_kv, offsets, rng, sink};
   Params p;
   if (auto e = parse(kFwd, in, at, &p); e.failure()) return e;
@@ -705,15 +734,16 @@ ffi::Error ForwardImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
   auto pack = common_pack(p, in);
   pack[kO] = o->untyped_data();
   if (at.training) pack[kStats] = stats->untyped_data();
-  return execute(kFwd, p, false, stream, device, scratch, pack);
+  return execute(kFwd, p, false, stream, device, *workspace, pack);
 }
 
-ffi::Error BackwardImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
+ffi::Error BackwardImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                         ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias, ffi::AnyBuffer seqlen_q,
                         ffi::AnyBuffer seqlen_kv, ffi::AnyBuffer offsets, ffi::AnyBuffer rng, ffi::AnyBuffer sink,
                         ffi::AnyBuffer o, ffi::AnyBuffer stats, ffi::AnyBuffer d_o, ffi::Result<ffi::AnyBuffer> dq,
                         ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                        ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> dsink, const Attrs& at) {
+                        ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> dsink,
+                        ffi::Result<ffi::AnyBuffer> workspace, const Attrs& at) {
   const Inputs in{q, k, v, bias, seqlen_q, seqlen_kv, offsets, rng, sink};
   Params p;
   if (auto e = parse(kBwd, in, at, &p); e.failure()) return e;
@@ -740,7 +770,7 @@ ffi::Error BackwardImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocat
   pack[kDV] = dv->untyped_data();
   if (p.bias_b > 0) pack[kDBias] = dbias->untyped_data();
   if (p.sink) pack[kDSink] = dsink->untyped_data();
-  return execute(kBwd, p, true, stream, device, scratch, pack);
+  return execute(kBwd, p, true, stream, device, *workspace, pack);
 }
 
 }  // namespace
@@ -767,50 +797,70 @@ FA_CUDNN_EXPORT int64_t FusedattnCudnnLoad(const char* path, char* msg, int64_t 
   return static_cast<int64_t>(fusedattn_cudnn::g_cudnn_version);
 }
 
+// The graph parameters of the exports: b, h, hkv, sq, skv, d, dv, bf16, causal, bottom_right,
+// left, right, segments, ragged, seg_sq, seg_skv, bias_b, bias_h, sink, deterministic (20
+// values, the Params fields the handlers read off their operands and attributes).
+static std::string read_params(const int64_t* params, int64_t n, float scale, float dropout,
+                               fusedattn_cudnn::Params* p) {
+  constexpr int kCount = 20;
+  if (n != kCount) {
+    return "expected " + std::to_string(kCount) + " graph parameters, got " + std::to_string(n);
+  }
+  int64_t* fields[kCount] = {&p->b,      &p->h,     &p->hkv,    &p->sq,     &p->skv,    &p->d,
+                             &p->dv,     &p->bf16,  &p->causal, &p->bottom_right,       &p->left,
+                             &p->right,  &p->segments,          &p->ragged, &p->seg_sq, &p->seg_skv,
+                             &p->bias_b, &p->bias_h,            &p->sink,   &p->deterministic};
+  for (int i = 0; i < kCount; ++i) *fields[i] = params[i];
+  p->scale = scale;
+  p->dropout = dropout;
+  return "";
+}
+
 // Builds (and caches) the training forward and the backward graphs of a call on `device`
-// without running them. params: b, h, hkv, sq, skv, d, dv, bf16, causal, bottom_right, left,
-// right, segments, ragged, seg_sq, seg_skv, bias_b, bias_h, sink, deterministic (20 values).
-// Returns 1 when both build, else 0 with cuDNN's reason in msg. The inference forward
-// (training false) is built at its first call, and where cuDNN cannot build it that call
-// runs the training forward instead: it never serves less than this check promises.
+// without running them (params: read_params). Returns 1 when both build, else 0 with
+// cuDNN's reason in msg. The inference forward (training false) is built when
+// FusedattnCudnnWorkspace sizes its call, and where cuDNN cannot build it the call runs the
+// training forward instead: it never serves less than this check promises.
 FA_CUDNN_EXPORT int64_t FusedattnCudnnCheck(const int64_t* params, int64_t n, float scale, float dropout,
                                             int64_t device, char* msg, int64_t msg_len) {
-  using fusedattn_cudnn::Params;
-  constexpr int kCount = 20;
-  std::string error;
-  if (n != kCount) {
-    error = "FusedattnCudnnCheck expects " + std::to_string(kCount) + " parameters, got " + std::to_string(n);
-  } else {
-    Params p;
-    int64_t* fields[kCount] = {&p.b,      &p.h,     &p.hkv,    &p.sq,     &p.skv,    &p.d,
-                               &p.dv,     &p.bf16,  &p.causal, &p.bottom_right,      &p.left,
-                               &p.right,  &p.segments,         &p.ragged, &p.seg_sq, &p.seg_skv,
-                               &p.bias_b, &p.bias_h,           &p.sink,   &p.deterministic};
-    for (int i = 0; i < kCount; ++i) *fields[i] = params[i];
-    p.scale = scale;
-    p.dropout = dropout;
-    for (bool backward : {false, true}) {
-      Params q = p;
-      if (!backward) q.deterministic = 0;
-      cudnnHandle_t handle = nullptr;
-      auto entry = fusedattn_cudnn::get_graph(q, backward, static_cast<int>(device), &handle, &error);
-      if (!entry) break;
-      if (!entry->graph) {
-        error = std::string(backward ? "backward: " : "forward: ") + entry->error;
-        break;
-      }
-    }
+  fusedattn_cudnn::Params p;
+  std::string error = read_params(params, n, scale, dropout, &p);
+  for (bool backward : {false, true}) {
+    if (!error.empty()) break;
+    fusedattn_cudnn::Params q = p;
+    if (!backward) q.deterministic = 0;
+    cudnnHandle_t handle = nullptr;
+    auto entry = fusedattn_cudnn::get_graph(q, backward, static_cast<int>(device), &handle, &error);
+    if (entry && !entry->graph) error = std::string(backward ? "backward: " : "forward: ") + entry->error;
   }
   if (error.empty()) return 1;
   report(error, msg, msg_len);
   return 0;
 }
 
+// The workspace bytes of one FFI call (params: read_params; inference: the forward with
+// training false; backward: the backward), building its graph on `device` if not cached.
+// Returns -1 with the reason in msg when the call cannot run.
+FA_CUDNN_EXPORT int64_t FusedattnCudnnWorkspace(const int64_t* params, int64_t n, float scale, float dropout,
+                                                int64_t inference, int64_t backward, int64_t device, char* msg,
+                                                int64_t msg_len) {
+  fusedattn_cudnn::Params p;
+  std::string error = read_params(params, n, scale, dropout, &p);
+  if (error.empty()) {
+    if (!backward) p.deterministic = 0;  // as the forward handler: one graph for both settings
+    p.inference = backward ? 0 : inference;
+    fusedattn_cudnn::CallPlan plan;
+    error = fusedattn_cudnn::plan_call(p, backward != 0, static_cast<int>(device), &plan);
+    if (error.empty()) return plan.workspace_bytes();
+  }
+  report(error, msg, msg_len);
+  return -1;
+}
+
 // The operands both directions share, in order.
 #define FA_CUDNN_INPUTS(binding)                     \
   binding.Ctx<xla::ffi::PlatformStream<cudaStream_t>>() \
       .Ctx<xla::ffi::DeviceOrdinal>()                \
-      .Ctx<xla::ffi::ScratchAllocator>()             \
       .Arg<xla::ffi::AnyBuffer>() /* q */            \
       .Arg<xla::ffi::AnyBuffer>() /* k */            \
       .Arg<xla::ffi::AnyBuffer>() /* v */            \
@@ -836,7 +886,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnCudnnFwd, fusedattn_cudnn::ForwardImpl,
                               FA_CUDNN_INPUTS(xla::ffi::Ffi::Bind())
                                   .Ret<xla::ffi::AnyBuffer>()  // o
                                   .Ret<xla::ffi::AnyBuffer>()  // stats
-                                  .Attrs<fusedattn_cudnn::Attrs>());
+                                  .Ret<xla::ffi::AnyBuffer>()  // workspace
+                                  .Attrs<fusedattn_cudnn::Attrs>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 FA_CUDNN_EXPORT XLA_FFI_Error* FusedattnCudnnBwd(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnCudnnBwd, fusedattn_cudnn::BackwardImpl,
@@ -849,4 +901,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnCudnnBwd, fusedattn_cudnn::BackwardImpl,
                                   .Ret<xla::ffi::AnyBuffer>()  // dv
                                   .Ret<xla::ffi::AnyBuffer>()  // dbias
                                   .Ret<xla::ffi::AnyBuffer>()  // dsink
-                                  .Attrs<fusedattn_cudnn::Attrs>());
+                                  .Ret<xla::ffi::AnyBuffer>()  // workspace
+                                  .Attrs<fusedattn_cudnn::Attrs>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

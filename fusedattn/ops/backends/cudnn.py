@@ -194,6 +194,11 @@ def _load() -> str | None:
     lib.FusedattnCudnnCheck.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int64,
                                         ctypes.c_float, ctypes.c_float, ctypes.c_int64,
                                         ctypes.c_char_p, ctypes.c_int64]
+    lib.FusedattnCudnnWorkspace.restype = ctypes.c_int64
+    lib.FusedattnCudnnWorkspace.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int64,
+                                            ctypes.c_float, ctypes.c_float, ctypes.c_int64,
+                                            ctypes.c_int64, ctypes.c_int64, ctypes.c_char_p,
+                                            ctypes.c_int64]
     _choose_cudart()
     message = ctypes.create_string_buffer(_MESSAGE_BYTES)
     version = lib.FusedattnCudnnLoad(None, message, _MESSAGE_BYTES)
@@ -252,6 +257,44 @@ def _check(params: tuple[int, ...], scale: float, dropout: float, device: int) -
     ok = _State.lib.FusedattnCudnnCheck(values, len(params), scale, dropout, device, message,
                                         _MESSAGE_BYTES)
     return None if ok else message.value.decode(errors="replace")
+
+
+@functools.lru_cache(maxsize=4096)
+def _workspace_bytes(params: tuple[int, ...], scale: float, dropout: float, inference: bool,
+                     backward: bool, device: int) -> int:
+    """The workspace bytes of one FFI call (its graph built and cached in the library)."""
+    values = (ctypes.c_int64 * len(params))(*params)
+    message = ctypes.create_string_buffer(_MESSAGE_BYTES)
+    size = _State.lib.FusedattnCudnnWorkspace(values, len(params), scale, dropout, int(inference),
+                                              int(backward), device, message, _MESSAGE_BYTES)
+    if size < 0:
+        raise RuntimeError(f"cudnn: cannot size the call's workspace: "
+                           f"{message.value.decode(errors='replace')}")
+    return size
+
+
+def _graph_params(static: _Static, b: int, h: int, hkv: int, sq: int, skv: int, d: int, dv: int,
+                  dtype, bias_b: int, bias_h: int) -> tuple[int, ...]:
+    """The library's graph parameters of a call (FusedattnCudnnCheck's order): what its
+    handlers read off the operands and attributes."""
+    return (b, h, hkv, sq, skv, d, dv, int(jnp.dtype(dtype) == jnp.bfloat16), int(static.causal),
+            int(static.bottom_right), static.window_left, static.window_right, static.segments,
+            int(static.ragged), static.max_seqlen_q or sq, static.max_seqlen_kv or skv,
+            bias_b if static.has_bias else 0, bias_h if static.has_bias else 0,
+            int(static.has_sink), int(static.deterministic))
+
+
+def _workspace(static: _Static, q, k, v, bias, backward: bool, training: bool = True):
+    """The uint8 workspace result of one FFI call: XLA allocates it, so the handlers allocate
+    nothing and may run inside XLA's command buffers (CUDA graphs)."""
+    b, sq, h, d = q.shape
+    _, skv, hkv, dv = v.shape
+    size = 0
+    if b and sq and skv and h:  # the handlers run nothing on empty calls
+        params = _graph_params(static, b, h, hkv, sq, skv, d, dv, q.dtype, *bias.shape[:2])
+        size = _workspace_bytes(params, static.scale, static.dropout_rate, not training, backward,
+                                _device_ordinal())
+    return jax.ShapeDtypeStruct((size,), jnp.uint8)
 
 
 # ---- the static configuration of a call ---------------------------------------------
@@ -471,10 +514,11 @@ def _forward_ffi(static: _Static, q, k, v, bias, slots, rng, sink, training=True
     b, sq, h, _ = q.shape
     seqlen_q, seqlen_kv, offsets = _lengths_and_offsets(static, slots, q.shape, k.shape, v.shape)
     stats_shape = (b * static.batch_per_row, h, static.max_seqlen_q or sq, 1) if training else (0,)
-    o, stats = jax.ffi.ffi_call(
+    o, stats, _ = jax.ffi.ffi_call(
         FWD_TARGET,
         (jax.ShapeDtypeStruct((b, sq, h, v.shape[-1]), q.dtype),
-         jax.ShapeDtypeStruct(stats_shape, jnp.float32)),
+         jax.ShapeDtypeStruct(stats_shape, jnp.float32),
+         _workspace(static, q, k, v, bias, backward=False, training=training)),
     )(q, k, v, bias, seqlen_q, seqlen_kv, offsets, rng, sink, **static.attributes(training))
     return (o, stats) if training else (o,)
 
@@ -487,9 +531,10 @@ def _backward_ffi(static: _Static, q, k, v, bias, slots, rng, sink, o, stats, do
          jax.ShapeDtypeStruct(k.shape, k.dtype),
          jax.ShapeDtypeStruct(v.shape, v.dtype),
          jax.ShapeDtypeStruct(bias.shape, bias.dtype),
-         jax.ShapeDtypeStruct(sink.shape, jnp.float32)),
+         jax.ShapeDtypeStruct(sink.shape, jnp.float32),
+         _workspace(static, q, k, v, bias, backward=True)),
     )(q, k, v, bias, seqlen_q, seqlen_kv, offsets, rng, sink, o, stats, do,
-      **static.attributes())
+      **static.attributes())[:5]
 
 
 def _sink_gradient_rows(static: _Static, sink, slots, o, stats, do) -> jax.Array:
@@ -699,14 +744,9 @@ class CudnnBackend:
         dropout = shapes.dropout and spec.dropout_rate > 0
         static = _static(spec, _default_scale(spec, shapes.head_dim_qk), dropout,
                          shapes.has_bias_array, shapes.seqlen_q, shapes.seqlen_kv)
-        params = (shapes.batch, shapes.num_heads, shapes.num_kv_heads, shapes.seqlen_q,
-                  shapes.seqlen_kv, shapes.head_dim_qk, shapes.head_dim_v,
-                  int(jnp.dtype(shapes.dtype) == jnp.bfloat16), int(static.causal),
-                  int(static.bottom_right), static.window_left, static.window_right,
-                  static.segments, int(static.ragged), static.max_seqlen_q or shapes.seqlen_q,
-                  static.max_seqlen_kv or shapes.seqlen_kv, shapes.batch if static.has_bias else 0,
-                  shapes.num_heads if static.has_bias else 0, int(static.has_sink),
-                  int(static.deterministic))
+        params = _graph_params(static, shapes.batch, shapes.num_heads, shapes.num_kv_heads,
+                               shapes.seqlen_q, shapes.seqlen_kv, shapes.head_dim_qk,
+                               shapes.head_dim_v, shapes.dtype, shapes.batch, shapes.num_heads)
         why = _check(params, static.scale, static.dropout_rate, _device_ordinal())
         if why is not None:
             return (f"cudnn: cuDNN {_version_string(_State.version)} on compute capability "
