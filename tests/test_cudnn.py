@@ -108,6 +108,11 @@ def lowering_for_cuda(monkeypatch):
     monkeypatch.setattr(cudnn, "_check", lambda *args: None)
     monkeypatch.setattr(cudnn, "_workspace_bytes", lambda *args: FAKE_WORKSPACE_BYTES)
     monkeypatch.setattr(registry, "current_platform", lambda: "cuda")
+    # Traces of the backend's ops hold the workspace size: none may outlive the fake (a
+    # later real call with the same shapes would reuse it).
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
 
 
 def lowered_for_cuda(fn, *args) -> str:
@@ -729,7 +734,8 @@ def test_inference_forward_draws_the_training_forwards_dropout_mask():
 @pytest.mark.gpu
 def test_forward_and_backward_check_the_training_attribute(rng):
     """The FFI calls themselves: with training=false the forward's stats result must be the
-    float32 [0] placeholder, and the backward refuses training=false."""
+    float32 [0] placeholder, the backward refuses training=false, and a workspace result
+    smaller than the library's size for the call is refused."""
     assert cudnn.available() is None
     q, k, v = inputs(rng, 2, 64, 64, 4, 4, 64, jnp.bfloat16)
     static = cudnn._static(spec(mask="causal"), 0.125, False, False, 64, 64)
@@ -738,15 +744,23 @@ def test_forward_and_backward_check_the_training_attribute(rng):
     unread = (bias,) + (cudnn._UNREAD_INT32,) * 3 + (cudnn._UNREAD_UINT32, cudnn._UNREAD_FLOAT32)
 
     def run(target, results, training, *arrays):
+        """The call's results but the last, its workspace."""
         call = jax.ffi.ffi_call(target, tuple(jax.ShapeDtypeStruct(*r) for r in results))
         return jax.block_until_ready(jax.jit(lambda q, k, v, *more: call(
-            q, k, v, *unread, *more, **static.attributes(training)))(q, k, v, *arrays))
+            q, k, v, *unread, *more, **static.attributes(training)))(q, k, v, *arrays))[:-1]
+
+    def workspace(backward, training=True, short=0):
+        size = cudnn._workspace(static, q, k, v, bias, backward, training).shape[0]
+        assert size >= short
+        return (size - short,), jnp.uint8
 
     def forward(training, stats_shape):
-        return run(cudnn.FWD_TARGET, ((q.shape, q.dtype), (stats_shape, jnp.float32)), training)
+        return run(cudnn.FWD_TARGET, ((q.shape, q.dtype), (stats_shape, jnp.float32),
+                                      workspace(False, training)), training)
 
-    def backward(training, o, stats):
-        results = [(x.shape, x.dtype) for x in (q, k, v, bias)] + [((), jnp.float32)]
+    def backward(training, o, stats, short=0):
+        results = ([(x.shape, x.dtype) for x in (q, k, v, bias)] + [((), jnp.float32)]
+                   + [workspace(True, short=short)])
         return run(cudnn.BWD_TARGET, results, training, o, stats, o)
 
     o, _ = forward(False, (0,))
@@ -759,6 +773,8 @@ def test_forward_and_backward_check_the_training_attribute(rng):
     backward(True, o_training, stats)
     with pytest.raises(Exception, match="training must be true"):
         backward(False, o_training, stats)
+    with pytest.raises(Exception, match=r"the workspace result must be uint8 of at least \d+ bytes"):
+        backward(True, o_training, stats, short=1)
 
 
 # ---- GPU: dropout -------------------------------------------------------------------------
