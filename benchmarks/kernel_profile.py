@@ -3,7 +3,8 @@
 Sums the durations of the GPU's kernel and memory events in
 <trace dir>/plugins/profile/*/perfetto_trace.json.gz, per kind (attention,
 matmul, our own kernels, copies, other XLA fusions), and lists the longest
-kernels with their calls per step. Used by benchmarks/lm_train.py --profile and
+kernels with their calls per step, and where the GPU sits idle between kernels
+(the idle gaps by the kernel that ends before them and the one that starts after). Used by benchmarks/lm_train.py --profile and
 benchmarks/layers.py --profile DIR; also on its own:
 
     python benchmarks/kernel_profile.py WORKDIR/profile --steps 5
@@ -17,6 +18,7 @@ import gzip
 import json
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 # Kind of a device event, by the first pattern its name matches (case-insensitive).
 KINDS = (
@@ -40,8 +42,14 @@ def _trace_file(trace_dir: Path) -> Path:
     return files[-1]
 
 
-def device_events(trace_dir: Path) -> list[tuple[str, float]]:
-    """(name, microseconds) of every kernel and copy on a GPU stream of the trace.
+class Event(NamedTuple):
+    name: str
+    start_us: float
+    us: float
+
+
+def device_events(trace_dir: Path) -> list[Event]:
+    """Every kernel and copy on a GPU stream of the trace, in start order.
 
     A GPU process also has lines of XLA ops and modules spanning the same time as
     its kernels; only the "Stream ..." threads are counted, so nothing counts twice.
@@ -58,25 +66,46 @@ def device_events(trace_dir: Path) -> list[tuple[str, float]]:
     if not streams:
         raise ValueError(f"{trace_dir}: no 'Stream' thread among the GPU's trace lines "
                          f"{sorted(set(threads.values()))}")
-    return [(e["name"], float(e.get("dur", 0.0))) for e in events
-            if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams]
+    return sorted((Event(e["name"], float(e.get("ts", 0.0)), float(e.get("dur", 0.0)))
+                   for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams),
+                  key=lambda event: event.start_us)
 
 
-def summarize_events(events: list[tuple[str, float]], steps: int, top: int = 15) -> dict:
+def idle_gaps(events: list[Event]) -> dict[tuple[str, str], float]:
+    """Microseconds the GPU runs nothing, from the first event's start to the last one's
+    end, by (the event that ended last before the gap, the event that starts it)."""
+    gaps: dict[tuple[str, str], float] = collections.defaultdict(float)
+    busy_until, last = None, None
+    for event in events:
+        if busy_until is not None and event.start_us > busy_until:
+            gaps[(last.name, event.name)] += event.start_us - busy_until
+        if busy_until is None or event.start_us + event.us >= busy_until:
+            busy_until, last = event.start_us + event.us, event
+    return gaps
+
+
+def summarize_events(events: list[Event], steps: int, top: int = 15) -> dict:
     """Device milliseconds per step by kind, and the `top` longest kernels: their ms
-    per step, and in the same order their calls per step. events: device_events()."""
+    per step, and in the same order their calls per step; the idle ms per step and the
+    `top` largest idle gaps by their neighbours (idle_gaps). events: device_events()."""
     if not events:
         raise ValueError("the trace has no GPU events")
     by_kind: dict[str, float] = collections.defaultdict(float)
     by_name: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
-    for name, us in events:
+    for name, _, us in events:
         by_kind[_kind(name)] += us
         by_name[name] += us
         calls[name] += 1
     per_step = 1e-3 / steps
     longest = sorted(by_name.items(), key=lambda item: -item[1])[:top]
+    gaps = idle_gaps(events)
+    widest = sorted(gaps.items(), key=lambda item: -item[1])[:top]
     return {"steps": steps,
+            "kernels_per_step": round(len(events) / steps, 2),
+            "idle_ms_per_step": round(sum(gaps.values()) * per_step, 3),
+            "top_idle_ms_per_step": [[before[:60], after[:60], round(us * per_step, 3)]
+                                     for (before, after), us in widest],
             "ms_per_step": {kind: round(us * per_step, 3) for kind, us in
                             sorted(by_kind.items(), key=lambda item: -item[1])},
             "device_ms_per_step": round(sum(by_kind.values()) * per_step, 3),
@@ -100,6 +129,7 @@ def print_summary(summary: dict) -> None:
     for kind, ms in summary["ms_per_step"].items():
         print(f"  {kind:<10}{ms:>9.2f} ms")
     print_top_kernels(summary, "longest kernels")
+    print_idle(summary)
 
 
 def print_top_kernels(summary: dict, title: str) -> None:
@@ -109,6 +139,14 @@ def print_top_kernels(summary: dict, title: str) -> None:
     for i, (name, ms) in enumerate(summary["top_kernels_ms_per_step"]):
         count = f"{calls[i]:g}" if i < len(calls) else "?"
         print(f"  {ms:>8.3f}  {count:>6}  {_kind(name):<10} {name}")
+
+
+def print_idle(summary: dict) -> None:
+    """The idle time of a summarize() result and its largest gaps by neighbours."""
+    print(f"{summary['kernels_per_step']:g} kernels and {summary['idle_ms_per_step']:.3f} ms "
+          "idle per step; the largest gaps (ms per step: the kernel before -> the one after):")
+    for before, after, ms in summary["top_idle_ms_per_step"]:
+        print(f"  {ms:>8.3f}  {before}  ->  {after}")
 
 
 def main():

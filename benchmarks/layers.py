@@ -52,14 +52,14 @@ from fusedattn.layers import linen as fa_linen
 from fusedattn.layers import nnx as fa_nnx
 
 from common import H200_MEASURED_MATMUL_FLOPS, parse_args, random_normal, write_results
-from kernel_profile import KINDS, print_top_kernels, summarize
+from kernel_profile import KINDS, print_idle, print_top_kernels, summarize
 
 B, L, D_MODEL, HEADS = 4, 2048, 2048, 16
 SMALL_SHAPE = (2, 256, 256, 2)  # --small: head dim 128 as in the full shape
 DTYPE = jnp.bfloat16
 PROFILE_STEPS = 5  # calls traced per impl with --profile
 PROFILE_TOP = 8  # longest kernels kept per impl
-PROFILE_KERNELS_SHOWN = ("fusedattn_nnx", "hand_cudnn", "hand_cudnn_bias")
+PROFILE_KERNELS_SHOWN = ("fusedattn_nnx", "fusedattn_equinox", "hand_cudnn", "hand_cudnn_bias")
 
 
 def attention_config():
@@ -233,17 +233,20 @@ def print_profile(profile: dict, medians: dict) -> None:
     ms), then the longest kernels of the impls in PROFILE_KERNELS_SHOWN."""
     kinds = [kind for kind, _ in KINDS]
     print(f"\ndevice ms per step by kind (traced, {PROFILE_STEPS} steps per impl)")
-    print(f"{'impl':<22}{'timed':>8}{'device':>8}" + "".join(f"{k:>10}" for k in kinds))
+    print(f"{'impl':<22}{'timed':>8}{'device':>8}{'idle':>8}{'kernels':>8}"
+          + "".join(f"{k:>10}" for k in kinds))
     for name, p in profile.items():
         timed = f"{medians[name]:>8.3f}" if medians.get(name) else f"{'-':>8}"
         if "error" in p:
             print(f"{name:<22}{timed}  error: {p['error'][:100]}")
             continue
-        print(f"{name:<22}{timed}{p['device_ms_per_step']:>8.3f}"
+        print(f"{name:<22}{timed}{p['device_ms_per_step']:>8.3f}{p['idle_ms_per_step']:>8.3f}"
+              f"{p['kernels_per_step']:>8g}"
               + "".join(f"{p['ms_per_step'].get(k, 0.0):>10.3f}" for k in kinds))
     for name in PROFILE_KERNELS_SHOWN:
         if name in profile and "error" not in profile[name]:
             print_top_kernels(profile[name], f"{name}, longest kernels")
+            print_idle(profile[name])
 
 
 def fwd_bwd_step(apply):
