@@ -379,13 +379,14 @@ class _Segments(NamedTuple):
     slots: int32 [b, 4, M]: per segment slot its q start, q length, kv start and kv
     length (q slot i pairs with the kv segment of the same id). q_keys: bool [b, sq],
     the query sees at least one key; kv_used: bool [b, skv], the key belongs to a
-    paired segment. broken: bool [b], the row breaks what cuDNN can express.
+    paired segment. broken: bool [b], the row breaks what cuDNN can express; None when no
+    row can (the lengths forms of the descriptor without declared bounds): no guard then.
     """
 
     slots: jax.Array
     q_keys: jax.Array
     kv_used: jax.Array
-    broken: jax.Array
+    broken: jax.Array | None
 
 
 def _segments(static: _Static, args: CanonicalArgs) -> _Segments:
@@ -398,15 +399,18 @@ def _segments(static: _Static, args: CanonicalArgs) -> _Segments:
     b, sq = args.q.shape[:2]
     skv = args.k.shape[1]
     sequence = args.sequence
+    flags = []
     if sequence is not None and sequence.format != SequenceFormat.SEGMENT_IDS:
-        table, broken = _declared_slots(static, sequence, sq, skv), jnp.zeros((b,), bool)
+        table = _declared_slots(static, sequence, sq, skv)
     else:
         table, broken = _paired_runs(static, args.tokens)
+        flags.append(broken)
     _, q_len, _, kv_len = (table[:, i] for i in range(4))
     if static.max_seqlen_q:
-        broken |= jnp.any(q_len > static.max_seqlen_q, axis=1)
+        flags.append(jnp.any(q_len > static.max_seqlen_q, axis=1))
     if static.max_seqlen_kv:
-        broken |= jnp.any(kv_len > static.max_seqlen_kv, axis=1)
+        flags.append(jnp.any(kv_len > static.max_seqlen_kv, axis=1))
+    broken = functools.reduce(jnp.logical_or, flags) if flags else None
     q_keys, kv_used = _token_masks(static, table, sq, skv)
     return _Segments(slots=table, q_keys=q_keys, kv_used=kv_used, broken=broken)
 
@@ -668,7 +672,7 @@ def _cudnn_bwd(static: _Static, residuals, do):
     do = do.astype(o.dtype)
     if segments:
         # Rows without keys contribute nothing whatever cuDNN left in their statistics.
-        do = _mask_rows(do, segments.q_keys, jnp.zeros_like(segments.broken))
+        do = _mask_rows(do, segments.q_keys, None)
     dq, dk, dv, dbias, dsink = _folding_op(static, True, unread.results)(
         q, k, v, bias, slots, rng, sink, o, stats, do)
     if segments:
@@ -686,8 +690,10 @@ _cudnn.defvjp(_cudnn_fwd, _cudnn_bwd, symbolic_zeros=True)
 
 
 def _mask_rows(x, keep, broken):
-    """x [b, s, h, d]: zero where not `keep` [b, s]; NaN over rows `broken` [b]."""
+    """x [b, s, h, d]: zero where not `keep` [b, s]; NaN over rows `broken` [b] (if not None)."""
     x = jnp.where(keep[:, :, None, None], x, jnp.zeros((), x.dtype))
+    if broken is None:
+        return x
     return jnp.where(broken[:, None, None, None], jnp.full((), jnp.nan, x.dtype), x)
 
 
@@ -792,7 +798,8 @@ class CudnnBackend:
         segments = None
         if static.segments:
             segments = _segments(static, args)
-            guard(segments.broken, _guard_message(spec, static), spec)
+            if segments.broken is not None:
+                guard(segments.broken, _guard_message(spec, static), spec)
         return _cudnn(static, q, k, v, bias, rng, sink, segments)
 
 

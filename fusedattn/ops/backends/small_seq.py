@@ -22,7 +22,10 @@ bounds; the guard below checks it on the device, without a host sync:
 - the call raises ValueError naming the bound when its values are concrete
   (eager use), and reports the same message through
   jax.experimental.checkify when the caller wraps the function with
-  checkify.checkify (under jit without checkify, the NaN marks remain).
+  checkify.checkify (under jit without checkify, the NaN marks remain);
+- where no data can break them (one query token and at most the bound's keys
+  per row, with no descriptor or its lengths form) there is no guard, so no
+  checkify effect on JAX's dispatch (can_break_bounds).
 
 The forward saves its output and the log-sum-exp of each query head's scores
 (lse, float32 [b, sq, h]: 4 bytes beside the 2 * D * (2 + 2 * keys) bytes of
@@ -48,7 +51,7 @@ import numpy as np
 from fusedattn.ops import _library
 from fusedattn.ops.backends import partitioning
 from fusedattn.ops.backends.base import CallShapes, CanonicalArgs, TokenInfo, guard
-from fusedattn.ops.enums import BiasType, MaskType, SoftmaxType
+from fusedattn.ops.enums import BiasType, MaskType, SequenceFormat, SoftmaxType
 from fusedattn.ops.sequence import segment_occurrences
 from fusedattn.ops.spec import AttentionSpec
 
@@ -106,12 +109,21 @@ class SmallSeqBackend:
     def attention(self, spec: AttentionSpec, args: CanonicalArgs, scale: float) -> jax.Array:
         max_keys = key_bound(spec, args.k.shape[1])
         kv_start, kv_len = key_ranges(args.tokens, max_keys)
-        guard(kv_len < 0, _guard_message(spec, max_keys), spec)
+        if can_break_bounds(args, max_keys):
+            guard(kv_len < 0, _guard_message(spec, max_keys), spec)
         rate = spec.dropout_rate if args.dropout_seed is not None else 0.0
         seed = (jnp.zeros((2,), jnp.uint32) if args.dropout_seed is None
                 else args.dropout_seed.astype(jnp.uint32))
         return _small_seq(args.q, args.k, args.v, kv_start, kv_len, seed,
                           float(scale), float(rate), int(max_keys))
+
+
+def can_break_bounds(args: CanonicalArgs, max_keys: int) -> bool:
+    """Whether any data can break the bounds (key_ranges' -1). Not with one query token per
+    row, at most max_keys keys per row, and no descriptor or its lengths form (a prefix of
+    each row): then the guard, whose checkify effect slows JAX's dispatch, is left out."""
+    prefix = args.sequence is None or args.sequence.format == SequenceFormat.SEQLENS
+    return not (prefix and args.q.shape[1] == 1 and args.k.shape[1] <= max_keys)
 
 
 def key_ranges(tokens: TokenInfo, max_keys: int) -> tuple[jax.Array, jax.Array]:
