@@ -131,3 +131,24 @@ def pytest_runtest_makereport(item, call):
     if report.failed and value is not None:
         report.sections.append(("random seed", f"seed={value} (FUSEDATTN_TEST_SEED="
                                                 f"{_base_seed()})"))
+
+
+FAKE_CUDNN_WORKSPACE_BYTES = 4096
+
+
+def fake_cudnn_for_cuda_lowering(monkeypatch, request) -> None:
+    """Lets cuDNN calls lower for CUDA without a GPU: the library's availability, cuDNN's
+    check, the compute capability (9.0), the platform and the workspace sizes
+    (FAKE_CUDNN_WORKSPACE_BYTES) are faked. Traces of the backend's ops hold the workspace
+    size, so JAX's caches are cleared now and when the test ends: no trace may outlive the
+    fake (a later real call with the same shapes would reuse it)."""
+    from fusedattn.ops import registry
+    from fusedattn.ops.backends import cudnn
+
+    monkeypatch.setattr(cudnn, "available", lambda: None)
+    monkeypatch.setattr(cudnn, "_compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(cudnn, "_check", lambda *args: None)
+    monkeypatch.setattr(cudnn, "_workspace_bytes", lambda *args: FAKE_CUDNN_WORKSPACE_BYTES)
+    monkeypatch.setattr(registry, "current_platform", lambda: "cuda")
+    jax.clear_caches()
+    request.addfinalizer(jax.clear_caches)

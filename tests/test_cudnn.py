@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_close, make_config, random_array, tolerance
+from conftest import (FAKE_CUDNN_WORKSPACE_BYTES, assert_close, fake_cudnn_for_cuda_lowering,
+                      make_config, random_array, tolerance)
 from fusedattn.ops import AttentionSpec, SequenceDescriptor, explain, fused_attn, registry
 from fusedattn.ops.backends import cudnn
 from fusedattn.ops.backends.base import CallShapes, CanonicalArgs, TokenInfo, visible_mask
@@ -96,23 +97,10 @@ def test_ragged_offsets_must_fit_int32():
     assert "int32 element offsets" in reason, reason
 
 
-FAKE_WORKSPACE_BYTES = 4096
-
-
 @pytest.fixture
-def lowering_for_cuda(monkeypatch):
-    """Lowers cuDNN calls for CUDA without a GPU: the library's availability, cuDNN's
-    check and the workspace sizes (FAKE_WORKSPACE_BYTES) are faked."""
-    monkeypatch.setattr(cudnn, "available", lambda: None)
-    monkeypatch.setattr(cudnn, "_compute_capability", lambda: (9, 0))
-    monkeypatch.setattr(cudnn, "_check", lambda *args: None)
-    monkeypatch.setattr(cudnn, "_workspace_bytes", lambda *args: FAKE_WORKSPACE_BYTES)
-    monkeypatch.setattr(registry, "current_platform", lambda: "cuda")
-    # Traces of the backend's ops hold the workspace size: none may outlive the fake (a
-    # later real call with the same shapes would reuse it).
-    jax.clear_caches()
-    yield
-    jax.clear_caches()
+def lowering_for_cuda(monkeypatch, request):
+    """Lowers cuDNN calls for CUDA without a GPU (conftest.fake_cudnn_for_cuda_lowering)."""
+    fake_cudnn_for_cuda_lowering(monkeypatch, request)
 
 
 def lowered_for_cuda(fn, *args) -> str:
@@ -195,7 +183,7 @@ def test_forward_writes_no_stats_unless_differentiated(lowering_for_cuda, case):
     assert bool(jax.make_jaxpr(attend)(q, q, q).effects) == (case == "packed")
     o = f"{n * b}x{s}x{h}x{d}xbf16"
     stats = f"{n * b * (2 if case == 'packed' else 1)}x{h}x{s}x1xf32"
-    workspace = f"{FAKE_WORKSPACE_BYTES}xui8"
+    workspace = f"{FAKE_CUDNN_WORKSPACE_BYTES}xui8"
     assert cudnn_calls(lowered_for_cuda(attend, q, q, q)) == [
         (cudnn.FWD_TARGET, False, [o, "0xf32", workspace])]
     forward, backward = cudnn_calls(lowered_for_cuda(attend_and_vjp, q, q, q, q))

@@ -21,8 +21,10 @@ import fusedattn.ops
 from fusedattn import ops
 from fusedattn.configs import attention_config
 from fusedattn.layers import attention_fn, common, equinox, linen, nnx
-from fusedattn.ops import AttentionSpec, SequenceDescriptor, registry
+from fusedattn.ops import AttentionSpec, SequenceDescriptor
 from fusedattn.ops.backends import cudnn
+
+from conftest import fake_cudnn_for_cuda_lowering
 
 B, S, F, H = 2, 6, 16, 4
 D = F // H
@@ -459,12 +461,12 @@ def _lowered_step_ops(apply, params, x) -> collections.Counter:
     return ops
 
 
-def test_linen_and_nnx_lower_to_the_same_cuda_program(monkeypatch):
+def test_linen_and_nnx_lower_to_the_same_cuda_program(monkeypatch, request):
     """Issue 4: linen timed 8% slower than nnx on the H200 in benchmarks/layers.py. The
     fwd+bwd step of the two layers (bf16 compute, float32 params, causal, cuDNN), lowered
     for CUDA, is the same program op for op, with no dropout RNG or mask construction, so
     a gap between them is not in the layers. Equinox (vmapped) adds only reshapes and
-    transposes. Lowered without a GPU: cuDNN's availability and check are faked."""
+    transposes. Lowered without a GPU (conftest.fake_cudnn_for_cuda_lowering)."""
     b, s, f, h = 2, 128, 256, 2  # head dim 128
     config = make_config(mask="causal")
     x = jax.random.normal(jax.random.key(0), (b, s, f), jnp.bfloat16)
@@ -475,10 +477,7 @@ def test_linen_and_nnx_lower_to_the_same_cuda_program(monkeypatch):
     eqx_params, eqx_static = eqx.partition(
         equinox.MultiheadAttention(h, f, config=config, compute_dtype=jnp.bfloat16,
                                    key=jax.random.key(2)), eqx.is_array)
-    monkeypatch.setattr(cudnn, "available", lambda: None)
-    monkeypatch.setattr(cudnn, "_compute_capability", lambda: (9, 0))
-    monkeypatch.setattr(cudnn, "_check", lambda *args: None)
-    monkeypatch.setattr(registry, "current_platform", lambda: "cuda")
+    fake_cudnn_for_cuda_lowering(monkeypatch, request)
 
     def eqx_apply(params, x):
         layer = eqx.combine(params, eqx_static)
