@@ -2,10 +2,11 @@
 
 Sums the durations of the GPU's kernel and memory events in
 <trace dir>/plugins/profile/*/perfetto_trace.json.gz, per kind (attention,
-matmul, our own kernels, copies, other XLA fusions), and lists the longest
-kernels with their calls per step, and where the GPU sits idle between kernels
-(the idle gaps by the kernel that ends before them and the one that starts after). Used by benchmarks/lm_train.py --profile and
-benchmarks/layers.py --profile DIR; also on its own:
+matmul, our own kernels, copies, other XLA fusions), lists the longest kernels
+with their calls per step, and where the GPU sits idle between kernels (the idle
+gaps by the kernel that ends before them and the one that starts after). Used by
+benchmarks/lm_train.py --profile and benchmarks/layers.py --profile DIR; also on
+its own:
 
     python benchmarks/kernel_profile.py WORKDIR/profile --steps 5
 """

@@ -24,8 +24,9 @@ program, op for op, yet were once measured 1.979 against 1.884 ms, and 1.914 aga
 
 With --profile DIR, after the timing (and after the results are written once
 without it), each impl's step is traced with jax.profiler (PROFILE_STEPS back-to-back
-calls, into DIR/<impl>), and the device time per step by kernel kind and the longest
-kernels with their calls per step (benchmarks/kernel_profile.py) go under "profile"
+calls, into DIR/<impl>), and the device time per step by kernel kind, the longest
+kernels with their calls per step and the GPU's idle time between kernels
+(benchmarks/kernel_profile.py) go under "profile"
 in the results, {impl: summary} or {impl: {"error": ...}} where the trace could not
 be taken or read (on a CPU there are no GPU streams to read: every impl gets an error).
 
@@ -229,8 +230,9 @@ def profile_impls(steps: dict, errors: dict, profile_dir: str,
 
 
 def print_profile(profile: dict, medians: dict) -> None:
-    """One line per impl (device ms per step, in all and by kind, against the timed
-    ms), then the longest kernels of the impls in PROFILE_KERNELS_SHOWN."""
+    """One line per impl (against the timed ms: device ms per step, the GPU's idle ms
+    between kernels, kernels per step, device ms by kind), then the longest kernels and
+    the largest idle gaps of the impls in PROFILE_KERNELS_SHOWN."""
     kinds = [kind for kind, _ in KINDS]
     print(f"\ndevice ms per step by kind (traced, {PROFILE_STEPS} steps per impl)")
     print(f"{'impl':<22}{'timed':>8}{'device':>8}{'idle':>8}{'kernels':>8}"

@@ -22,8 +22,10 @@ H200: 0.107 against 0.103 ms at b=4, s=2048; 0.288 against 0.286 at b=1, s=8192)
 Graphs are built once per static configuration and device and cached in the
 library; `supports` builds them (the training forward and the backward) at trace
 time, so a configuration cuDNN cannot run is rejected with cuDNN's own reason
-and "auto" moves on to flash or xla. The inference forward is built at its first
-call; where cuDNN cannot build it, that call runs the training forward.
+and "auto" moves on to flash or xla. Each FFI call's graph is also built when the
+call is traced, to size its workspace (a uint8 result XLA allocates: the handlers
+allocate nothing, so XLA may record them into its command buffers); where cuDNN
+cannot build the inference forward, that call runs the training forward.
 
 What it serves (everything else is rejected by `supports` with the reason):
 
