@@ -30,7 +30,7 @@ SOURCE = "ops_cuda/cuda/small_seq.cu"
 # BackwardPlan: raw vectors per lane of the (K_j, V_j) pair slots in shared memory (CUDA);
 # the occupancy floor of one head without dropout below d=512.
 _BWD_SLOTS = "kSlotVectors = 24;"
-_BWD_BLOCKS = "|| DROPOUT || D == 512 ? 2 : 3;"
+_BWD_BLOCKS = "|| DROPOUT || D == 512 ? 2 : N == 8 ? 4 : 3;"
 # The HIP build's pairs streamed through registers, in batches, instead of the slots.
 _REGISTER_PAIRS = {"constexpr bool kStagedPairs = true;": "constexpr bool kStagedPairs = false;",
                    "#if defined(__HIPCC__)\n    stream_rows<": "#if 1\n    stream_rows<"}
@@ -39,6 +39,7 @@ VARIANTS: dict[str, dict[str, str]] = {
     "as_is": {},
     "bwd_slots16": {_BWD_SLOTS: "kSlotVectors = 16;"},
     "bwd_slots32": {_BWD_SLOTS: "kSlotVectors = 32;"},
+    "bwd_blocks3": {_BWD_BLOCKS: "|| DROPOUT || D == 512 ? 2 : 3;"},
     "bwd_blocks4": {_BWD_BLOCKS: "|| DROPOUT || D == 512 ? 2 : 4;"},
     "bwd_registers": _REGISTER_PAIRS,
     # 9 to 12 keys served by the 16-key kernels, as before the 12-key instantiations.

@@ -272,7 +272,7 @@ def test_backward_names_an_lse_of_the_wrong_shape(rng):
     call = functools.partial(small_seq._backward, (0.125, 0.0, 4))
     with pytest.raises(Exception, match=r"lse must have shape \[2, 1, 2\], got \[2, 2\]"):
         jax.block_until_ready(  # on the GPU the handler's error arrives with the results
-            jax.jit(call)(q, k, v, kv_start, kv_len, jnp.zeros((1, 2), jnp.uint32), bad_lse, q))
+            jax.jit(call)(q, k, v, kv_start, kv_len, jnp.zeros((1, 2), jnp.uint32), q, bad_lse, q))
 
 
 def test_key_ranges_of_every_form():

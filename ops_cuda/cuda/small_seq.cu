@@ -17,12 +17,10 @@
 // log-sum-exp; backward task: a (query token, K/V head) and all query heads of
 // its group, whose shares of dk and dv it sums. With the lse each key's weight
 // comes from its own score, so the backward takes key j and value j together,
-// once, and is done with them: it stores dv_j = P_j f_j dO at once, and keeps two
-// scalars per key and two dq sums, as dS_j = P_j (dP_j - delta) needs every key
-// (delta = sum_j P_j dP_j); dq and dk_j = dS_j q follow the last key.
+// once, and is done with them: dq += dS_j k_j, dk_j = dS_j q, dv_j = P_j f_j dO.
 // Shuffles never leave a team, so a team past the last task just exits.
 // A task's rows stream in batches, every load of a batch issued before any
-// is used (the q and dO loads before even the key range is known), so a
+// is used (the q, dO and O loads before even the key range is known), so a
 // lane waits for memory once per batch; with up to 4 keys all rows of the
 // forward are one batch. On CUDA the backward's pairs instead stream through
 // shared-memory slots filled by cp.async, several pairs ahead of their use,
@@ -334,50 +332,30 @@ __device__ __forceinline__ Task make_task(const SmallSeqParams& p, int64_t token
   return t;
 }
 
-// N per-key floats spread over a team: lane `sub` holds keys sub, sub + LANES, ..., and
-// hands key j's value to the whole team when it is needed, so they take N / LANES registers
-// per lane, not N.
-template <int N, int LANES>
-class KeyScalars {
- public:
-  // Key j's value is f(j) for the keys this lane holds.
-  template <class F>
-  __device__ __forceinline__ void fill(int sub, F&& f) {
-#pragma unroll
-    for (int m = 0; m < kSlots; ++m) mine_[m] = f(sub + m * LANES);
-  }
-  // Keeps x, which every lane has, as key j's value (j a compile-time index).
-  __device__ __forceinline__ void keep(int j, int sub, float x) {
-    if (j % LANES == sub) mine_[j / LANES] = x;
-  }
-  __device__ __forceinline__ float operator()(const TeamComm<LANES>& team, int j) const {
-    return team.broadcast(mine_[j / LANES], j % LANES);
-  }
-
- private:
-  static constexpr int kSlots = (N + LANES - 1) / LANES;
-  float mine_[kSlots];
-};
-
 // The dropout factors of keys 0..N-1 for head h: 0 beyond the live keys, 1 without dropout.
-// Each lane draws the keys it holds (KeyScalars); without dropout no registers at all.
+// draw() has lane `sub` draw keys sub, sub + LANES, ...; factor(j) hands key j's draw to the
+// whole team when it is needed, so the factors take N / LANES registers, not N.
 template <bool DROPOUT, int N, int LANES>
 class DropoutFactors {
  public:
   __device__ __forceinline__ void draw(const SmallSeqParams& p, const Task& t, int32_t live, int64_t h, int sub) {
     if constexpr (DROPOUT) {
-      factors_.fill(sub, [&](int j) {
-        return j < live ? small_seq_dropout_factor(p, t.seed0, t.seed1, t.philox_b, h, t.i, t.start + j) : 0.0f;
-      });
+#pragma unroll
+      for (int m = 0; m < kDraws; ++m) {
+        const int j = sub + m * LANES;
+        mine_[m] = j < live ? small_seq_dropout_factor(p, t.seed0, t.seed1, t.philox_b, h, t.i, t.start + j)
+                              : 0.0f;
+      }
     }
   }
   __device__ __forceinline__ float factor(const TeamComm<LANES>& team, int j) const {
-    if constexpr (DROPOUT) return factors_(team, j);
+    if constexpr (DROPOUT) return team.broadcast(mine_[j / LANES], j % LANES);
     return 1.0f;
   }
 
  private:
-  KeyScalars<DROPOUT ? N : 1, LANES> factors_;
+  static constexpr int kDraws = (N + LANES - 1) / LANES;
+  float mine_[DROPOUT ? kDraws : 1];
 };
 
 // The softmax weights p_j from the lanes' partial dots q.k_j (in s): team sums, scale,
@@ -429,7 +407,7 @@ __device__ __forceinline__ void stream_rows(const TeamComm<LANES>& team, Load&& 
 
 // On CUDA (sm_80+) the backward's (K_j, V_j) pairs stream through a ring of shared-memory
 // slots filled by cp.async: bytes in flight without registers holding them, so a lane has
-// several pairs in flight while the registers hold only q, dO and the two dq sums.
+// several pairs in flight while the registers hold only q, dO, O and the dq accumulator.
 // HIP has no cp.async: there the pairs stream through registers (stream_rows).
 #if defined(__HIPCC__)
 constexpr bool kStagedPairs = false;
@@ -544,13 +522,11 @@ struct ForwardPlan {
 // 0.578, 0.938, 1.351, 1.701, 2.621, 3.289 against the register batches' 0.622, 0.945,
 // 1.456, 1.821, 2.837, 3.541; 4 or 8 slots were within 2% either way. 4 blocks per SM
 // (128 registers) were faster with 8 keys in two runs (6 keys: 1.329 and 1.321 against 1.351
-// and 1.350; 8 keys: 1.688 and 1.678 against 1.701 and 1.698), not with 2, 4 or 16 keys;
-// since the backward keeps two dq sums instead of reading O, the 8-key kernels spill under
-// 128 registers (ptxas -v, sm_90: 132 bytes at bf16 d=128), so they take 3 as well.
-// Registers stay about 130-170 for one head without dropout: q, dO and the dq sums, not the
-// pairs, hold them; the loop over a group's heads and dropout take 20-70 more, and d=512
-// (whole-warp teams) spills under 168, so only one head without dropout below d=512 gets 3
-// blocks per SM.
+// and 1.350; 8 keys: 1.688 and 1.678 against 1.701 and 1.698), not with 2, 4 or 16 keys.
+// Registers (ptxas -v, sm_90) stay about 120-160 for one head without dropout: q, dO and the
+// dq accumulator, not the pairs, hold them; the loop over a group's heads and dropout take
+// 20-60 more, and d=512 (whole-warp teams) spills under 168, so only one head without
+// dropout below d=512 gets 3 blocks per SM (4 with 8 keys).
 template <ElementType ET, int D, int N, bool DROPOUT, bool GROUPED>
 struct BackwardPlan {
   static constexpr int kVecsPerLane = Team<ET, D>::kVecsPerLane;
@@ -561,7 +537,7 @@ struct BackwardPlan {
   static constexpr int kSlotVectors = 24;
   static constexpr int kSlots = kSlotVectors / kPairVectors < 1 ? 1
                                 : kSlotVectors / kPairVectors < N ? kSlotVectors / kPairVectors : N;
-  static constexpr int kMinBlocks = kVecsPerLane > 2 || GROUPED || DROPOUT || D == 512 ? 2 : 3;
+  static constexpr int kMinBlocks = kVecsPerLane > 2 || GROUPED || DROPOUT || D == 512 ? 2 : N == 8 ? 4 : 3;
   // Shared-memory vectors (uint4) per lane: the pair slots (kStagedPairs).
   static constexpr int64_t kLaneSharedVectors = kStagedPairs ? kSlots * kPairVectors : 0;
   // Shared memory per team with GROUPED: the scaled dS and the dropped P of every head,
@@ -633,7 +609,7 @@ __global__ void __launch_bounds__(kBackwardThreads, (BackwardPlan<ET, D, N, DROP
                        const typename Element<ET>::Storage* __restrict__ k,
                        const typename Element<ET>::Storage* __restrict__ v, const int32_t* __restrict__ kv_start,
                        const int32_t* __restrict__ kv_len, const uint32_t* __restrict__ seed,
-                       const float* __restrict__ lse,
+                       const typename Element<ET>::Storage* __restrict__ o, const float* __restrict__ lse,
                        const typename Element<ET>::Storage* __restrict__ dout,
                        typename Element<ET>::Storage* __restrict__ dq, typename Element<ET>::Storage* __restrict__ dk,
                        typename Element<ET>::Storage* __restrict__ dv) {
@@ -648,46 +624,45 @@ __global__ void __launch_bounds__(kBackwardThreads, (BackwardPlan<ET, D, N, DROP
   const int64_t group = GROUPED ? p.heads / p.kv_heads : 1;
   const int64_t token = task / p.kv_heads, kv_head = task % p.kv_heads;
   const int64_t head0 = token * p.heads + kv_head * group;  // (token, first head of the group)
-  // The first head's q, dO and lse do not depend on the key range: in flight with it.
+  // The first head's q, dO, O and lse do not depend on the key range: in flight with it.
   S qs = load_slice<ET, D>(q + head0 * D, sub);
   S dos = load_slice<ET, D>(dout + head0 * D, sub);
+  S os = load_slice<ET, D>(o + head0 * D, sub);
   float row_lse = lse[head0];
   const Task t = make_task<N, DROPOUT>(p, token, kv_head, D, kv_start, kv_len, seed);
   float* team_staged = reinterpret_cast<float*>(shared + blockDim.x * P::kLaneSharedVectors) +
                       (threadIdx.x / T::kLanes) * (P::team_shared_bytes(group) / sizeof(float));
 
   // Phase 1, per query head: dS and dq; with one head per K/V head also dk and dv.
-  // dS_j = P_j (dP_j - delta) * scale needs delta = rowsum(dO * O) = sum_j P_j dP_j, known
-  // only after the last key; so dq = sum_j dS_j k_j is kept as two sums, sum_j P_j dP_j k_j
-  // and sum_j P_j k_j, and the dk rows are stored at the end. Without O the backward reads
-  // 2 * D bytes less per query head, and delta is the float sum, not O's rounding.
   for (int64_t g = 0; g < group; ++g) {
     const int64_t h = kv_head * group + g;
     const int64_t row = (head0 + g) * D;
     if (g > 0) {
       qs = load_slice<ET, D>(q + row, sub);
       dos = load_slice<ET, D>(dout + row, sub);
+      os = load_slice<ET, D>(o + row, sub);
       row_lse = lse[head0 + g];
     }
     DropoutFactors<DROPOUT, N, T::kLanes> f;
     f.draw(p, t, t.rows.live, h, sub);
     float delta = 0.0f;
-    float weighted_dp_k[T::kElems] = {}, weighted_k[T::kElems] = {};
-    KeyScalars<N, T::kLanes> weighted_dps, weights;  // P_j dP_j and P_j
+    float dq_acc[T::kElems] = {};
     auto use = [&](auto j, const KeyValue<ET, D>& kv) {
+      if (j == 0) delta = team.sum(dot<ET, D>(dos, os));  // rowsum(dO * O), once the first rows are in flight
       const KeyRows kr = t.rows.fresh(team, sub);
       const float score = team.sum(dot<ET, D>(qs, kv.k)) * p.scale;
       const float weight = j < kr.live ? small_seq_weight(score, row_lse) : 0.0f;
       const float fj = f.factor(team, j);
-      const float weighted_dp = weight * team.sum(dot<ET, D>(dos, kv.v)) * fj;
-      delta += weighted_dp;
-      axpy<ET, D>(weighted_dp_k, weighted_dp, kv.k);
-      axpy<ET, D>(weighted_k, weight, kv.k);
-      weighted_dps.keep(j, sub, weighted_dp);
-      weights.keep(j, sub, weight);
+      const float dp = team.sum(dot<ET, D>(dos, kv.v)) * fj;
+      const float ds = weight * (dp - delta) * p.scale;
+      axpy<ET, D>(dq_acc, ds, kv.k);
       if constexpr (GROUPED) {  // staged for phase 2
-        if (j % T::kLanes == sub) team_staged[g * 2 * N + N + j] = weight * fj;
-      } else if (j < kr.live) {  // this head's dv_j = P_j f_j dO is the whole gradient
+        if (j % T::kLanes == sub) {
+          team_staged[g * 2 * N + j] = ds;
+          team_staged[g * 2 * N + N + j] = weight * fj;
+        }
+      } else if (j < kr.live) {  // this head's dk_j = dS_j q and dv_j = P_j f_j dO are the whole gradients
+        store_scaled<ET, D>(dk + kr(j), sub, ds, qs);
         store_scaled<ET, D>(dv + kr(j), sub, weight * fj, dos);
       }
     };
@@ -711,18 +686,7 @@ __global__ void __launch_bounds__(kBackwardThreads, (BackwardPlan<ET, D, N, DROP
         },
         [&](auto j, int slot) { use(j, slots.take(slot)); });
 #endif
-#pragma unroll
-    for (int e = 0; e < T::kElems; ++e) weighted_dp_k[e] = (weighted_dp_k[e] - delta * weighted_k[e]) * p.scale;
-    store_slice<ET, D>(dq + row, sub, weighted_dp_k, t.ok);
-    static_for<0, N>([&](auto j) {
-      const float ds = (weighted_dps(team, j) - weights(team, j) * delta) * p.scale;
-      if constexpr (GROUPED) {
-        if (j % T::kLanes == sub) team_staged[g * 2 * N + j] = ds;
-      } else {  // this head's dk_j = dS_j q is the whole gradient
-        const KeyRows kr = t.rows.fresh(team, sub);
-        if (j < kr.live) store_scaled<ET, D>(dk + kr(j), sub, ds, qs);
-      }
-    });
+    store_slice<ET, D>(dq + row, sub, dq_acc, t.ok);
   }
 
   // Phase 2, GROUPED, per key row: dk and dv summed over the group's heads (their q and dO
@@ -823,7 +787,8 @@ ffi::Error SmallSeqFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
 }
 
 ffi::Error SmallSeqBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                           ffi::AnyBuffer kv_start, ffi::AnyBuffer kv_len, ffi::AnyBuffer seed, ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::Result<ffi::AnyBuffer> dq,
+                           ffi::AnyBuffer kv_start, ffi::AnyBuffer kv_len, ffi::AnyBuffer seed, ffi::AnyBuffer o,
+                           ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::Result<ffi::AnyBuffer> dq,
                            ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, float scale,
                            double dropout_rate, int64_t max_keys) {
   constexpr const char* kOp = "fusedattn_small_seq_bwd (" FA_FFI_PLATFORM ")";
@@ -833,7 +798,7 @@ ffi::Error SmallSeqBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
       e.failure()) {
     return e;
   }
-  if (auto e = check_small_seq_backward_buffers(kOp, SmallSeqDims(p, lead), q.element_type(), lse, dout, *dq,
+  if (auto e = check_small_seq_backward_buffers(kOp, SmallSeqDims(p, lead), q.element_type(), o, lse, dout, *dq,
                                                 *dk, *dv);
       e.failure()) {
     return e;
@@ -880,7 +845,7 @@ ffi::Error SmallSeqBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
       }
       kernel<<<blocks_for(tasks, threads, kLanes), threads, shared_bytes, stream>>>(
           p, elements<kET>(q), elements<kET>(k), elements<kET>(v), kv_start.typed_data<int32_t>(),
-          kv_len.typed_data<int32_t>(), seed.typed_data<uint32_t>(), lse.typed_data<float>(),
+          kv_len.typed_data<int32_t>(), seed.typed_data<uint32_t>(), elements<kET>(o), lse.typed_data<float>(),
           elements<kET>(dout), elements<kET>(dq), elements<kET>(dk), elements<kET>(dv));
     };
     if (group == 1) return launch(std::false_type{});

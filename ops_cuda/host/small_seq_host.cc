@@ -106,10 +106,12 @@ void forward(const SmallSeqParams& p, const void* q_data, const void* k_data, co
 
 template <ElementType ET>
 void backward(const SmallSeqParams& p, const void* q_data, const void* k_data, const void* v_data,
-              const int32_t* kv_start, const int32_t* kv_len, const uint32_t* seed, const float* lse, const void* do_data, void* dq_data, void* dk_data, void* dv_data) {
+              const int32_t* kv_start, const int32_t* kv_len, const uint32_t* seed, const void* o_data,
+              const float* lse, const void* do_data, void* dq_data, void* dk_data, void* dv_data) {
   using Storage = typename Element<ET>::Storage;
   const HostTensor<ET> q{static_cast<const Storage*>(q_data)}, k{static_cast<const Storage*>(k_data)},
-      v{static_cast<const Storage*>(v_data)}, dout{static_cast<const Storage*>(do_data)};
+      v{static_cast<const Storage*>(v_data)}, o{static_cast<const Storage*>(o_data)},
+      dout{static_cast<const Storage*>(do_data)};
   Storage* dq = static_cast<Storage*>(dq_data);
   Storage* dk = static_cast<Storage*>(dk_data);
   Storage* dv = static_cast<Storage*>(dv_data);
@@ -135,20 +137,21 @@ void backward(const SmallSeqParams& p, const void* q_data, const void* k_data, c
       scores(p, r, h, q, k, s);
       const float row_lse = lse[token * p.heads + h];
       for (int j = 0; j < r.len; ++j) s[j] = small_seq_weight(s[j], row_lse);
-      float dp[kSmallSeqMaxKeys];
-      float delta = 0.0f;  // rowsum(dO * O) = sum_j P_j dP_j, as the kernels sum it
-      for (int j = 0; j < r.len; ++j) {
-        const float factor = small_seq_dropout_factor(p, r.seed0, r.seed1, r.philox_b, h, r.i, r.start + j);
-        dp[j] = 0.0f;
-        for (int64_t d = 0; d < D; ++d) dp[j] += do_at(d) * v.at(kv_index(j, d));
-        dp[j] *= factor;
-        delta += s[j] * dp[j];
-        for (int64_t d = 0; d < D; ++d) dv_acc[kv_index(j, d)] += s[j] * factor * do_at(d);
+      float delta = 0.0f;  // rowsum(dO * O)
+      for (int64_t d = 0; d < D; ++d) {
+        delta += do_at(d) * o.at(bshd_offset(r.b, r.i, h, d, p.seqlen_q, p.heads, D));
       }
       float ds[kSmallSeqMaxKeys];
       for (int j = 0; j < r.len; ++j) {
-        ds[j] = s[j] * (dp[j] - delta) * p.scale;
-        for (int64_t d = 0; d < D; ++d) dk_acc[kv_index(j, d)] += ds[j] * q_at(d);
+        const float factor = small_seq_dropout_factor(p, r.seed0, r.seed1, r.philox_b, h, r.i, r.start + j);
+        float dp = 0.0f;
+        for (int64_t d = 0; d < D; ++d) dp += do_at(d) * v.at(kv_index(j, d));
+        dp *= factor;
+        ds[j] = s[j] * (dp - delta) * p.scale;
+        for (int64_t d = 0; d < D; ++d) {
+          dv_acc[kv_index(j, d)] += s[j] * factor * do_at(d);
+          dk_acc[kv_index(j, d)] += ds[j] * q_at(d);
+        }
       }
       for (int64_t d = 0; d < D; ++d) {
         float acc = 0.0f;
@@ -183,7 +186,7 @@ ffi::Error SmallSeqFwdHostImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffe
 }
 
 ffi::Error SmallSeqBwdHostImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer kv_start,
-                               ffi::AnyBuffer kv_len, ffi::AnyBuffer seed, ffi::AnyBuffer lse,
+                               ffi::AnyBuffer kv_len, ffi::AnyBuffer seed, ffi::AnyBuffer o, ffi::AnyBuffer lse,
                                ffi::AnyBuffer dout, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                                ffi::Result<ffi::AnyBuffer> dv, float scale, double dropout_rate, int64_t max_keys) {
   constexpr const char* kOp = "fusedattn_small_seq_bwd (cpu)";
@@ -193,7 +196,7 @@ ffi::Error SmallSeqBwdHostImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffe
       e.failure()) {
     return e;
   }
-  if (auto e = check_small_seq_backward_buffers(kOp, SmallSeqDims(p, lead), q.element_type(), lse, dout, *dq, *dk,
+  if (auto e = check_small_seq_backward_buffers(kOp, SmallSeqDims(p, lead), q.element_type(), o, lse, dout, *dq, *dk,
                                                          *dv);
       e.failure()) {
     return e;
@@ -201,7 +204,7 @@ ffi::Error SmallSeqBwdHostImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffe
   with_element_type(q.element_type(), [&](auto et) {
     backward<decltype(et)::value>(p, q.untyped_data(), k.untyped_data(), v.untyped_data(),
                                   kv_start.typed_data<int32_t>(), kv_len.typed_data<int32_t>(),
-                                  seed.typed_data<uint32_t>(), lse.typed_data<float>(),
+                                  seed.typed_data<uint32_t>(), o.untyped_data(), lse.typed_data<float>(),
                                   dout.untyped_data(), dq->untyped_data(), dk->untyped_data(), dv->untyped_data());
   });
   return ffi::Error::Success();

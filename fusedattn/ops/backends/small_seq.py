@@ -6,7 +6,7 @@ Kernels: ops_cuda/cuda/small_seq.cu (CUDA and HIP), ops_cuda/host/small_seq_host
 (platform "cpu"); contract in ops_cuda/include/fusedattn/small_seq.h:
 
     fusedattn_small_seq_fwd(q, k, v, kv_start, kv_len, seed) -> (o, lse)
-    fusedattn_small_seq_bwd(q, k, v, kv_start, kv_len, seed, lse, do) -> (dq, dk, dv)
+    fusedattn_small_seq_bwd(q, k, v, kv_start, kv_len, seed, o, lse, do) -> (dq, dk, dv)
     attributes: scale f32, dropout_rate f64, max_keys i64
 
 Eligibility is static: the query bound (the tighter of
@@ -27,13 +27,11 @@ bounds; the guard below checks it on the device, without a host sync:
   per row, with no descriptor or its lengths form) there is no guard, so no
   checkify effect on JAX's dispatch (can_break_bounds).
 
-The forward saves the log-sum-exp of each query head's scores (lse, float32
-[b, sq, h]: 4 bytes beside the 2 * D * (2 + 2 * keys) bytes of bf16 q, o, k and
-v rows), so the backward takes each key's weight from its own score,
-p_j = exp(s_j - lse), in a single pass over the key and value rows. It does not
-need the output: softmax's rowsum(dO * O) is summed in the same pass as
-sum_j p_j dp_j (see ops_cuda/include/fusedattn/small_seq.h for both and the
-measurements).
+The forward saves its output and the log-sum-exp of each query head's scores
+(lse, float32 [b, sq, h]: 4 bytes beside the 2 * D * (2 + 2 * keys) bytes of
+bf16 q, o, k and v rows), so the backward takes each key's weight from its own score,
+p_j = exp(s_j - lse), in a single pass over the key and value rows (see
+ops_cuda/include/fusedattn/small_seq.h for the measurement).
 
 Both calls go through partitioning.py: jax.vmap folds into the kernel's batch
 (the seed reaches the kernels as rows [L, 2]), and under a device mesh the calls
@@ -180,7 +178,7 @@ _SEED = 5
 @functools.lru_cache(maxsize=None)
 def _op(scale: float, rate: float, max_keys: int, backward: bool):
     """The FFI call of one direction, sharded over batch and heads, folded under vmap."""
-    operands, results = ((_OPERANDS + ("b.h", "b.h."), ("b.h.", "b.g.", "b.g."))
+    operands, results = ((_OPERANDS + ("b.h.", "b.h", "b.h."), ("b.h.", "b.g.", "b.g."))
                          if backward else (_OPERANDS, ("b.h.", "b.h")))
     signature = partitioning.Signature(operands, results, dropout=rate > 0, dropout_rows=_SEED)
     return partitioning.op(
@@ -200,13 +198,13 @@ def _small_seq(q, k, v, kv_start, kv_len, seed, scale, rate, max_keys):
 
 def _small_seq_fwd(q, k, v, kv_start, kv_len, seed, scale, rate, max_keys):
     o, lse = _forward_call(q, k, v, kv_start, kv_len, seed, scale, rate, max_keys)
-    return o, (q, k, v, kv_start, kv_len, seed, lse)
+    return o, (q, k, v, kv_start, kv_len, seed, o, lse)
 
 
 def _small_seq_bwd(scale, rate, max_keys, residuals, do):
-    q, k, v, kv_start, kv_len, seed, lse = residuals
-    dq, dk, dv = _op(scale, rate, max_keys, True)(q, k, v, kv_start, kv_len, seed[None], lse,
-                                                  do.astype(q.dtype))
+    q, k, v, kv_start, kv_len, seed, o, lse = residuals
+    dq, dk, dv = _op(scale, rate, max_keys, True)(q, k, v, kv_start, kv_len, seed[None], o, lse,
+                                                  do.astype(o.dtype))
     return dq, dk, dv, None, None, None
 
 

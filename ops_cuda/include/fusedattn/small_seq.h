@@ -6,21 +6,17 @@
 //             3 kv_start S32 [..., Sq]  4 kv_len S32 [..., Sq]   5 seed U32 [..., 2]
 //             attributes: scale f32, dropout_rate f64, max_keys i64 (the static bound)
 //             results: o [..., Sq, H, D] (q's dtype), lse F32 [..., Sq, H]
-//   backward: the forward's six, then 6 lse, 7 do; results dq, dk, dv.
+//   backward: the forward's six, then 6 o, 7 lse, 8 do; results dq, dk, dv.
 //
 // lse is the log-sum-exp of a query's scaled scores (-inf without keys, NaN for
 // a broken bound). With it the backward gets each weight from its own score,
 // p_j = exp(s_j - lse), so it takes every key and value row once, in one pass,
-// without holding a query's scores. The forward's extra bytes are 4 per query
-// head against D * (2 + 2 * keys) elements of q, o, k and v. On the H200
-// (b=30720, h=16, bf16, fwd+bwd of the kernels) this took the 16-key case from
-// 4.76 to 3.52 ms at d=128 and from 9.82 to 6.82 ms at d=256, against a backward
-// that recomputed the softmax and went over the keys twice
-// (benchmarks/small_seq_sweep.py, benchmarks/small_seq.py).
-//
-// The backward does not read o: softmax's delta = rowsum(dO * O) equals
-// sum_j p_j dp_j (dp_j = dO . v_j times the key's dropout factor), which the same
-// pass sums in float: 2 * D bytes fewer per query head, and no rounding of o in it.
+// without holding a query's scores, and stores dk_j and dv_j as it goes. The
+// forward's extra bytes are 4 per query head against D * (2 + 2 * keys)
+// elements of q, o, k and v. On the H200 (b=30720, h=16, bf16, fwd+bwd of the
+// kernels) this took the 16-key case from 4.76 to 3.52 ms at d=128 and from 9.82 to 6.82 ms
+// at d=256, against a backward that recomputed the softmax and went over the
+// keys twice (benchmarks/small_seq_sweep.py, benchmarks/small_seq.py).
 //
 // Query token (b, i) attends keys kv_start .. kv_start + kv_len - 1 of row b.
 // kv_len == 0: a padding query (output 0, zero gradients). kv_len < 0 or

@@ -65,10 +65,11 @@ inline ffi::Error check_small_seq_forward_results(const char* op, const SmallSeq
 }
 
 inline ffi::Error check_small_seq_backward_buffers(const char* op, const SmallSeqDims& want, ffi::DataType dtype,
-                                                   const ffi::AnyBuffer& lse,
+                                                   const ffi::AnyBuffer& o, const ffi::AnyBuffer& lse,
                                                    const ffi::AnyBuffer& dout, const ffi::AnyBuffer& dq,
                                                    const ffi::AnyBuffer& dk, const ffi::AnyBuffer& dv) {
-  return check_all_exact(op, {{"lse", lse.element_type(), lse.dimensions(), ffi::DataType::F32, want.lse},
+  return check_all_exact(op, {{"o", o.element_type(), o.dimensions(), dtype, want.q},
+                              {"lse", lse.element_type(), lse.dimensions(), ffi::DataType::F32, want.lse},
                               {"do", dout.element_type(), dout.dimensions(), dtype, want.q},
                               {"result dq", dq.element_type(), dq.dimensions(), dtype, want.q},
                               {"result dk", dk.element_type(), dk.dimensions(), dtype, want.kv},
@@ -76,11 +77,11 @@ inline ffi::Error check_small_seq_backward_buffers(const char* op, const SmallSe
 }
 
 // The op's FFI signature (ffi_args.h's bind_buffers): the forward binds 6
-// operands and 2 results, the backward 8 and 3 (as small_seq.h lists them).
+// operands and 2 results, the backward 9 and 3 (as small_seq.h lists them).
 template <Pass kPass, typename FfiBinding>
 auto bind_small_seq(FfiBinding&& binding) {
   constexpr bool kForward = kPass == Pass::kForward;
-  return bind_attrs(bind_buffers<kForward ? 6 : 8, kForward ? 2 : 3>(std::forward<FfiBinding>(binding)),
+  return bind_attrs(bind_buffers<kForward ? 6 : 9, kForward ? 2 : 3>(std::forward<FfiBinding>(binding)),
                     ffi::StructMember<float>("scale"), ffi::StructMember<double>("dropout_rate"),
                     ffi::StructMember<int64_t>("max_keys"));
 }
