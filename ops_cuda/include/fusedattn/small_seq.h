@@ -18,6 +18,13 @@
 // at d=256, against a backward that recomputed the softmax and went over the
 // keys twice (benchmarks/small_seq_sweep.py, benchmarks/small_seq.py).
 //
+// The backward reads o for delta = rowsum(dO * O). Summing delta instead as
+// sum_j p_j dp_j in the key pass saves those bytes but needs a second dq sum
+// and the dk stores after the last key: measured slower on the H200 at every
+// key count but 2 (bf16, b=30720, fwd+bwd, d=128: +1.6% at 4 and 8 keys, +5% at
+// 6, +0.7% at 12, +55% at 16; results/small_seq_backward_without_o.json against
+// results/small_seq.json, XLA's times within 1% in both runs), so it reads o.
+//
 // Query token (b, i) attends keys kv_start .. kv_start + kv_len - 1 of row b.
 // kv_len == 0: a padding query (output 0, zero gradients). kv_len < 0 or
 // kv_len > max_keys: the data broke a declared bound; the query's output and
