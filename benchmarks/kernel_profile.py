@@ -4,7 +4,9 @@ Sums the durations of the GPU's kernel and memory events in
 <trace dir>/plugins/profile/*/perfetto_trace.json.gz, per kind (attention,
 matmul, our own kernels, copies, other XLA fusions), lists the longest kernels
 with their calls per step, and where the GPU sits idle between kernels (the idle
-gaps by the kernel that ends before them and the one that starts after). Used by
+gaps by the kernel that ends before them and the one that starts after). On the
+host side it lists where the CPU threads spend their time per step (host_summary:
+each traced event's own time, without the events nested in it). Used by
 benchmarks/lm_train.py --profile and benchmarks/layers.py --profile DIR; also on
 its own:
 
@@ -49,12 +51,8 @@ class Event(NamedTuple):
     us: float
 
 
-def device_events(trace_dir: Path) -> list[Event]:
-    """Every kernel and copy on a GPU stream of the trace, in start order.
-
-    A GPU process also has lines of XLA ops and modules spanning the same time as
-    its kernels; only the "Stream ..." threads are counted, so nothing counts twice.
-    """
+def _trace_lines(trace_dir: Path) -> tuple[list[dict], dict[tuple, str], set]:
+    """The trace's events, its threads {(pid, tid): name} and the GPU processes' pids."""
     with gzip.open(_trace_file(trace_dir)) as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
@@ -62,14 +60,66 @@ def device_events(trace_dir: Path) -> list[Event]:
     gpu_pids = {e["pid"] for e in meta if e.get("name") == "process_name"
                 and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
     threads = {(e["pid"], e.get("tid")): str(e.get("args", {}).get("name", "")) for e in meta
-               if e.get("name") == "thread_name" and e["pid"] in gpu_pids}
-    streams = {key for key, name in threads.items() if name.startswith("Stream")}
+               if e.get("name") == "thread_name"}
+    return events, threads, gpu_pids
+
+
+def _events_on(events: list[dict], lines: set) -> list[Event]:
+    """The complete ("X") events on the given (pid, tid) lines, in start order."""
+    return sorted((Event(e["name"], float(e.get("ts", 0.0)), float(e.get("dur", 0.0)))
+                   for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in lines),
+                  key=lambda event: event.start_us)
+
+
+def device_events(trace_dir: Path) -> list[Event]:
+    """Every kernel and copy on a GPU stream of the trace, in start order.
+
+    A GPU process also has lines of XLA ops and modules spanning the same time as
+    its kernels; only the "Stream ..." threads are counted, so nothing counts twice.
+    """
+    events, threads, gpu_pids = _trace_lines(trace_dir)
+    streams = {key for key, name in threads.items() if key[0] in gpu_pids and name.startswith("Stream")}
     if not streams:
         raise ValueError(f"{trace_dir}: no 'Stream' thread among the GPU's trace lines "
-                         f"{sorted(set(threads.values()))}")
-    return sorted((Event(e["name"], float(e.get("ts", 0.0)), float(e.get("dur", 0.0)))
-                   for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams),
-                  key=lambda event: event.start_us)
+                         f"{sorted({name for key, name in threads.items() if key[0] in gpu_pids})}")
+    return _events_on(events, streams)
+
+
+def host_self_times(trace_dir: Path) -> dict[str, tuple[float, float, int]]:
+    """{event name: (own microseconds, microseconds in all, calls)} over the host threads.
+
+    An event's own time is its duration less that of the events directly nested in
+    it on the same thread, so a dispatch's time splits into its parts without any
+    part counting twice.
+    """
+    events, threads, gpu_pids = _trace_lines(trace_dir)
+    totals: dict[str, list] = collections.defaultdict(lambda: [0.0, 0.0, 0])
+    for line in (key for key in threads if key[0] not in gpu_pids):
+        open_events: list[list] = []  # [event, own us] of the events enclosing the current one
+        for event in sorted(_events_on(events, {line}), key=lambda e: (e.start_us, -e.us)):
+            while open_events and open_events[-1][0].start_us + open_events[-1][0].us <= event.start_us:
+                _close(totals, *open_events.pop())
+            if open_events:
+                open_events[-1][1] -= event.us
+            open_events.append([event, event.us])
+        while open_events:
+            _close(totals, *open_events.pop())
+    return {name: tuple(value) for name, value in totals.items()}
+
+
+def _close(totals: dict, event: Event, own_us: float) -> None:
+    total = totals[event.name]
+    total[0] += own_us
+    total[1] += event.us
+    total[2] += 1
+
+
+def host_summary(trace_dir: Path, steps: int, top: int = 15) -> dict:
+    """The `top` host events by own time: [name, own ms, ms in all, calls], per step."""
+    per_step = 1e-3 / steps
+    times = sorted(host_self_times(trace_dir).items(), key=lambda item: (-item[1][0], item[0]))[:top]
+    return {"host_top_ms_per_step": [[name[:100], round(own * per_step, 3), round(total * per_step, 3),
+                                      round(calls / steps, 2)] for name, (own, total, calls) in times]}
 
 
 def idle_gaps(events: list[Event]) -> dict[tuple[str, str], float]:
@@ -117,11 +167,12 @@ def summarize_events(events: list[Event], steps: int, top: int = 15) -> dict:
 
 
 def summarize(trace_dir: Path, steps: int, top: int = 15) -> dict:
-    """summarize_events() of the trace in trace_dir (written by jax.profiler)."""
+    """summarize_events() of the trace in trace_dir (written by jax.profiler), with its
+    host_summary()."""
     events = device_events(trace_dir)
     if not events:
         raise ValueError(f"{trace_dir}: the trace has no GPU events")
-    return summarize_events(events, steps, top)
+    return {**summarize_events(events, steps, top), **host_summary(trace_dir, steps, top)}
 
 
 def print_summary(summary: dict) -> None:
@@ -131,6 +182,7 @@ def print_summary(summary: dict) -> None:
         print(f"  {kind:<10}{ms:>9.2f} ms")
     print_top_kernels(summary, "longest kernels")
     print_idle(summary)
+    print_host(summary)
 
 
 def print_top_kernels(summary: dict, title: str) -> None:
@@ -148,6 +200,13 @@ def print_idle(summary: dict) -> None:
           "idle per step; the largest gaps (ms per step: the kernel before -> the one after):")
     for before, after, ms in summary["top_idle_ms_per_step"]:
         print(f"  {ms:>8.3f}  {before}  ->  {after}")
+
+
+def print_host(summary: dict) -> None:
+    """The host events of a summarize() result with the most own time."""
+    print("host threads, by own time (ms per step: own, in all; calls per step; event):")
+    for name, own, total, calls in summary.get("host_top_ms_per_step", []):
+        print(f"  {own:>8.3f} {total:>8.3f} {calls:>6g}  {name}")
 
 
 def main():

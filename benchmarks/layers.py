@@ -53,7 +53,7 @@ from fusedattn.layers import linen as fa_linen
 from fusedattn.layers import nnx as fa_nnx
 
 from common import H200_MEASURED_MATMUL_FLOPS, parse_args, random_normal, write_results
-from kernel_profile import KINDS, print_idle, print_top_kernels, summarize
+from kernel_profile import KINDS, print_host, print_idle, print_top_kernels, summarize
 
 B, L, D_MODEL, HEADS = 4, 2048, 2048, 16
 SMALL_SHAPE = (2, 256, 256, 2)  # --small: head dim 128 as in the full shape
@@ -249,6 +249,7 @@ def print_profile(profile: dict, medians: dict) -> None:
         if name in profile and "error" not in profile[name]:
             print_top_kernels(profile[name], f"{name}, longest kernels")
             print_idle(profile[name])
+            print_host(profile[name])
 
 
 def fwd_bwd_step(apply):

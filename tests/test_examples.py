@@ -182,6 +182,13 @@ def test_profiled_steps_write_a_trace_and_kernel_times_sum_by_kind(tmp_path):
     events.append({"ph": "X", "pid": gpu, "tid": ops, "name": "gemm_fusion_dot", "dur": 400.0,
                    "ts": 0})
     events.append({"ph": "X", "pid": host, "name": "sm90_xmma_gemm_bf16", "dur": 9e6, "ts": 0})
+    # Host events nest: a dispatch, the execution inside it, a custom call inside that.
+    python = 5
+    events.append({"ph": "M", "pid": host, "tid": python, "name": "thread_name",
+                   "args": {"name": "python"}})
+    events += [{"ph": "X", "pid": host, "tid": python, "name": n, "ts": ts, "dur": us}
+               for n, ts, us in [("PjitFunction", 0.0, 100.0), ("Execute", 10.0, 60.0),
+                                 ("CustomCall", 20.0, 30.0), ("PjitFunction", 200.0, 50.0)]]
     fake = tmp_path / "fake" / "plugins" / "profile" / "run"
     fake.mkdir(parents=True)
     with gzip.open(fake / "perfetto_trace.json.gz", "wt") as f:
@@ -191,6 +198,10 @@ def test_profiled_steps_write_a_trace_and_kernel_times_sum_by_kind(tmp_path):
                                       "copy": 0.005}
     assert summary["device_ms_per_step"] == 0.33
     assert summary["top_kernels_ms_per_step"][0] == ["sm90_xmma_gemm_bf16", 0.2]
+    # [name, own ms, ms in all, calls] per step; the untitled host line above is no thread.
+    assert summary["host_top_ms_per_step"] == [["PjitFunction", 0.045, 0.075, 1.0],
+                                               ["CustomCall", 0.015, 0.015, 0.5],
+                                               ["Execute", 0.015, 0.03, 0.5]]
 
 
 def test_lm_nnx_without_packing(tmp_path, capsys):
