@@ -31,6 +31,9 @@ SOURCE = "ops_cuda/cuda/small_seq.cu"
 # the occupancy floor of one head without dropout below d=512.
 _BWD_SLOTS = "kSlotVectors = 24;"
 _BWD_BLOCKS = "|| DROPOUT || D == 512 ? 2 : N == 8 ? 4 : 3;"
+# The forward's block size, and its occupancy floor (ForwardPlan).
+_FWD_THREADS = "constexpr int kForwardThreads = 128;"
+_FWD_BLOCKS = "kMinBlocks = kWideHeavy ? 2 : kHeavy ? 3 : 4;"
 # The HIP build's pairs streamed through registers, in batches, instead of the slots.
 _REGISTER_PAIRS = {"constexpr bool kStagedPairs = true;": "constexpr bool kStagedPairs = false;",
                    "#if defined(__HIPCC__)\n    stream_rows<": "#if 1\n    stream_rows<"}
@@ -42,6 +45,10 @@ VARIANTS: dict[str, dict[str, str]] = {
     "bwd_blocks3": {_BWD_BLOCKS: "|| DROPOUT || D == 512 ? 2 : 3;"},
     "bwd_blocks4": {_BWD_BLOCKS: "|| DROPOUT || D == 512 ? 2 : 4;"},
     "bwd_registers": _REGISTER_PAIRS,
+    "fwd_threads64": {_FWD_THREADS: "constexpr int kForwardThreads = 64;"},
+    "fwd_threads256": {_FWD_THREADS: "constexpr int kForwardThreads = 256;"},
+    # Up to 4 keys, at most 64 registers: 8 blocks of 128 per SM at least.
+    "fwd_few_keys_blocks8": {_FWD_BLOCKS: "kMinBlocks = kWideHeavy ? 2 : kHeavy ? 3 : N <= 4 ? 8 : 4;"},
     # 9 to 12 keys served by the 16-key kernels, as before the 12-key instantiations.
     "no_12_keys": {"    if (max_keys <= 12) return with_dropout(et_tag, d_tag, std::integral_constant<int, 12>{}), true;\n": ""},
 }
