@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # On the GPU machine (see ../shared/device/README.md): build fusedattn, run the
 # whole test suite including GPU tests, then the benchmarks named as arguments.
-# Logs and results go under $OUT; the short summary prints last.
+# Logs and results go under $OUT; the short summary prints last. Each step also prints
+# a progress line with the seconds so far as it ends, so a call cut short by its
+# time limit still shows how far it got.
 #   usage: bash scripts/device.sh [benchmark-name ...]   e.g. small_seq
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fusedattn-out}
 mkdir -p "$OUT"
 summary=()
+started=$(date +%s)
+# Adds a line to the summary and prints it now, with the seconds since the start.
+note() { summary+=("$1"); echo "[device.sh +$(( $(date +%s) - started ))s] $1"; }
 
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
@@ -16,23 +21,23 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu
 if ! python3 -m pip install -v --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
   tail -60 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
 fi
-summary+=("build: ok ($(grep -c 'Building CUDA' "$OUT/build.log") CUDA objects)")
+note "build: ok ($(grep -c 'Building CUDA' "$OUT/build.log") CUDA objects)"
 
 # PYTEST_ARGS picks the tests (default: the whole suite); all of them run with the GPU
 # as JAX's default device, so the compiled backends run their CUDA kernels.
 # TEST_TIMEOUT (seconds per shard, 0 = none) leaves time for the benchmarks after the tests;
 # BENCH_TIMEOUT bounds each benchmark the same way.
 # The tests run in SHARDS pytest processes side by side (default 4).
-summary+=("tests on the GPU (${PYTEST_ARGS:-tests}), by shard:")
-while read -r line; do summary+=("  $line"); done < <(
+note "tests on the GPU (${PYTEST_ARGS:-tests}), by shard:"
+while read -r line; do note "  $line"; done < <(
   LOG_DIR="$OUT" bash scripts/pytest_shards.sh ${PYTEST_ARGS:-tests})
 gpu_tests=$(python3 -m pytest -q -p no:cacheprovider --collect-only -m gpu ${PYTEST_ARGS:-tests} 2>/dev/null | tail -1)
-summary+=("GPU-marked tests among them (collected with -m gpu): ${gpu_tests}")
+note "GPU-marked tests among them (collected with -m gpu): ${gpu_tests}"
 
 for name in "$@"; do
   timeout "${BENCH_TIMEOUT:-0}" python3 "benchmarks/$name.py" --out "$OUT/$name.json" ${BENCH_ARGS:-} \
     > "$OUT/bench_$name.log" 2>&1
-  summary+=("benchmark $name: exit $? (table below)")
+  note "benchmark $name: exit $? (table below)"
 done
 
 grep -hE '^(FAILED|ERROR)' "$OUT/tests.log" | head -30

@@ -4,6 +4,8 @@
 # Logs: $LOG_DIR/collect.log, $LOG_DIR/tests_<i>.log, all of them also in
 # $LOG_DIR/tests.log; prints each shard's summary line and exit status, and says so when
 # collection failed (a test module that does not import must not pass unnoticed).
+# A shard past TEST_TIMEOUT gets SIGTERM, and SIGKILL 30 s later if it is still there
+# (a process stuck in a GPU call may not end on SIGTERM).
 #   usage: SHARDS=4 LOG_DIR=$OUT TEST_TIMEOUT=300 bash scripts/pytest_shards.sh tests/test_x.py
 set -uo pipefail
 shards=${SHARDS:-4}
@@ -19,7 +21,7 @@ for ((i = 0; i < shards; i++)); do
   mine=()
   for ((j = i; j < ${#ids[@]}; j += shards)); do mine+=("${ids[j]}"); done
   ((${#mine[@]})) || continue
-  (XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TEST_TIMEOUT:-0}" \
+  (XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 30 "${TEST_TIMEOUT:-0}" \
      python3 -m pytest -q -p no:cacheprovider -rA "${mine[@]}" > "$log_dir/tests_$i.log" 2>&1
    echo $? > "$log_dir/tests_$i.rc") &
 done
