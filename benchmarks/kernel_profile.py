@@ -203,7 +203,9 @@ def print_idle(summary: dict) -> None:
 
 
 def print_host(summary: dict) -> None:
-    """The host events of a summarize() result with the most own time."""
+    """The host events of a summarize() result with the most own time. Events that
+    happen once in the traced window (the profiler's start and stop, the final
+    block_until_ready) show at 1/steps calls per step: they are not a step's cost."""
     print("host threads, by own time (ms per step: own, in all; calls per step; event):")
     for name, own, total, calls in summary.get("host_top_ms_per_step", []):
         print(f"  {own:>8.3f} {total:>8.3f} {calls:>6g}  {name}")
