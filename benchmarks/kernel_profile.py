@@ -51,8 +51,17 @@ class Event(NamedTuple):
     us: float
 
 
-def _trace_lines(trace_dir: Path) -> tuple[list[dict], dict[tuple, str], set]:
-    """The trace's events, its threads {(pid, tid): name} and the GPU processes' pids."""
+class Trace(NamedTuple):
+    """A jax.profiler trace: each line's complete ("X") events in start order, by
+    (pid, tid); the lines' thread names; the GPU processes' pids."""
+
+    lines: dict[tuple, list[Event]]
+    threads: dict[tuple, str]
+    gpu_pids: set
+
+
+def read_trace(trace_dir: Path) -> Trace:
+    """The trace in trace_dir (written by jax.profiler with create_perfetto_trace=True)."""
     with gzip.open(_trace_file(trace_dir)) as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
@@ -61,42 +70,44 @@ def _trace_lines(trace_dir: Path) -> tuple[list[dict], dict[tuple, str], set]:
                 and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
     threads = {(e["pid"], e.get("tid")): str(e.get("args", {}).get("name", "")) for e in meta
                if e.get("name") == "thread_name"}
-    return events, threads, gpu_pids
+    lines: dict[tuple, list[Event]] = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X":
+            lines[(e.get("pid"), e.get("tid"))].append(
+                Event(e["name"], float(e.get("ts", 0.0)), float(e.get("dur", 0.0))))
+    for line in lines.values():
+        line.sort(key=lambda event: event.start_us)
+    return Trace(dict(lines), threads, gpu_pids)
 
 
-def _events_on(events: list[dict], lines: set) -> list[Event]:
-    """The complete ("X") events on the given (pid, tid) lines, in start order."""
-    return sorted((Event(e["name"], float(e.get("ts", 0.0)), float(e.get("dur", 0.0)))
-                   for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in lines),
-                  key=lambda event: event.start_us)
-
-
-def device_events(trace_dir: Path) -> list[Event]:
+def device_events(trace: Trace) -> list[Event]:
     """Every kernel and copy on a GPU stream of the trace, in start order.
 
     A GPU process also has lines of XLA ops and modules spanning the same time as
     its kernels; only the "Stream ..." threads are counted, so nothing counts twice.
     """
-    events, threads, gpu_pids = _trace_lines(trace_dir)
-    streams = {key for key, name in threads.items() if key[0] in gpu_pids and name.startswith("Stream")}
+    streams = [key for key, name in trace.threads.items()
+               if key[0] in trace.gpu_pids and name.startswith("Stream")]
     if not streams:
-        raise ValueError(f"{trace_dir}: no 'Stream' thread among the GPU's trace lines "
-                         f"{sorted({name for key, name in threads.items() if key[0] in gpu_pids})}")
-    return _events_on(events, streams)
+        raise ValueError("no 'Stream' thread among the GPU's trace lines "
+                         f"{sorted({n for key, n in trace.threads.items() if key[0] in trace.gpu_pids})}")
+    return sorted((event for key in streams for event in trace.lines.get(key, [])),
+                  key=lambda event: event.start_us)
 
 
-def host_self_times(trace_dir: Path) -> dict[str, tuple[float, float, int]]:
+def host_self_times(trace: Trace) -> dict[str, tuple[float, float, int]]:
     """{event name: (own microseconds, microseconds in all, calls)} over the host threads.
 
     An event's own time is its duration less that of the events directly nested in
     it on the same thread, so a dispatch's time splits into its parts without any
     part counting twice.
     """
-    events, threads, gpu_pids = _trace_lines(trace_dir)
     totals: dict[str, list] = collections.defaultdict(lambda: [0.0, 0.0, 0])
-    for line in (key for key in threads if key[0] not in gpu_pids):
+    for key in trace.threads:
+        if key[0] in trace.gpu_pids:
+            continue
         open_events: list[list] = []  # [event, own us] of the events enclosing the current one
-        for event in sorted(_events_on(events, {line}), key=lambda e: (e.start_us, -e.us)):
+        for event in sorted(trace.lines.get(key, []), key=lambda e: (e.start_us, -e.us)):
             while open_events and open_events[-1][0].start_us + open_events[-1][0].us <= event.start_us:
                 _close(totals, *open_events.pop())
             if open_events:
@@ -114,10 +125,10 @@ def _close(totals: dict, event: Event, own_us: float) -> None:
     total[2] += 1
 
 
-def host_summary(trace_dir: Path, steps: int, top: int = 15) -> dict:
+def host_summary(trace: Trace, steps: int, top: int = 15) -> dict:
     """The `top` host events by own time: [name, own ms, ms in all, calls], per step."""
     per_step = 1e-3 / steps
-    times = sorted(host_self_times(trace_dir).items(), key=lambda item: (-item[1][0], item[0]))[:top]
+    times = sorted(host_self_times(trace).items(), key=lambda item: (-item[1][0], item[0]))[:top]
     return {"host_top_ms_per_step": [[name[:100], round(own * per_step, 3), round(total * per_step, 3),
                                       round(calls / steps, 2)] for name, (own, total, calls) in times]}
 
@@ -138,7 +149,7 @@ def idle_gaps(events: list[Event]) -> dict[tuple[str, str], float]:
 def summarize_events(events: list[Event], steps: int, top: int = 15) -> dict:
     """Device milliseconds per step by kind, and the `top` longest kernels: their ms
     per step, and in the same order their calls per step; the idle ms per step and the
-    `top` largest idle gaps by their neighbours (idle_gaps). events: device_events()."""
+    `top` largest idle gaps by their neighbours (idle_gaps). events: device_events(read_trace(dir))."""
     if not events:
         raise ValueError("the trace has no GPU events")
     by_kind: dict[str, float] = collections.defaultdict(float)
@@ -169,10 +180,14 @@ def summarize_events(events: list[Event], steps: int, top: int = 15) -> dict:
 def summarize(trace_dir: Path, steps: int, top: int = 15) -> dict:
     """summarize_events() of the trace in trace_dir (written by jax.profiler), with its
     host_summary()."""
-    events = device_events(trace_dir)
+    trace = read_trace(trace_dir)
+    try:
+        events = device_events(trace)
+    except ValueError as error:
+        raise ValueError(f"{trace_dir}: {error}") from None
     if not events:
         raise ValueError(f"{trace_dir}: the trace has no GPU events")
-    return {**summarize_events(events, steps, top), **host_summary(trace_dir, steps, top)}
+    return {**summarize_events(events, steps, top), **host_summary(trace, steps, top)}
 
 
 def print_summary(summary: dict) -> None:

@@ -271,7 +271,8 @@ def _workspace_bytes(params: tuple[int, ...], scale: float, dropout: float, infe
                                               int(backward), device, message, _MESSAGE_BYTES)
     if size < 0:
         raise RuntimeError(f"cudnn: cannot size the call's workspace: "
-                           f"{message.value.decode(errors='replace')}")
+                           f"{message.value.decode(errors='replace')}. Set config.backend to "
+                           f"'flash' or 'xla' for this call.")
     return size
 
 
