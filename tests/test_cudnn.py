@@ -30,9 +30,11 @@ ON_GPU = jax.devices()[0].platform == "gpu"
 
 def shapes(b=2, sq=64, skv=64, h=4, h_kv=4, d=64, dv=None, dtype=jnp.bfloat16, bias=False,
            dropout=False):
+    """The CallShapes of a call; `bias` True for a [b, h, sq, skv] bias, or its shape."""
+    bias_shape = (b, h, sq, skv) if bias is True else (tuple(bias) if bias else None)
     return CallShapes(batch=b, seqlen_q=sq, seqlen_kv=skv, num_heads=h, num_kv_heads=h_kv,
                       head_dim_qk=d, head_dim_v=dv or d, dtype=jnp.dtype(dtype),
-                      has_bias_array=bias, dropout=dropout)
+                      bias_shape=bias_shape, dropout=dropout)
 
 
 def spec(**overrides):
@@ -131,6 +133,25 @@ def test_dense_call_lowers_to_the_ffi_calls_and_constants(lowering_for_cuda, mas
     assert targets == ([cudnn.FWD_TARGET, cudnn.BWD_TARGET] if with_backward
                        else [cudnn.FWD_TARGET])
     assert set(ops) == {"stablehlo.custom_call", "stablehlo.constant"}, sorted(set(ops))
+
+
+@pytest.mark.parametrize("bias_shape", [(2, 4, 64, 96), (1, 4, 64, 96), (2, 1, 64, 96),
+                                        (1, 1, 64, 96)])
+def test_supports_checks_the_graph_the_call_builds(lowering_for_cuda, monkeypatch, bias_shape):
+    """supports() asks cuDNN about the very graph the forward call then builds, a broadcast
+    bias's [1, h] or [b, 1] included: a check of another graph could pass while the call's
+    own graph fails, and then "auto" would not move on to a backend that can serve it."""
+    checked, built = [], []
+    monkeypatch.setattr(cudnn, "_check", lambda params, *rest: checked.append(params))
+    monkeypatch.setattr(cudnn, "_workspace_bytes",
+                        lambda params, *rest: built.append(params) or FAKE_CUDNN_WORKSPACE_BYTES)
+    config = make_config(backend="cudnn", mask="causal", bias="post_scale_bias")
+    q = jax.ShapeDtypeStruct((2, 64, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 96, 4, 64), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct(bias_shape, jnp.bfloat16)
+    lowered_for_cuda(lambda q, k, v, bias: fused_attn((q, k, v), config=config, bias=bias),
+                     q, kv, kv, bias)
+    assert len(set(checked)) == 1 and set(built) == set(checked), (checked, built)
 
 
 def cudnn_calls(text: str) -> list[tuple[str, bool, list[str]]]:

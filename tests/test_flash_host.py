@@ -508,7 +508,7 @@ def test_vmap_per_example_tokens(rng):
 
 def _shapes(**kw):
     base = dict(batch=2, seqlen_q=4, seqlen_kv=4, num_heads=2, num_kv_heads=2, head_dim_qk=8,
-                head_dim_v=8, dtype=jnp.dtype(jnp.float32), has_bias_array=False, dropout=False)
+                head_dim_v=8, dtype=jnp.dtype(jnp.float32), bias_shape=None, dropout=False)
     base.update(kw)
     return CallShapes(**base)
 
@@ -522,7 +522,7 @@ def test_supports():
         assert reason.startswith("flash: no GPU kernel yet") and "backend='xla'" in reason
     for bias in ("post_scale_bias", "pre_scale_bias", "alibi"):
         reason = flash.BACKEND.supports(spec.replace(bias=type(spec.bias)(bias)),
-                                        _shapes(has_bias_array=bias != "alibi"), "cpu")
+                                        _shapes(bias_shape=(2, 2, 4, 4) if bias != "alibi" else None), "cpu")
         assert reason.startswith("flash: ") and "not supported" in reason and "xla" in reason
     reason = flash.BACKEND.supports(spec, _shapes(dtype=jnp.dtype(jnp.int8)), "cpu")
     assert reason.startswith("flash: dtype int8")

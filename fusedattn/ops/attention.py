@@ -111,7 +111,8 @@ def _call_shapes(spec: AttentionSpec, q, k, v, bias, softmax_offset, sequence,
         sequence.check(spec, b, sq, skv)
     return CallShapes(batch=b, seqlen_q=sq, seqlen_kv=skv, num_heads=h, num_kv_heads=h_kv,
                       head_dim_qk=d, head_dim_v=v.shape[3], dtype=jnp.dtype(q.dtype),
-                      has_bias_array=bias is not None and spec.bias != BiasType.ALIBI,
+                      bias_shape=(tuple(bias.shape) if bias is not None and spec.bias != BiasType.ALIBI
+                                  else None),
                       dropout=dropout)
 
 

@@ -74,8 +74,12 @@ class CallShapes:
     head_dim_qk: int
     head_dim_v: int
     dtype: jnp.dtype
-    has_bias_array: bool
+    bias_shape: tuple[int, ...] | None  # the bias array's [b|1, h|1, sq, skv]; None without one
     dropout: bool
+
+    @property
+    def has_bias_array(self) -> bool:
+        return self.bias_shape is not None
 
 
 class Backend(Protocol):

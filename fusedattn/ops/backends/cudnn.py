@@ -753,9 +753,10 @@ class CudnnBackend:
         dropout = shapes.dropout and spec.dropout_rate > 0
         static = _static(spec, _default_scale(spec, shapes.head_dim_qk), dropout,
                          shapes.has_bias_array, shapes.seqlen_q, shapes.seqlen_kv)
+        bias_b, bias_h = shapes.bias_shape[:2] if shapes.has_bias_array else (0, 0)
         params = _graph_params(static, shapes.batch, shapes.num_heads, shapes.num_kv_heads,
                                shapes.seqlen_q, shapes.seqlen_kv, shapes.head_dim_qk,
-                               shapes.head_dim_v, shapes.dtype, shapes.batch, shapes.num_heads)
+                               shapes.head_dim_v, shapes.dtype, bias_b, bias_h)
         why = _check(params, static.scale, static.dropout_rate, _device_ordinal())
         if why is not None:
             return (f"cudnn: cuDNN {_version_string(_State.version)} on compute capability "
