@@ -38,6 +38,14 @@ _FWD_BLOCKS = "kMinBlocks = kWideHeavy ? 2 : kHeavy ? 3 : 4;"
 _REGISTER_PAIRS = {"constexpr bool kStagedPairs = true;": "constexpr bool kStagedPairs = false;",
                    "#if defined(__HIPCC__)\n    stream_rows<": "#if 1\n    stream_rows<"}
 
+_STREAM_LOADS = {
+    '"@p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];': '"@p ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];',
+    "s.v[t] = *reinterpret_cast<const uint4*>(row + (sub + t * T::kLanes) * T::kVec);":
+        "s.v[t] = __ldcs(reinterpret_cast<const uint4*>(row + (sub + t * T::kLanes) * T::kVec));"}
+_STREAM_STORES = {
+    "*reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);":
+        "__stcs(reinterpret_cast<uint4*>(dst), make_uint4(words[0], words[1], words[2], words[3]));"}
+
 VARIANTS: dict[str, dict[str, str]] = {
     "as_is": {},
     "bwd_slots16": {_BWD_SLOTS: "kSlotVectors = 16;"},
@@ -49,6 +57,11 @@ VARIANTS: dict[str, dict[str, str]] = {
     "fwd_threads256": {_FWD_THREADS: "constexpr int kForwardThreads = 256;"},
     # Up to 4 keys, at most 64 registers: 8 blocks of 128 per SM at least.
     "fwd_few_keys_blocks8": {_FWD_BLOCKS: "kMinBlocks = kWideHeavy ? 2 : kHeavy ? 3 : N <= 4 ? 8 : 4;"},
+    # Streaming cache hints (evict first, as benchmarks/hbm_stream.cu's loads and stores):
+    # on the forward's K/V loads and every q, dO, O load; on every result store; on both.
+    "stream_loads": _STREAM_LOADS,
+    "stream_stores": _STREAM_STORES,
+    "stream_both": {**_STREAM_LOADS, **_STREAM_STORES},
     # 9 to 12 keys served by the 16-key kernels, as before the 12-key instantiations.
     "no_12_keys": {"    if (max_keys <= 12) return with_dropout(et_tag, d_tag, std::integral_constant<int, 12>{}), true;\n": ""},
 }
