@@ -46,6 +46,23 @@ _STREAM_STORES = {
     "*reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);":
         "__stcs(reinterpret_cast<uint4*>(dst), make_uint4(words[0], words[1], words[2], words[3]));"}
 
+# The forward on a resident grid (the H200's 132 SMs times BLOCKS blocks), each team looping
+# over tasks, as benchmarks/hbm_stream.cu's stream kernel does, instead of one task per team.
+def _fwd_persistent(blocks_per_sm: int) -> dict[str, str]:
+    return {
+        "  const int64_t task = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / T::kLanes;\n"
+        "  if (task >= p.batch * p.seqlen_q * p.heads) return;  // a whole team: its shuffles are team-local\n":
+        "  const int64_t teams = static_cast<int64_t>(gridDim.x) * blockDim.x / T::kLanes;\n"
+        "  for (int64_t task = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / T::kLanes;\n"
+        "       task < p.batch * p.seqlen_q * p.heads; task += teams) {\n",
+        "  if (sub == 0) lse[task] = t.ok ? row_lse : NAN;\n}":
+        "  if (sub == 0) lse[task] = t.ok ? row_lse : NAN;\n  }\n}",
+        "const int64_t blocks = blocks_for(tasks, kForwardThreads, Team<kET, kD>::kLanes);":
+        "const int64_t blocks = std::min<int64_t>(blocks_for(tasks, kForwardThreads, Team<kET, kD>::kLanes), "
+        f"132 * {blocks_per_sm});",
+    }
+
+
 VARIANTS: dict[str, dict[str, str]] = {
     "as_is": {},
     "bwd_slots16": {_BWD_SLOTS: "kSlotVectors = 16;"},
@@ -62,6 +79,8 @@ VARIANTS: dict[str, dict[str, str]] = {
     "stream_loads": _STREAM_LOADS,
     "stream_stores": _STREAM_STORES,
     "stream_both": {**_STREAM_LOADS, **_STREAM_STORES},
+    "fwd_persistent4": _fwd_persistent(4),
+    "fwd_persistent8": _fwd_persistent(8),
     # 9 to 12 keys served by the 16-key kernels, as before the 12-key instantiations.
     "no_12_keys": {"    if (max_keys <= 12) return with_dropout(et_tag, d_tag, std::integral_constant<int, 12>{}), true;\n": ""},
 }
