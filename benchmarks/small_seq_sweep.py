@@ -46,6 +46,7 @@ _STREAM_STORES = {
     "*reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);":
         "__stcs(reinterpret_cast<uint4*>(dst), make_uint4(words[0], words[1], words[2], words[3]));"}
 
+
 # The forward on a resident grid (the H200's 132 SMs times BLOCKS blocks), each team looping
 # over tasks, as benchmarks/hbm_stream.cu's stream kernel does, instead of one task per team.
 def _fwd_persistent(blocks_per_sm: int) -> dict[str, str]:

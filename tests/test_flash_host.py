@@ -521,8 +521,9 @@ def test_supports():
         reason = flash.BACKEND.supports(spec, _shapes(), platform)
         assert reason.startswith("flash: no GPU kernel yet") and "backend='xla'" in reason
     for bias in ("post_scale_bias", "pre_scale_bias", "alibi"):
+        bias_shape = (2, 2, 4, 4) if bias != "alibi" else None
         reason = flash.BACKEND.supports(spec.replace(bias=type(spec.bias)(bias)),
-                                        _shapes(bias_shape=(2, 2, 4, 4) if bias != "alibi" else None), "cpu")
+                                        _shapes(bias_shape=bias_shape), "cpu")
         assert reason.startswith("flash: ") and "not supported" in reason and "xla" in reason
     reason = flash.BACKEND.supports(spec, _shapes(dtype=jnp.dtype(jnp.int8)), "cpu")
     assert reason.startswith("flash: dtype int8")
