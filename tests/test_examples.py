@@ -204,6 +204,34 @@ def test_profiled_steps_write_a_trace_and_kernel_times_sum_by_kind(tmp_path):
                                                ["Execute", 0.015, 0.03, 0.5]]
 
 
+def test_hbm_stream_moves_the_bytes_of_the_small_seq_floor():
+    """benchmarks/hbm_stream.py's streams read and write exactly the bytes small_seq.py's
+    floor counts, per pass, and its XLA stream reads every input and writes every output."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import hbm_stream
+    import small_seq
+
+    b, d, block = 30720, 128, 30720 * small_seq.HEADS * 128 * 2
+    for s_kv in hbm_stream.S_KV:
+        blocks = {p: sum(hbm_stream.block_counts(s_kv, p)) for p in ("fwd", "bwd")}
+        assert blocks["fwd"] * block == small_seq.floor_bytes(b, s_kv, d, 2, "fwd")
+        assert ((blocks["fwd"] + blocks["bwd"]) * block
+                == small_seq.floor_bytes(b, s_kv, d, 2, "fwd+bwd"))
+
+    reads, writes = hbm_stream.block_counts(2, "bwd")
+    inputs = [np.full((8,), i + 1, np.float32) for i in range(reads)]
+    outputs = hbm_stream.xla_stream(reads, writes)(*inputs)
+    assert len(outputs) == writes
+    np.testing.assert_array_equal(outputs[0], sum(range(writes + 1, reads + 1)) + 1)
+    for w in range(1, writes):
+        np.testing.assert_array_equal(outputs[w], 2 * (w + 1))
+
+    rows = [{"name": "x", "shape": {}, "impl": "cuda_stream", "pass": p, "ms": ms}
+            for p, ms in (("fwd", 0.25), ("bwd", 0.5))]
+    assert hbm_stream.with_fwd_bwd(rows)[-1] == {"name": "x", "shape": {}, "impl": "cuda_stream",
+                                                 "pass": "fwd+bwd", "ms": 0.75}
+
+
 def test_lm_nnx_without_packing(tmp_path, capsys):
     config = tiny_lm("nnx", steps=3)
     config.data.packing = False
