@@ -64,6 +64,21 @@ def _fwd_persistent(blocks_per_sm: int) -> dict[str, str]:
     }
 
 
+# The forward's K/V loads issued before its key range arrives: rows at key 0 of the token's
+# row, predicated on the array's extent, the range read only for the softmax. Timing only: it
+# reads padded keys and is wrong where a query's keys do not start at key 0 of its row (THD,
+# packed rows); it measures what one memory round trip per task instead of two is worth.
+_FWD_ROWS_BEFORE_RANGE = {
+    "        if (j == 0) kr = t.rows.fresh(team, sub);\n"
+    "        s = load_slice_if<ET, D>((r < N ? k : v) + kr(j), sub, j < kr.live);\n":
+    "        s = load_slice_if<ET, D>((r < N ? k : v) + bshd_offset(t.b, j, h / (p.heads / p.kv_heads), 0,\n"
+    "                                 p.seqlen_kv, p.kv_heads, D), sub, j < p.seqlen_kv);\n",
+    "        const int j = r % N;\n        if (r < N) {\n          w[j] = dot<ET, D>(qs, kv);\n":
+    "        const int j = r % N;\n        if (r == 0) kr = t.rows.fresh(team, sub);\n"
+    "        if (r < N) {\n          w[j] = dot<ET, D>(qs, kv);\n",
+}
+
+
 VARIANTS: dict[str, dict[str, str]] = {
     "as_is": {},
     "bwd_slots16": {_BWD_SLOTS: "kSlotVectors = 16;"},
@@ -82,6 +97,7 @@ VARIANTS: dict[str, dict[str, str]] = {
     "stream_both": {**_STREAM_LOADS, **_STREAM_STORES},
     "fwd_persistent4": _fwd_persistent(4),
     "fwd_persistent8": _fwd_persistent(8),
+    "fwd_rows_before_range": _FWD_ROWS_BEFORE_RANGE,
     # 9 to 12 keys served by the 16-key kernels, as before the 12-key instantiations.
     "no_12_keys": {"    if (max_keys <= 12) return with_dropout(et_tag, d_tag, std::integral_constant<int, 12>{}), true;\n": ""},
 }
