@@ -182,12 +182,10 @@ def summarize(trace_dir: Path, steps: int, top: int = 15) -> dict:
     host_summary()."""
     trace = read_trace(trace_dir)
     try:
-        events = device_events(trace)
+        device = summarize_events(device_events(trace), steps, top)
     except ValueError as error:
         raise ValueError(f"{trace_dir}: {error}") from None
-    if not events:
-        raise ValueError(f"{trace_dir}: the trace has no GPU events")
-    return {**summarize_events(events, steps, top), **host_summary(trace, steps, top)}
+    return {**device, **host_summary(trace, steps, top)}
 
 
 def print_summary(summary: dict) -> None:
