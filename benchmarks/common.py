@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -21,17 +22,30 @@ def parse_args(default_out: str, add_arguments=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=default_out, help="where to write the JSON results")
     parser.add_argument("--repeats", type=int, default=7, help="timed repeats (median reported)")
-    parser.add_argument("--iters", type=int, default=10, help="calls per timed repeat")
+    parser.add_argument("--iters", type=int, default=10, help="calls per timed repeat (at least)")
+    parser.add_argument("--min-window-ms", type=float, default=20.0,
+                        help="more calls per repeat where --iters of them take less (median_ms)")
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
     if add_arguments is not None:
         add_arguments(parser)
     return parser.parse_args()
 
 
-def median_ms(fn, *args, repeats: int = 7, iters: int = 10) -> float:
-    """Median over `repeats` of the mean time of `iters` back-to-back calls, after warm-up."""
+def timing(args: argparse.Namespace) -> dict:
+    """median_ms's keyword arguments from the common flags."""
+    return {"repeats": args.repeats, "iters": args.iters, "min_window_ms": args.min_window_ms}
+
+
+def median_ms(fn, *args, repeats: int = 7, iters: int = 10, min_window_ms: float = 20.0) -> float:
+    """Median over `repeats` of the mean time of back-to-back calls, after warm-up: `iters`
+    calls, or more so that a repeat lasts at least min_window_ms. Each repeat also pays
+    its first call's dispatch and the final sync once; over a short window (10 calls of
+    0.2 ms) that fixed cost alone reads as several percent of a call's time."""
     jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
     jax.block_until_ready(fn(*args))
+    one_call_ms = (time.perf_counter() - start) * 1e3
+    iters = max(iters, math.ceil(min_window_ms / max(one_call_ms, 1e-3)))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()

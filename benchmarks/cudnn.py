@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import fusedattn
 from fusedattn.ops import SequenceDescriptor, fused_attn
 
-from common import H200_MEASURED_MATMUL_FLOPS, median_ms, parse_args, random_normal, write_results
+from common import (H200_MEASURED_MATMUL_FLOPS, median_ms, parse_args, random_normal, timing,
+                    write_results)
 
 SHAPES = [(4, 2048, 2048, 16, 128), (1, 8192, 8192, 16, 128), (16, 512, 512, 16, 64)]
 THD_SEGMENTS = 4
@@ -125,7 +126,7 @@ def main():
                 for pass_name, fn in passes(attend).items():
                     row = {"name": name, "shape": shape, "impl": impl, "pass": pass_name}
                     try:
-                        ms = median_ms(fn, q, k, v, do, repeats=args.repeats, iters=args.iters)
+                        ms = median_ms(fn, q, k, v, do, **timing(args))
                     except Exception as error:  # an implementation that cannot run the case
                         row.update(ms=None, unsupported=str(error).splitlines()[0][:300])
                     else:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from cudnn import SHAPES, ours, ours_thd, thd_config, thd_descriptor
-from common import median_ms, parse_args, random_normal, write_results
+from common import median_ms, parse_args, random_normal, timing, write_results
 from fusedattn.ops import AttentionSpec, SequenceDescriptor
 from fusedattn.ops.backends import cudnn
 from fusedattn.ops.backends.base import CanonicalArgs
@@ -66,7 +66,7 @@ def main():
             name = f"b{b}_s{sq}_h{h}_d{d}" + ("_causal" if causal else "")
             row = {"name": name}
             for part, fn in parts(q, k, v, causal).items():
-                row[part] = round(median_ms(fn, repeats=args.repeats, iters=args.iters), 4)
+                row[part] = round(median_ms(fn, **timing(args)), 4)
             rows.append(row)
             print(row, flush=True)
     write_results(args.out, rows)

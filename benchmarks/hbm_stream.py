@@ -32,7 +32,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from common import H200_HBM_BYTES_PER_S, median_ms, parse_args, random_normal, write_results
+from common import H200_HBM_BYTES_PER_S, median_ms, parse_args, random_normal, timing, write_results
 
 HEADS = 16
 S_KV = (2, 4, 6, 8, 12, 16)
@@ -65,12 +65,12 @@ def fusions(compiled) -> int:
     return len(re.findall(r"\bfusion\(", entry))
 
 
-def time_xla_stream(block_elements: int, reads: int, writes: int, repeats: int,
-                    iters: int) -> tuple[float, dict]:
+def time_xla_stream(block_elements: int, reads: int, writes: int,
+                    timed_as: dict) -> tuple[float, dict]:
     keys = jax.random.split(jax.random.key(reads * 100 + writes), reads)
     inputs = [random_normal(key, (block_elements,), jnp.bfloat16) for key in keys]
     compiled = xla_stream(reads, writes).lower(*inputs).compile()  # timed and counted once
-    return (median_ms(compiled, *inputs, repeats=repeats, iters=iters),
+    return (median_ms(compiled, *inputs, **timed_as),
             {"kernels": fusions(compiled)})
 
 
@@ -150,7 +150,7 @@ def main():
                     reads, writes = block_counts(s_kv, pass_name)
                     for impl, timed in (
                             ("xla_stream", lambda: time_xla_stream(b * HEADS * d, reads, writes,
-                                                                   args.repeats, args.iters)),
+                                                                   timing(args))),
                             ("cuda_stream", lambda: time_cuda_stream(binary, b * HEADS * d,
                                                                      reads, writes))):
                         rows.append(stream_row(impl, timed(), b, d, s_kv, pass_name))

@@ -7,8 +7,8 @@ with their calls per step, and where the GPU sits idle between kernels (the idle
 gaps by the kernel that ends before them and the one that starts after). On the
 host side it lists where the CPU threads spend their time per step (host_summary:
 each traced event's own time, without the events nested in it). Used by
-benchmarks/lm_train.py --profile and benchmarks/layers.py --profile DIR; also on
-its own:
+benchmarks/lm_train.py --profile, benchmarks/layers.py --profile DIR and
+benchmarks/small_seq.py --profile DIR (through profile_call); also on its own:
 
     python benchmarks/kernel_profile.py WORKDIR/profile --steps 5
 """
@@ -186,6 +186,24 @@ def summarize(trace_dir: Path, steps: int, top: int = 15) -> dict:
     except ValueError as error:
         raise ValueError(f"{trace_dir}: {error}") from None
     return {**device, **host_summary(trace, steps, top)}
+
+
+def profile_call(fn, args: tuple, trace_dir: Path, steps: int, top: int = 15) -> dict:
+    """Traces `steps` back-to-back calls of fn(*args) (compiled and warmed up already)
+    with jax.profiler into trace_dir, and returns summarize() of the trace with its
+    "trace_dir", or {"error": ..., "trace_dir": ...} where the trace could not be taken
+    or read (on a CPU there are no GPU events to read)."""
+    import jax  # here: reading and summarising a trace needs no JAX
+
+    try:
+        with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+            for _ in range(steps):
+                out = fn(*args)
+            jax.block_until_ready(out)
+        return {"trace_dir": str(trace_dir), **summarize(trace_dir, steps, top=top)}
+    except Exception as error:
+        message = (str(error).splitlines() or [""])[0][:300]
+        return {"error": f"{type(error).__name__}: {message}", "trace_dir": str(trace_dir)}
 
 
 def print_summary(summary: dict) -> None:

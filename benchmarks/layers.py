@@ -53,7 +53,7 @@ from fusedattn.layers import linen as fa_linen
 from fusedattn.layers import nnx as fa_nnx
 
 from common import H200_MEASURED_MATMUL_FLOPS, parse_args, random_normal, write_results
-from kernel_profile import KINDS, print_host, print_idle, print_top_kernels, summarize
+from kernel_profile import KINDS, print_host, print_idle, print_top_kernels, profile_call
 
 B, L, D_MODEL, HEADS = 4, 2048, 2048, 16
 SMALL_SHAPE = (2, 256, 256, 2)  # --small: head dim 128 as in the full shape
@@ -205,28 +205,13 @@ def impls(x):
 
 def profile_impls(steps: dict, errors: dict, profile_dir: str,
                   n_steps: int = PROFILE_STEPS, top: int = PROFILE_TOP) -> dict:
-    """Traces n_steps back-to-back calls of each step {name: (fn, args)} (already
-    compiled and warmed up by the timing) into profile_dir/<name>, and sums each trace's
-    device time by kernel kind (kernel_profile.summarize). Returns {name: summary}, or
-    {name: {"error": ...}} for a step that failed in the timing or whose trace could
-    not be taken or read."""
-    profile = {}
-    for name, (fn, args) in steps.items():
-        if name in errors:
-            profile[name] = {"error": f"not traced: the step failed: {errors[name]}"}
-            continue
-        trace_dir = Path(profile_dir) / name
-        try:
-            with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
-                for _ in range(n_steps):
-                    out = fn(*args)
-                jax.block_until_ready(out)
-            profile[name] = {"trace_dir": str(trace_dir), **summarize(trace_dir, n_steps, top=top)}
-        except Exception as error:
-            message = (str(error).splitlines() or [""])[0][:300]
-            profile[name] = {"error": f"{type(error).__name__}: {message}",
-                             "trace_dir": str(trace_dir)}
-    return profile
+    """kernel_profile.profile_call of each step {name: (fn, args)} (already compiled and
+    warmed up by the timing), traced into profile_dir/<name>. Returns {name: summary}, or
+    {name: {"error": ...}} for a step that failed in the timing or whose trace could not
+    be taken or read."""
+    return {name: {"error": f"not traced: the step failed: {errors[name]}"} if name in errors
+            else profile_call(fn, args, Path(profile_dir) / name, n_steps, top=top)
+            for name, (fn, args) in steps.items()}
 
 
 def print_profile(profile: dict, medians: dict) -> None:

@@ -13,6 +13,12 @@ The floor is bytes over the H200's 4.8 TB/s: forward reads q, k, v and writes
 o; the backward also reads q, k, v, o, dO and writes dq, dk, dv.
 
     python benchmarks/small_seq.py --out benchmarks/results/small_seq.json
+
+With --profile DIR each timed row is also traced (PROFILE_STEPS back-to-back calls,
+into DIR/<name>_<impl>_<pass>; benchmarks/kernel_profile.py) and gets "profile": the
+device time per call by kernel kind, the GPU's idle time between kernels and the
+kernels per call. That separates a kernel's own rate (device ms of kind "fusedattn"
+against the floor) from what a call adds around it (other kernels, launch gaps).
 """
 
 from __future__ import annotations
@@ -25,10 +31,15 @@ from fusedattn.ops import SequenceDescriptor, fused_attn
 from fusedattn.ops import _library
 from fusedattn.ops.backends import small_seq
 
-from common import H200_HBM_BYTES_PER_S, median_ms, parse_args, random_normal, write_results
+from pathlib import Path
+
+from common import H200_HBM_BYTES_PER_S, median_ms, parse_args, random_normal, timing, write_results
+from kernel_profile import profile_call
 
 HEADS = 16
 S_KV = (2, 4, 6, 8, 12, 16)
+PROFILE_STEPS = 10  # calls traced per row with --profile
+PROFILE_TOP = 4  # longest kernels kept per row
 
 
 def ours(q, k, v, kv_len, check_bounds=True):
@@ -91,6 +102,9 @@ def add_arguments(parser):
                         help=f"comma-separated subset of {', '.join(IMPLS)}")
     parser.add_argument("--s-kv", default=",".join(map(str, S_KV)),
                         help="comma-separated key counts")
+    parser.add_argument("--profile", metavar="DIR", default=None,
+                        help=f"also trace {PROFILE_STEPS} calls of each row into DIR and add "
+                             "its device time by kernel kind")
 
 
 def main():
@@ -115,19 +129,25 @@ def main():
                            "pass": pass_name}
                     floor_ms = floor_bytes(b, s_kv, d, 2, pass_name) / H200_HBM_BYTES_PER_S * 1e3
                     try:
-                        ms = median_ms(fn, q, k, v, kv_len, do, repeats=args.repeats,
-                                       iters=args.iters)
+                        ms = median_ms(fn, q, k, v, kv_len, do, **timing(args))
                     except Exception as error:  # cuDNN rejects s_q = 1 in the backward
                         row.update(ms=None, unsupported=str(error).splitlines()[0][:200])
                     else:
                         row.update(ms=round(ms, 4), floor_ms=round(floor_ms, 4),
                                    fraction_of_floor=round(floor_ms / ms, 3))
+                        if args.profile:
+                            trace = f"{row['name']}_{impl}_{pass_name.replace('+', '_')}"
+                            row["profile"] = profile_call(fn, (q, k, v, kv_len, do),
+                                                          Path(args.profile) / trace,
+                                                          PROFILE_STEPS, top=PROFILE_TOP)
                     rows.append(row)
                     print(row, flush=True)
     summary = summarize(rows)
     write_results(args.out, rows, summary=summary,
                   floor="bytes / 4.8 TB/s (H200 HBM3e peak)")
     print_table(rows, summary)
+    if args.profile:
+        print_profile(rows)
 
 
 def summarize(rows):
@@ -158,6 +178,25 @@ def print_table(rows, summary):
               f"{fmt(cudnn_ms):>10}"
               f"{fmt(s['speedup_vs_xla']):>8}{fmt(s['speedup_vs_cudnn']):>9}"
               f"{100 * s['fraction_of_floor']:>7.0f}%")
+
+
+def print_profile(rows):
+    """Per traced row: timed ms, device ms per call (all kernels, and ours alone), the
+    GPU's idle ms between kernels, kernels per call, and the floor over our kernels' time."""
+    print(f"\n{'shape':<22}{'impl':<21}{'pass':<9}{'timed':>8}{'device':>8}{'ours':>8}{'idle':>8}"
+          f"{'kernels':>8}{'ours floor%':>12}")
+    for r in rows:
+        p = r.get("profile")
+        if p is None:
+            continue
+        head = f"{r['name']:<22}{r['impl']:<21}{r['pass']:<9}{r['ms']:>8.3f}"
+        if "error" in p:
+            print(f"{head}  error: {p['error'][:80]}")
+            continue
+        ours_ms = p["ms_per_step"].get("fusedattn")
+        print(f"{head}{p['device_ms_per_step']:>8.3f}{ours_ms or 0.0:>8.3f}{p['idle_ms_per_step']:>8.3f}"
+              f"{p['kernels_per_step']:>8g}"
+              + (f"{100 * r['floor_ms'] / ours_ms:>11.0f}%" if ours_ms else f"{'-':>12}"))
 
 
 if __name__ == "__main__":

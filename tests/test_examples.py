@@ -232,6 +232,29 @@ def test_hbm_stream_moves_the_bytes_of_the_small_seq_floor():
                                                  "pass": "fwd+bwd", "ms": 0.75}
 
 
+
+def test_median_ms_times_repeats_of_at_least_the_window():
+    """benchmarks' median_ms adds calls to a repeat until --iters of them fill min_window_ms,
+    and times exactly --iters calls per repeat without a window (two warm-up calls first)."""
+    import time
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import common
+
+    calls = []
+
+    def two_ms_call():
+        calls.append(1)
+        time.sleep(0.002)
+        return jnp.zeros(())
+
+    common.median_ms(two_ms_call, repeats=3, iters=2, min_window_ms=0.0)
+    assert len(calls) == 2 + 3 * 2
+    calls.clear()
+    common.median_ms(two_ms_call, repeats=3, iters=2, min_window_ms=20.0)
+    per_repeat = (len(calls) - 2) / 3
+    assert per_repeat == int(per_repeat) and 5 <= per_repeat <= 10, len(calls)
+
 def test_lm_nnx_without_packing(tmp_path, capsys):
     config = tiny_lm("nnx", steps=3)
     config.data.packing = False
