@@ -285,6 +285,32 @@ def test_key_ranges_of_every_form():
     np.testing.assert_array_equal(np.asarray(length), [[3, -1, 0]])
 
 
+@pytest.mark.parametrize("seqlen_q,seqlen_kv", [(1, 4), (1, 20), (3, 9)])
+def test_prefix_key_ranges_match_key_ranges(rng, seqlen_q, seqlen_kv):
+    """The lengths-only key ranges equal key_ranges of the same descriptor's (or of no
+    descriptor's) segment ids, lengths negative and past the extent included; the start may
+    differ only for a query without keys, which no kernel reads."""
+    from fusedattn.ops.sequence import dense_token_info
+
+    spec = AttentionSpec.from_config(small_seq_config())
+    batch, max_keys = 64, 16
+    q_len = jnp.asarray(rng.integers(-1, seqlen_q + 2, batch), jnp.int32)
+    kv_len = jnp.asarray(rng.integers(-1, seqlen_kv + 2, batch), jnp.int32)
+    sequence = SequenceDescriptor.from_seqlens(q_len, kv_len)
+    for descriptor, tokens in ((sequence, sequence.token_info(spec, seqlen_q, seqlen_kv)),
+                               (None, dense_token_info(spec, batch, seqlen_q, seqlen_kv))):
+        start, length = small_seq.prefix_key_ranges(descriptor, (batch, seqlen_q), seqlen_kv,
+                                                    max_keys)
+        expected_start, expected_length = small_seq.key_ranges(tokens, max_keys)
+        np.testing.assert_array_equal(np.asarray(length), np.asarray(expected_length))
+        has_keys = np.asarray(length) > 0
+        np.testing.assert_array_equal(np.asarray(start)[has_keys],
+                                      np.asarray(expected_start)[has_keys])
+        if descriptor is not None:  # the random lengths reach every kind of query
+            kinds = set(np.unique(np.sign(np.asarray(length))))
+            assert kinds == ({-1, 0, 1} if seqlen_q > 1 or seqlen_kv > max_keys else {0, 1})
+
+
 def test_explain_says_why(rng):
     qkv = bshd_inputs(rng, 2, 16, 2, 2, 64, jnp.bfloat16)
     sequence = SequenceDescriptor.from_seqlens(jnp.ones((2,), jnp.int32),

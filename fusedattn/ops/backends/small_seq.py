@@ -108,11 +108,16 @@ class SmallSeqBackend:
 
     def attention(self, spec: AttentionSpec, args: CanonicalArgs, scale: float) -> jax.Array:
         max_keys = key_bound(spec, args.k.shape[1])
-        kv_start, kv_len = key_ranges(args.tokens, max_keys)
+        if one_prefix_per_row(args):
+            kv_start, kv_len = prefix_key_ranges(args.sequence, args.q.shape[:2], args.k.shape[1],
+                                                 max_keys)
+        else:
+            kv_start, kv_len = key_ranges(args.tokens, max_keys)
         if can_break_bounds(args, max_keys):
             guard(kv_len < 0, _guard_message(spec, max_keys), spec)
         rate = spec.dropout_rate if args.dropout_seed is not None else 0.0
-        seed = (jnp.zeros((2,), jnp.uint32) if args.dropout_seed is None
+        # Without dropout the kernels never read the seed: a constant, not a kernel filling it.
+        seed = (np.zeros((2,), np.uint32) if args.dropout_seed is None
                 else args.dropout_seed.astype(jnp.uint32))
         return _small_seq(args.q, args.k, args.v, kv_start, kv_len, seed,
                           float(scale), float(rate), int(max_keys))
@@ -122,8 +127,33 @@ def can_break_bounds(args: CanonicalArgs, max_keys: int) -> bool:
     """Whether any data can break the bounds (key_ranges' -1). Not with one query token per
     row, at most max_keys keys per row, and no descriptor or its lengths form (a prefix of
     each row): then the guard, whose checkify effect slows JAX's dispatch, is left out."""
-    prefix = args.sequence is None or args.sequence.format == SequenceFormat.SEQLENS
-    return not (prefix and args.q.shape[1] == 1 and args.k.shape[1] <= max_keys)
+    return not (one_prefix_per_row(args) and args.q.shape[1] == 1 and args.k.shape[1] <= max_keys)
+
+
+def one_prefix_per_row(args: CanonicalArgs) -> bool:
+    """Whether each row holds one sequence, a prefix of it: no descriptor or its lengths form."""
+    return args.sequence is None or args.sequence.format == SequenceFormat.SEQLENS
+
+
+def prefix_key_ranges(sequence, q_shape: tuple[int, int], seqlen_kv: int,
+                      max_keys: int) -> tuple[jax.Array, jax.Array]:
+    """key_ranges for one sequence per row, a prefix of it (no descriptor, or its lengths
+    form): the same kv_len, from the lengths alone, in one elementwise pass instead of
+    key_ranges' reductions over every row's segment ids. kv_start is 0 (key_ranges puts
+    seqlen_kv there for a query without keys, whose start no kernel reads).
+
+    sequence: None or a SequenceDescriptor with q_seqlens, kv_seqlens [b]; q_shape: (b, sq).
+    """
+    batch, seqlen_q = q_shape
+    if sequence is None:
+        q_count, kv_count = jnp.full((batch, 1), seqlen_q), jnp.full((batch, 1), seqlen_kv)
+    else:
+        q_count = jnp.clip(sequence.q_seqlens, 0, seqlen_q)[:, None]
+        kv_count = jnp.clip(sequence.kv_seqlens, 0, seqlen_kv)[:, None]
+    is_query = jnp.arange(seqlen_q)[None, :] < q_count
+    broken = is_query & ((kv_count > max_keys) | (q_count > 1))
+    kv_len = jnp.where(broken, -1, jnp.where(is_query, kv_count, 0))
+    return jnp.zeros((batch, seqlen_q), jnp.int32), kv_len.astype(jnp.int32)
 
 
 def key_ranges(tokens: TokenInfo, max_keys: int) -> tuple[jax.Array, jax.Array]:
