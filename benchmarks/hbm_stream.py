@@ -15,7 +15,9 @@ Each input element is read once and each output element written once, by
       issues all reads of an index before its writes, with streaming cache hints; the
       fastest of 2, 4 and 8 blocks of 256 threads per SM.
 A fwd+bwd call's stream time is the sum of the two. With --small-seq the table also gives
-the small-seq kernels' times (impl small_seq_kernel of that result file) against them.
+the small-seq kernels' times (impl small_seq_kernel of that result file) against them: wall
+time against the XLA stream's, device time (that file's --profile traces) against the CUDA
+stream's.
 
     python benchmarks/hbm_stream.py --out benchmarks/results/hbm_stream.json \\
         --small-seq benchmarks/results/small_seq.json
@@ -116,19 +118,30 @@ def with_fwd_bwd(rows: list[dict]) -> list[dict]:
 
 
 def against_small_seq(rows: list[dict], path: str) -> list[dict]:
-    """The small-seq kernels' times (impl small_seq_kernel) against each stream's."""
-    ours = {(r["name"], r["pass"]): r["ms"] for r in json.load(open(path))["rows"]
-            if r["impl"] == "small_seq_kernel" and r.get("ms")}
+    """The small-seq kernels (impl small_seq_kernel of a small_seq.py result file) against
+    each stream, like for like: their wall time per call (median_ms, as the XLA stream's)
+    against the XLA stream's, and, where the file has --profile traces, their device time
+    per call (the "fusedattn" kernels alone, as the CUDA stream's event timing) against the
+    CUDA stream's."""
+    measured = {"xla_stream": {}, "cuda_stream": {}}
+    for r in json.load(open(path))["rows"]:
+        if r["impl"] == "small_seq_kernel" and r.get("ms"):
+            measured["xla_stream"][(r["name"], r["pass"])] = r["ms"]
+            device_ms = r.get("profile", {}).get("ms_per_step", {}).get("fusedattn")
+            if device_ms:
+                measured["cuda_stream"][(r["name"], r["pass"])] = device_ms
+    ours_key = {"xla_stream": "small_seq_kernel_ms", "cuda_stream": "small_seq_kernel_device_ms"}
     streams = {(r["name"], r["pass"], r["impl"]): r["ms"] for r in rows}
     out = []
-    for (name, pass_name), ms in ours.items():
-        entry = {"name": name, "pass": pass_name, "small_seq_kernel_ms": ms}
+    for name, pass_name in measured["xla_stream"]:
+        entry = {"name": name, "pass": pass_name}
         for impl in IMPLS:
+            ms = measured[impl].get((name, pass_name))
             stream_ms = streams.get((name, pass_name, impl))
-            if stream_ms is not None:
-                entry[f"{impl}_ms"] = stream_ms
-                entry[f"speedup_vs_{impl}"] = round(stream_ms / ms, 3)
-        if len(entry) > 3:
+            if ms is not None and stream_ms is not None:
+                entry.update({ours_key[impl]: ms, f"{impl}_ms": stream_ms,
+                              f"speedup_vs_{impl}": round(stream_ms / ms, 3)})
+        if len(entry) > 2:
             out.append(entry)
     return out
 
@@ -165,12 +178,18 @@ def main():
             print(f"{r['name']:<20}{r['pass']:<6}{r['impl']:<13}{r['ms']:>8.3f}"
                   f"{r['tb_per_s']:>7.2f}{100 * r['fraction_of_peak']:>6.0f}%")
     if comparison:
-        print(f"\n{'shape':<20}{'pass':<9}{'kernel ms':>10}{'xla ms':>8}{'vs xla':>8}"
-              f"{'cuda ms':>9}{'vs cuda':>9}")
+        print(f"\n{'shape':<20}{'pass':<9}{'ours wall':>10}{'xla ms':>8}{'vs xla':>8}"
+              f"{'ours device':>12}{'cuda ms':>9}{'vs cuda':>9}")
         for c in comparison:
-            print(f"{c['name']:<20}{c['pass']:<9}{c['small_seq_kernel_ms']:>10.3f}"
-                  f"{c['xla_stream_ms']:>8.3f}{c['speedup_vs_xla_stream']:>7.2f}x"
-                  f"{c['cuda_stream_ms']:>9.3f}{c['speedup_vs_cuda_stream']:>8.2f}x")
+            print(f"{c['name']:<20}{c['pass']:<9}" + "".join(
+                _cell(c.get(key), width, digits) for key, width, digits in (
+                    ("small_seq_kernel_ms", 10, 3), ("xla_stream_ms", 8, 3),
+                    ("speedup_vs_xla_stream", 8, 2), ("small_seq_kernel_device_ms", 12, 3),
+                    ("cuda_stream_ms", 9, 3), ("speedup_vs_cuda_stream", 9, 2))))
+
+
+def _cell(value: float | None, width: int, digits: int) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
 
 
 if __name__ == "__main__":

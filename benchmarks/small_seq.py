@@ -40,6 +40,9 @@ HEADS = 16
 S_KV = (2, 4, 6, 8, 12, 16)
 PROFILE_STEPS = 10  # calls traced per row with --profile
 PROFILE_TOP = 4  # longest kernels kept per row
+# Of kernel_profile.summarize's keys, those kept in the results.
+PROFILE_KEPT = ("error", "device_ms_per_step", "idle_ms_per_step", "kernels_per_step",
+                "ms_per_step", "top_kernels_ms_per_step")
 
 
 def ours(q, k, v, kv_len, check_bounds=True):
@@ -137,9 +140,11 @@ def main():
                                    fraction_of_floor=round(floor_ms / ms, 3))
                         if args.profile:
                             trace = f"{row['name']}_{impl}_{pass_name.replace('+', '_')}"
-                            row["profile"] = profile_call(fn, (q, k, v, kv_len, do),
-                                                          Path(args.profile) / trace,
-                                                          PROFILE_STEPS, top=PROFILE_TOP)
+                            profile = profile_call(fn, (q, k, v, kv_len, do),
+                                                   Path(args.profile) / trace, PROFILE_STEPS,
+                                                   top=PROFILE_TOP)
+                            row["profile"] = {key: profile[key] for key in PROFILE_KEPT
+                                              if key in profile}
                     rows.append(row)
                     print(row, flush=True)
     summary = summarize(rows)
