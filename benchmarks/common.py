@@ -40,7 +40,7 @@ def median_ms(fn, *args, repeats: int = 7, iters: int = 10, min_window_ms: float
     """Median over `repeats` of the mean time of back-to-back calls, after warm-up: `iters`
     calls, or more so that a repeat lasts at least min_window_ms. A repeat pays its first
     dispatch and its final sync once, which a short window reads as per-call time: a
-    0.18 ms small_seq forward read 0.200, 0.186 and 0.179 ms over windows of 10 calls,
+    0.18 ms small_seq forward read 0.200, 0.185 and 0.179 ms over windows of 10 calls,
     20 ms and 200 ms (benchmarks/timing_windows.py, results/timing_windows.json)."""
     jax.block_until_ready(fn(*args))
     start = time.perf_counter()
