@@ -14,9 +14,10 @@ config.sequence.max_seqlen_q and the q extent) must be 1 and the key bound
 (max_seqlen_kv vs the kv extent) at most 16. The data must honour the declared
 bounds; the guard below checks it on the device, without a host sync:
 
-- each query token's key range is computed from the per-token segment vectors;
-  a segment with more keys than the bound, more than one query token, or keys
-  that are not contiguous marks its query "broken" (kv_len = -1);
+- each query token's key range is computed from the per-token segment vectors
+  (key_ranges), or with one sequence per row from its lengths alone
+  (prefix_key_ranges); a segment with more keys than the bound, more than one
+  query token, or keys that are not contiguous marks its query "broken" (kv_len = -1);
 - the kernels write NaN (never plausible numbers) to a broken query's output
   and dq;
 - the call raises ValueError naming the bound when its values are concrete
