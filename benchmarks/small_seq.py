@@ -156,7 +156,10 @@ def main():
 
 
 def summarize(rows):
-    times = {(r["name"], r["impl"], r["pass"]): r["ms"] for r in rows}
+    """Per row of ours: time, floor fraction and speedup over each peer; with --profile
+    traces also the speedup in device time per call, which is the kernels' own where a
+    call's wall time is mostly dispatch (the b=4000 forwards)."""
+    by_key = {(r["name"], r["impl"], r["pass"]): r for r in rows}
     out = []
     for r in rows:
         if r["impl"] not in ("small_seq", "small_seq_unchecked") or r["ms"] is None:
@@ -164,25 +167,28 @@ def summarize(rows):
         entry = {"name": r["name"], "impl": r["impl"], "pass": r["pass"], "ms": r["ms"],
                  "fraction_of_floor": r["fraction_of_floor"]}
         for peer in ("xla", "cudnn"):
-            peer_ms = times.get((r["name"], peer, r["pass"]))
-            entry[f"speedup_vs_{peer}"] = None if not peer_ms else round(peer_ms / r["ms"], 2)
+            peer_row = by_key.get((r["name"], peer, r["pass"]), {})
+            entry[f"speedup_vs_{peer}"] = (round(peer_row["ms"] / r["ms"], 2)
+                                           if peer_row.get("ms") else None)
+            device_ms = [row.get("profile", {}).get("device_ms_per_step") for row in (r, peer_row)]
+            if all(device_ms):
+                entry[f"device_speedup_vs_{peer}"] = round(device_ms[1] / device_ms[0], 2)
         out.append(entry)
     return out
 
 
 def print_table(rows, summary):
-    print(f"\n{'shape':<22}{'impl':<21}{'pass':<9}{'ours ms':>9}{'kernel':>8}{'xla ms':>9}{'cudnn ms':>10}"
-          f"{'vs xla':>8}{'vs cudnn':>9}{'floor%':>8}")
+    print(f"\n{'shape':<22}{'impl':<21}{'pass':<9}{'ours ms':>9}{'kernel':>8}{'xla ms':>9}"
+          f"{'cudnn ms':>10}{'vs xla':>8}{'vs cudnn':>9}{'floor%':>8}{'device vs xla':>14}")
     times = {(r["name"], r["impl"], r["pass"]): r["ms"] for r in rows}
+    fmt = lambda x: "n/a" if x is None else f"{x:.3f}"
     for s in summary:
-        xla_ms = times.get((s["name"], "xla", s["pass"]))
-        cudnn_ms = times.get((s["name"], "cudnn", s["pass"]))
-        kernel_ms = times.get((s["name"], "small_seq_kernel", s["pass"]))
-        fmt = lambda x: "n/a" if x is None else f"{x:.3f}"
-        print(f"{s['name']:<22}{s['impl']:<21}{s['pass']:<9}{s['ms']:>9.3f}{fmt(kernel_ms):>8}{fmt(xla_ms):>9}"
-              f"{fmt(cudnn_ms):>10}"
-              f"{fmt(s['speedup_vs_xla']):>8}{fmt(s['speedup_vs_cudnn']):>9}"
-              f"{100 * s['fraction_of_floor']:>7.0f}%")
+        peers = [times.get((s["name"], impl, s["pass"]))
+                 for impl in ("small_seq_kernel", "xla", "cudnn")]
+        print(f"{s['name']:<22}{s['impl']:<21}{s['pass']:<9}{s['ms']:>9.3f}"
+              + "".join(f"{fmt(ms):>{width}}" for ms, width in zip(peers, (8, 9, 10)))
+              + f"{fmt(s['speedup_vs_xla']):>8}{fmt(s['speedup_vs_cudnn']):>9}"
+              f"{100 * s['fraction_of_floor']:>7.0f}%{fmt(s.get('device_speedup_vs_xla')):>14}")
 
 
 def print_profile(rows):

@@ -233,6 +233,25 @@ def test_hbm_stream_moves_the_bytes_of_the_small_seq_floor():
 
 
 
+def test_small_seq_summary_adds_device_speedups_where_traced():
+    """benchmarks/small_seq.py's summary: wall-time speedups always, device-time speedups
+    only where both rows have a --profile trace."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import small_seq
+
+    def row(impl, ms, device_ms=None):
+        r = {"name": "x", "impl": impl, "pass": "fwd", "ms": ms, "fraction_of_floor": 0.5}
+        if device_ms is not None:
+            r["profile"] = {"device_ms_per_step": device_ms}
+        return r
+
+    traced = small_seq.summarize([row("small_seq", 0.5, 0.2), row("xla", 0.5, 0.3),
+                                  row("cudnn", 2.0)])
+    assert traced == [{"name": "x", "impl": "small_seq", "pass": "fwd", "ms": 0.5,
+                       "fraction_of_floor": 0.5, "speedup_vs_xla": 1.0,
+                       "device_speedup_vs_xla": 1.5, "speedup_vs_cudnn": 4.0}]
+
+
 def test_median_ms_times_repeats_of_at_least_the_window():
     """benchmarks' median_ms adds calls to a repeat until --iters of them fill min_window_ms,
     and times exactly --iters calls per repeat without a window (two warm-up calls first)."""
