@@ -37,24 +37,31 @@ def timing(args: argparse.Namespace) -> dict:
 
 
 def median_ms(fn, *args, repeats: int = 7, iters: int = 10, min_window_ms: float = 100.0) -> float:
-    """Median over `repeats` of the mean time of back-to-back calls, after warm-up: `iters`
-    calls, or more so that a repeat lasts at least min_window_ms. A repeat pays its first
-    dispatch and its final sync once, which a short window reads as per-call time: a
-    0.18 ms small_seq forward read 0.200, 0.185 and 0.179 ms over windows of 10 calls,
-    20 ms and 200 ms (benchmarks/timing_windows.py, results/timing_windows.json)."""
+    """Median over `repeats` of mean_call_ms, after warm-up, over calls_per_repeat calls."""
     jax.block_until_ready(fn(*args))
+    calls = calls_per_repeat(fn, args, iters, min_window_ms)
+    return statistics.median(mean_call_ms(fn, args, calls) for _ in range(repeats))
+
+
+def calls_per_repeat(fn, args: tuple, iters: int, min_window_ms: float) -> int:
+    """`iters`, or more so that a repeat of back-to-back calls lasts at least min_window_ms
+    (from one timed call, after warm-up). A repeat pays its first dispatch and its final
+    sync once, which a short window reads as per-call time: a 0.18 ms small_seq forward
+    read 0.200, 0.185 and 0.179 ms over windows of 10 calls, 20 ms and 200 ms
+    (benchmarks/timing_windows.py, results/timing_windows.json)."""
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     one_call_ms = (time.perf_counter() - start) * 1e3
-    iters = max(iters, math.ceil(min_window_ms / max(one_call_ms, 1e-3)))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / iters * 1e3)
-    return statistics.median(times)
+    return max(iters, math.ceil(min_window_ms / max(one_call_ms, 1e-3)))
+
+
+def mean_call_ms(fn, args: tuple, calls: int) -> float:
+    """Milliseconds per call of `calls` back-to-back calls ending in block_until_ready."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / calls * 1e3
 
 
 def environment() -> dict:

@@ -12,9 +12,9 @@ without biases), with two diagnostics: hand_cudnn_bias (with the layers' four
 biases, so the same work as ours) and hand_cudnn_fused_qkv (q, k, v as one matmul).
 
 Timing: every impl is compiled and warmed up first; then each of --repeats rounds
-(21 by default) times every impl once (--iters back-to-back calls), in an order
-rotated by one per round, so all impls meet the same clocks, temperature and
-neighbours. "ms" is the median over the rounds; ms_min/ms_max show the spread.
+(21 by default) times every impl once (--iters back-to-back calls, or more to fill
+--min-window-ms), in an order rotated by one per round, so all impls meet the same
+clocks, temperature and neighbours. "ms" is the median over the rounds; ms_min/ms_max show the spread.
 (Before, each impl was timed in a window of its own, where drift between windows
 reads as a gap between impls: fusedattn_linen and fusedattn_nnx lower to the same
 program, op for op, yet were once measured 1.979 against 1.884 ms, and 1.914 against
@@ -38,7 +38,6 @@ be taken or read (on a CPU there are no GPU streams to read: every impl gets an 
 from __future__ import annotations
 
 import statistics
-import time
 from pathlib import Path
 
 import equinox as eqx
@@ -52,7 +51,8 @@ from fusedattn.layers import equinox as fa_equinox
 from fusedattn.layers import linen as fa_linen
 from fusedattn.layers import nnx as fa_nnx
 
-from common import H200_MEASURED_MATMUL_FLOPS, parse_args, random_normal, write_results
+from common import (H200_MEASURED_MATMUL_FLOPS, calls_per_repeat, mean_call_ms, parse_args,
+                    random_normal, write_results)
 from kernel_profile import KINDS, print_host, print_idle, print_top_kernels, profile_call
 
 B, L, D_MODEL, HEADS = 4, 2048, 2048, 16
@@ -140,34 +140,30 @@ def hand_cudnn_step(rng, fused_qkv: bool = False, use_bias: bool = False):
     return apply, params
 
 
-def interleaved_ms(steps: dict, repeats: int, iters: int) -> tuple[dict, dict]:
+def interleaved_ms(steps: dict, repeats: int, iters: int, min_window_ms: float
+                   ) -> tuple[dict, dict]:
     """Times steps {name: (fn, args)} in rounds; returns ({name: [ms per round]}, {name: error}).
 
     Each step is compiled and run twice first (a step that raises is reported in
-    the errors and left out). Each round then times every step once, as the mean
-    of `iters` back-to-back calls ending in block_until_ready, starting the round
-    one step further along the list than the last, so that no impl is measured in
-    a window of its own or always after the same neighbour.
+    the errors and left out). Each round then times every step once, as
+    common.mean_call_ms of common.calls_per_repeat back-to-back calls, starting the
+    round one step further along the list than the last, so that no impl is measured
+    in a window of its own or always after the same neighbour.
     """
-    times, errors = {}, {}
+    calls, errors = {}, {}
     for name, (fn, args) in steps.items():
         try:
             jax.block_until_ready(fn(*args))
-            jax.block_until_ready(fn(*args))
+            calls[name] = calls_per_repeat(fn, args, iters, min_window_ms)
         except Exception as error:
             errors[name] = str(error).splitlines()[0][:300]
-        else:
-            times[name] = []
-    names = list(times)
+    names = list(calls)
+    times = {name: [] for name in names}
     for round_ in range(repeats):
         shift = round_ % len(names) if names else 0
         for name in names[shift:] + names[:shift]:
             fn, args = steps[name]
-            start = time.perf_counter()
-            for _ in range(iters):
-                out = fn(*args)
-            jax.block_until_ready(out)
-            times[name].append((time.perf_counter() - start) / iters * 1e3)
+            times[name].append(mean_call_ms(fn, args, calls[name]))
     return times, errors
 
 
@@ -266,7 +262,8 @@ def main():
     cotangent = random_normal(keys[1], (B, L, D_MODEL), DTYPE)
     steps = {name: (jax.jit(fwd_bwd_step(apply)), (params, x, cotangent))
              for name, (apply, params) in impls(x).items()}
-    times, errors = interleaved_ms(steps, repeats=args.repeats, iters=args.iters)
+    times, errors = interleaved_ms(steps, repeats=args.repeats, iters=args.iters,
+                                   min_window_ms=args.min_window_ms)
     rows = []
     for name in steps:
         row = {"name": f"b{B}_L{L}_d{D_MODEL}_h{HEADS}_causal", "shape": {"b": B, "L": L, "d_model": D_MODEL,
