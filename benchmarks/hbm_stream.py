@@ -34,7 +34,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from common import H200_HBM_BYTES_PER_S, median_ms, parse_args, random_normal, timing, write_results
+from common import (H200_HBM_BYTES_PER_S, median_ms, parse_args, random_normal, timing,
+                    write_results)
 
 HEADS = 16
 S_KV = (2, 4, 6, 8, 12, 16)

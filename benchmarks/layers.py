@@ -14,7 +14,8 @@ biases, so the same work as ours) and hand_cudnn_fused_qkv (q, k, v as one matmu
 Timing: every impl is compiled and warmed up first; then each of --repeats rounds
 (21 by default) times every impl once (--iters back-to-back calls, or more to fill
 --min-window-ms), in an order rotated by one per round, so all impls meet the same
-clocks, temperature and neighbours. "ms" is the median over the rounds; ms_min/ms_max show the spread.
+clocks, temperature and neighbours. "ms" is the median over the rounds; ms_min/ms_max
+show the spread.
 (Before, each impl was timed in a window of its own, where drift between windows
 reads as a gap between impls: fusedattn_linen and fusedattn_nnx lower to the same
 program, op for op, yet were once measured 1.979 against 1.884 ms, and 1.914 against

@@ -23,6 +23,8 @@ against the floor) from what a call adds around it (other kernels, launch gaps).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 
@@ -31,9 +33,8 @@ from fusedattn.ops import SequenceDescriptor, fused_attn
 from fusedattn.ops import _library
 from fusedattn.ops.backends import small_seq
 
-from pathlib import Path
-
-from common import H200_HBM_BYTES_PER_S, median_ms, parse_args, random_normal, timing, write_results
+from common import (H200_HBM_BYTES_PER_S, median_ms, parse_args, random_normal, timing,
+                    write_results)
 from kernel_profile import profile_call
 
 HEADS = 16
