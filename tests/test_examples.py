@@ -276,6 +276,15 @@ def test_median_ms_times_repeats_of_at_least_the_window(monkeypatch):
     assert len(calls) == 2 + 3 * 10
 
 
+def test_lm_nnx_without_packing(tmp_path, capsys):
+    config = tiny_lm("nnx", steps=3)
+    config.data.packing = False
+    run_lm(config, tmp_path)
+    check_outputs(tmp_path, 3)
+    # Without packing the layers get plain causal attention and no descriptor.
+    assert "packing off" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("layout", ["thd_thd_thd", "bshd_bshd_bshd"])
 def test_recommender_smoke(tmp_path, capsys, layout):
     summary = run_recommender(tiny_recommender(qkv_layout=layout), tmp_path)
