@@ -117,8 +117,7 @@ class SmallSeqBackend:
         if can_break_bounds(args, max_keys):
             guard(kv_len < 0, _guard_message(spec, max_keys), spec)
         rate = spec.dropout_rate if args.dropout_seed is not None else 0.0
-        # Without dropout the kernels never read the seed: a constant, not a kernel filling it.
-        seed = (np.zeros((2,), np.uint32) if args.dropout_seed is None
+        seed = (jnp.zeros((2,), jnp.uint32) if args.dropout_seed is None
                 else args.dropout_seed.astype(jnp.uint32))
         return _small_seq(args.q, args.k, args.v, kv_start, kv_len, seed,
                           float(scale), float(rate), int(max_keys))
