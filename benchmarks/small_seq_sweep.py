@@ -1,6 +1,6 @@
 """Tuning the small_seq kernels' launch plans on the GPU machine.
 
-Each variant is a set of literal edits to ops_cuda/cuda/small_seq.cu (its plan
+Each variant is a set of literal edits to ops_cuda/cuda/small_seq_kernels.cuh (its plan
 constants: rows per batch, the occupancy floor of __launch_bounds__). For each,
 a patched copy of the source tree builds the op libraries with CMake (the
 variants in parallel, sm_90 only, without cuDNN), then benchmarks/small_seq.py
@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCE = "ops_cuda/cuda/small_seq.cu"
+SOURCE = "ops_cuda/cuda/small_seq_kernels.cuh"
 
 # BackwardPlan: raw vectors per lane of the (K_j, V_j) pair slots in shared memory (CUDA);
 # the occupancy floor of one head without dropout below d=512.
@@ -58,8 +58,8 @@ def _fwd_persistent(blocks_per_sm: int) -> dict[str, str]:
         "       task < p.batch * p.seqlen_q * p.heads; task += teams) {\n",
         "  if (sub == 0) lse[task] = t.ok ? row_lse : NAN;\n}":
         "  if (sub == 0) lse[task] = t.ok ? row_lse : NAN;\n  }\n}",
-        "const int64_t blocks = blocks_for(tasks, kForwardThreads, Team<kET, kD>::kLanes);":
-        "const int64_t blocks = std::min<int64_t>(blocks_for(tasks, kForwardThreads, Team<kET, kD>::kLanes), "
+        "const int64_t blocks = blocks_for(tasks, kForwardThreads, Team<ET, D>::kLanes);":
+        "const int64_t blocks = std::min<int64_t>(blocks_for(tasks, kForwardThreads, Team<ET, D>::kLanes), "
         f"132 * {blocks_per_sm});",
     }
 
@@ -99,7 +99,7 @@ VARIANTS: dict[str, dict[str, str]] = {
     "fwd_persistent8": _fwd_persistent(8),
     "fwd_rows_before_range": _FWD_ROWS_BEFORE_RANGE,
     # 9 to 12 keys served by the 16-key kernels, as before the 12-key instantiations.
-    "no_12_keys": {"    if (max_keys <= 12) return with_dropout(et_tag, d_tag, std::integral_constant<int, 12>{}), true;\n": ""},
+    "no_12_keys": {"  if (max_keys <= 12) return with_dropout(std::integral_constant<int, 12>{});\n": ""},
 }
 
 
@@ -119,7 +119,7 @@ def build(name: str, edits: dict[str, str], work: Path) -> None:
     log = work / f"{name}.build.log"
     with log.open("w") as out:
         for command in (["cmake", "-S", str(tree), "-B", str(tree / "build"), "-G", "Ninja",
-                         "-DFUSEDATTN_CUDA_ARCHS=90", "-DFUSEDATTN_ENABLE_CUDNN=OFF",
+                         "-DFUSEDATTN_CUDA_ARCHS=90", "-DFUSEDATTN_ENABLE_CUDNN=OFF", "-DFUSEDATTN_ENABLE_ROCM=OFF",
                          f"-DPython_EXECUTABLE={sys.executable}"],
                         ["cmake", "--build", str(tree / "build"), "-j", "4"]):
             if subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode:

@@ -5,6 +5,10 @@ of FFI handler symbols, without any Python ABI:
 
     fusedattn/_lib/libfusedattn_host.so   always; platform "cpu"
     fusedattn/_lib/libfusedattn_cuda.so   when nvcc was found at build time; platform "CUDA"
+    fusedattn/_lib/libfusedattn_rocm.so   when hipcc was found at build time; platform "ROCM"
+
+The CUDA and ROCm libraries are built from the same sources (ops_cuda/cuda),
+so they export the same handlers.
 
 `load(platform)` opens the platform's library once with ctypes and registers
 its handlers under the target names below with `jax.ffi.register_ffi_target`;
@@ -35,17 +39,18 @@ HOST_TARGETS = {
     "fusedattn_small_seq_fwd": "FusedattnSmallSeqFwdHost",
     "fusedattn_small_seq_bwd": "FusedattnSmallSeqBwdHost",
 }
-CUDA_TARGETS = {
-    "fusedattn_dropout_mask": "FusedattnDropoutMaskCuda",
-    "fusedattn_philox": "FusedattnPhiloxCuda",
+GPU_TARGETS = {
+    "fusedattn_dropout_mask": "FusedattnDropoutMaskGpu",
+    "fusedattn_philox": "FusedattnPhiloxGpu",
     "fusedattn_small_seq_fwd": "FusedattnSmallSeqFwdGpu",
     "fusedattn_small_seq_bwd": "FusedattnSmallSeqBwdGpu",
 }
 
-# JAX platform name for register_ffi_target -> (library stem, targets).
+# JAX platform name for register_ffi_target -> (library stem, targets, the compiler that builds it).
 _LIBRARIES = {
-    "cpu": ("fusedattn_host", HOST_TARGETS),
-    "CUDA": ("fusedattn_cuda", CUDA_TARGETS),
+    "cpu": ("fusedattn_host", HOST_TARGETS, None),
+    "CUDA": ("fusedattn_cuda", GPU_TARGETS, "nvcc"),
+    "ROCM": ("fusedattn_rocm", GPU_TARGETS, "hipcc"),
 }
 
 _lock = threading.Lock()
@@ -111,10 +116,8 @@ def _has_jax_backend(ffi_platform: str) -> bool:
 
 def _load(ffi_platform: str) -> str | None:
     if ffi_platform not in _LIBRARIES:
-        if ffi_platform == "ROCM":
-            return "the ROCm library is not built in this version"
         return f"no compiled op library exists for platform {ffi_platform!r}"
-    stem, targets = _LIBRARIES[ffi_platform]
+    stem, targets, compiler = _LIBRARIES[ffi_platform]
     if ffi_platform != "cpu" and not _has_jax_backend(ffi_platform):
         return f"jax has no {ffi_platform} backend in this process"
     path = library_path(stem)
@@ -122,8 +125,9 @@ def _load(ffi_platform: str) -> str | None:
         if ffi_platform == "cpu":
             return ("the host library was not built (libfusedattn_host not found next to the "
                     "fusedattn package): reinstall with pip install .")
-        return (f"the {ffi_platform} library was not built (no nvcc was found at install time): "
-                "reinstall with pip install . on a machine with the CUDA toolkit")
+        toolkit = "CUDA toolkit" if compiler == "nvcc" else "ROCm (HIP) toolkit"
+        return (f"the {ffi_platform} library was not built (no {compiler} was found at install "
+                f"time): reinstall with pip install . on a machine with the {toolkit}")
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as error:

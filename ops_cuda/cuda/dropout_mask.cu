@@ -1,5 +1,5 @@
-// fusedattn_dropout_mask and fusedattn_philox for platform "CUDA": the device
-// build of the shared Philox dropout (fusedattn/philox.h). Contract:
+// fusedattn_dropout_mask and fusedattn_philox for the GPU platforms (CUDA, and ROCm from
+// the same source): the device build of the shared Philox dropout (fusedattn/philox.h). Contract:
 // fusedattn/dropout_mask_ffi.h.
 #include <algorithm>
 #include <cstdint>
@@ -44,7 +44,7 @@ __global__ void dropout_mask_kernel(const uint32_t* seed, bool* keep, int64_t ba
   }
 }
 
-ffi::Error DropoutMaskCudaImpl(gpuStream_t stream, ffi::AnyBuffer seed, ffi::Result<ffi::AnyBuffer> keep,
+ffi::Error DropoutMaskGpuImpl(gpuStream_t stream, ffi::AnyBuffer seed, ffi::Result<ffi::AnyBuffer> keep,
                                double dropout_rate) {
   constexpr const char* kOp = "fusedattn_dropout_mask (" FA_FFI_PLATFORM ")";
   DropoutMaskShape s;
@@ -65,7 +65,7 @@ __global__ void philox_kernel(const uint32_t* c, const uint32_t* k, uint32_t* ou
   }
 }
 
-ffi::Error PhiloxCudaImpl(gpuStream_t stream, ffi::AnyBuffer counters, ffi::AnyBuffer keys,
+ffi::Error PhiloxGpuImpl(gpuStream_t stream, ffi::AnyBuffer counters, ffi::AnyBuffer keys,
                           ffi::Result<ffi::AnyBuffer> words) {
   constexpr const char* kOp = "fusedattn_philox (" FA_FFI_PLATFORM ")";
   int64_t n = 0;
@@ -79,14 +79,14 @@ ffi::Error PhiloxCudaImpl(gpuStream_t stream, ffi::AnyBuffer counters, ffi::AnyB
 }  // namespace
 }  // namespace fusedattn
 
-FA_FFI_EXPORT(FusedattnDropoutMaskCuda);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnDropoutMaskCuda, fusedattn::DropoutMaskCudaImpl,
+FA_FFI_EXPORT(FusedattnDropoutMaskGpu);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnDropoutMaskGpu, fusedattn::DropoutMaskGpuImpl,
                               fusedattn::bind_dropout_mask(
                                   xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<gpuStream_t>>()),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
-FA_FFI_EXPORT(FusedattnPhiloxCuda);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnPhiloxCuda, fusedattn::PhiloxCudaImpl,
+FA_FFI_EXPORT(FusedattnPhiloxGpu);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnPhiloxGpu, fusedattn::PhiloxGpuImpl,
                               fusedattn::bind_philox(
                                   xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<gpuStream_t>>()),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,5 +1,5 @@
 // Host build of the small-sequence op (platform "cpu"): the same arithmetic as
-// ops_cuda/cuda/small_seq.cu in plain loops, so CI runs the whole backend.
+// ops_cuda/cuda/small_seq_kernels.cuh in plain loops, so CI runs the whole backend.
 // Contract: fusedattn/small_seq.h.
 #include <cmath>
 #include <cstdint>

@@ -2,7 +2,7 @@
 
 The case of recommendation and retrieval models cross-attending to a short
 history with a huge batch (ROCm TransformerEngine's small-sequence backend).
-Kernels: ops_cuda/cuda/small_seq.cu (CUDA and HIP), ops_cuda/host/small_seq_host.cc
+Kernels: ops_cuda/cuda/small_seq_kernels.cuh (CUDA and HIP), ops_cuda/host/small_seq_host.cc
 (platform "cpu"); contract in ops_cuda/include/fusedattn/small_seq.h:
 
     fusedattn_small_seq_fwd(q, k, v, kv_start, kv_len, seed) -> (o, lse)
