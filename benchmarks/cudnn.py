@@ -136,10 +136,10 @@ def main():
                     rows.append(row)
                     print(row, flush=True)
     summary = summarize(rows)
-    from fusedattn.ops.backends import cudnn
-    version = cudnn.cudnn_version()
+    from fusedattn.ops.backends import cudnn_library
+    version = cudnn_library.cudnn_version()
     write_results(args.out, rows, summary=summary,
-                  cudnn=f"{version // 10000}.{version // 100 % 100}.{version % 100}" if version else None,
+                  cudnn=cudnn_library.version_string(version) if version else None,
                   flops="matmul only: fwd 4*b*h*sq*skv*d (causal /2), fwd+bwd 3.5x",
                   peak="790 TF/s (large bf16 matmul measured on the H200)")
     print_table(summary)

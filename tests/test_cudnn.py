@@ -22,7 +22,7 @@ import pytest
 from conftest import (FAKE_CUDNN_WORKSPACE_BYTES, assert_close, fake_cudnn_for_cuda_lowering,
                       make_config, random_array, tolerance)
 from fusedattn.ops import AttentionSpec, SequenceDescriptor, explain, fused_attn, registry
-from fusedattn.ops.backends import cudnn
+from fusedattn.ops.backends import cudnn, cudnn_library
 from fusedattn.ops.backends.base import CallShapes, CanonicalArgs, TokenInfo, visible_mask
 
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -130,8 +130,8 @@ def test_dense_call_lowers_to_the_ffi_calls_and_constants(lowering_for_cuda, mas
     text = lowered_for_cuda(fn, *args)
     ops = re.findall(r"=\s*\"?([a-z_]+\.[a-z_.]+)", text)
     targets = re.findall(r"stablehlo\.custom_call @(\w+)", text)
-    assert targets == ([cudnn.FWD_TARGET, cudnn.BWD_TARGET] if with_backward
-                       else [cudnn.FWD_TARGET])
+    assert targets == ([cudnn_library.FWD_TARGET, cudnn_library.BWD_TARGET] if with_backward
+                       else [cudnn_library.FWD_TARGET])
     assert set(ops) == {"stablehlo.custom_call", "stablehlo.constant"}, sorted(set(ops))
 
 
@@ -142,8 +142,8 @@ def test_supports_checks_the_graph_the_call_builds(lowering_for_cuda, monkeypatc
     bias's [1, h] or [b, 1] included: a check of another graph could pass while the call's
     own graph fails, and then "auto" would not move on to a backend that can serve it."""
     checked, built = [], []
-    monkeypatch.setattr(cudnn, "_check", lambda params, *rest: checked.append(params))
-    monkeypatch.setattr(cudnn, "_workspace_bytes",
+    monkeypatch.setattr(cudnn_library, "check", lambda params, *rest: checked.append(params))
+    monkeypatch.setattr(cudnn_library, "workspace_bytes",
                         lambda params, *rest: built.append(params) or FAKE_CUDNN_WORKSPACE_BYTES)
     config = make_config(backend="cudnn", mask="causal", bias="post_scale_bias")
     q = jax.ShapeDtypeStruct((2, 64, 4, 64), jnp.bfloat16)
@@ -206,10 +206,10 @@ def test_forward_writes_no_stats_unless_differentiated(lowering_for_cuda, case):
     stats = f"{n * b * (2 if case == 'packed' else 1)}x{h}x{s}x1xf32"
     workspace = f"{FAKE_CUDNN_WORKSPACE_BYTES}xui8"
     assert cudnn_calls(lowered_for_cuda(attend, q, q, q)) == [
-        (cudnn.FWD_TARGET, False, [o, "0xf32", workspace])]
+        (cudnn_library.FWD_TARGET, False, [o, "0xf32", workspace])]
     forward, backward = cudnn_calls(lowered_for_cuda(attend_and_vjp, q, q, q, q))
-    assert forward == (cudnn.FWD_TARGET, True, [o, stats, workspace])
-    assert backward[:2] == (cudnn.BWD_TARGET, True)
+    assert forward == (cudnn_library.FWD_TARGET, True, [o, stats, workspace])
+    assert backward[:2] == (cudnn_library.BWD_TARGET, True)
     assert backward[2][-1] == workspace
 
 
@@ -752,7 +752,7 @@ def test_forward_and_backward_check_the_training_attribute(rng):
     """The FFI calls themselves: with training=false the forward's stats result must be the
     float32 [0] placeholder, the backward refuses training=false, and a workspace result
     smaller than the library's size for the call is refused."""
-    assert cudnn.available() is None
+    assert cudnn_library.available() is None
     q, k, v = inputs(rng, 2, 64, 64, 4, 4, 64, jnp.bfloat16)
     static = cudnn._static(spec(mask="causal"), 0.125, False, False, 64, 64)
     bias = np.zeros((1, 1, 1, 1), q.dtype)
@@ -771,13 +771,13 @@ def test_forward_and_backward_check_the_training_attribute(rng):
         return (size - short,), jnp.uint8
 
     def forward(training, stats_shape):
-        return run(cudnn.FWD_TARGET, ((q.shape, q.dtype), (stats_shape, jnp.float32),
+        return run(cudnn_library.FWD_TARGET, ((q.shape, q.dtype), (stats_shape, jnp.float32),
                                       workspace(False, training)), training)
 
     def backward(training, o, stats, short=0):
         results = ([(x.shape, x.dtype) for x in (q, k, v, bias)] + [((), jnp.float32)]
                    + [workspace(True, short=short)])
-        return run(cudnn.BWD_TARGET, results, training, o, stats, o)
+        return run(cudnn_library.BWD_TARGET, results, training, o, stats, o)
 
     o, _ = forward(False, (0,))
     o_training, stats = forward(True, (2, 4, 64, 1))

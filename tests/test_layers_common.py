@@ -22,7 +22,7 @@ from fusedattn import ops
 from fusedattn.configs import attention_config
 from fusedattn.layers import attention_fn, common, equinox, linen, nnx
 from fusedattn.ops import AttentionSpec, SequenceDescriptor
-from fusedattn.ops.backends import cudnn
+from fusedattn.ops.backends import cudnn_library
 
 from conftest import fake_cudnn_for_cuda_lowering
 
@@ -486,7 +486,7 @@ def test_linen_and_nnx_lower_to_the_same_cuda_program(monkeypatch, request):
     lin_ops = _lowered_step_ops(lambda p, x: lin.apply(p, x), lin_params, x)
     nnx_ops = _lowered_step_ops(lambda st, x: flax_nnx.merge(graphdef, st)(x), state, x)
     eqx_ops = _lowered_step_ops(eqx_apply, eqx_params, x)
-    targets = {f"target:{cudnn.FWD_TARGET}": 1, f"target:{cudnn.BWD_TARGET}": 1}
+    targets = {f"target:{cudnn_library.FWD_TARGET}": 1, f"target:{cudnn_library.BWD_TARGET}": 1}
     for ops_ in (lin_ops, nnx_ops, eqx_ops):
         assert {k: v for k, v in ops_.items() if k.startswith("target:")} == targets, ops_
         # 3 projections + 2 for the output projection's grads + 2 per q/k/v projection's grads

@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import reference
 from conftest import assert_close, make_config, random_array
 from fusedattn.ops import AttentionSpec, SequenceDescriptor, fused_attn
-from fusedattn.ops.backends import cudnn, flash, partitioning, small_seq
+from fusedattn.ops.backends import cudnn, cudnn_library, flash, partitioning, small_seq
 from fusedattn.ops.backends.base import CanonicalArgs
 
 HOST_MESH = jax.devices()[0].platform == "cpu" and jax.device_count() >= 4
@@ -558,7 +558,7 @@ def test_cudnn_unread_operands_shard_and_fold(rng, fake_cudnn, monkeypatch, shar
     one call each way that equals a loop."""
     from jax._src import config as jax_config
 
-    monkeypatch.setattr(cudnn, "available", lambda: None)
+    monkeypatch.setattr(cudnn_library, "available", lambda: None)
     spec = AttentionSpec.from_config(make_config(mask="causal"))
     q, k, v = (x.astype(jnp.bfloat16) for x in flash_inputs(rng))
 

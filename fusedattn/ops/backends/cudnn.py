@@ -1,10 +1,8 @@
 """The "cudnn" backend: cuDNN's fused SDPA through the cuDNN frontend graph API.
 
-Kernels: ops_cuda/cudnn/cudnn_sdpa.cc, built into libfusedattn_cudnn (a
-library of its own, built when the nvidia-cudnn-frontend and nvidia-cudnn-cu13
-headers are found at install time). libcudnn itself is loaded at run time: the
-libcudnn.so.9 JAX's CUDA plugin already loaded, else the one of the
-nvidia-cudnn wheel. Two XLA FFI calls around a `jax.custom_vjp`:
+Kernels: ops_cuda/cudnn/cudnn_sdpa.cc, built into libfusedattn_cudnn, which
+cudnn_library.py loads (with libcudnn) and asks about graphs. Two XLA FFI calls
+around a `jax.custom_vjp`:
 
     fusedattn_cudnn_fwd(q, k, v, bias, seqlen_q, seqlen_kv, offsets, rng, sink) -> (o, stats)
     fusedattn_cudnn_bwd(q, k, v, bias, seqlen_q, seqlen_kv, offsets, rng, sink, o, stats, do)
@@ -73,16 +71,9 @@ shared mechanism of partitioning.py.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
-import glob
-import importlib.util
 import math
-import os
-import sys
-import threading
-from pathlib import Path
 from typing import NamedTuple
 
 import jax
@@ -90,19 +81,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from fusedattn.ops import _library
-from fusedattn.ops.backends import partitioning
+from fusedattn.ops.backends import cudnn_library, partitioning
 from fusedattn.ops.backends.base import CallShapes, CanonicalArgs, TokenInfo, guard
 from fusedattn.ops.enums import BiasType, SequenceFormat, SoftmaxType
 from fusedattn.ops.sequence import segment_runs
 from fusedattn.ops.spec import AttentionSpec
 
-FWD_TARGET = "fusedattn_cudnn_fwd"
-BWD_TARGET = "fusedattn_cudnn_bwd"
-TARGETS = {FWD_TARGET: "FusedattnCudnnFwd", BWD_TARGET: "FusedattnCudnnBwd"}
-LIBRARY_STEM = "fusedattn_cudnn"
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_MESSAGE_BYTES = 4096
 
 # Operands the FFI handlers do not read in a call's configuration (the lengths and
 # offsets without segments or ragged offsets, rng without dropout, sink without a
@@ -118,129 +103,6 @@ _UNREAD_UINT32 = np.zeros((), np.uint32)
 _UNREAD_FLOAT32 = np.zeros((), np.float32)
 
 
-# ---- the library ------------------------------------------------------------------
-
-class _State:
-    lock = threading.Lock()
-    reason: str | None = "not loaded yet"
-    loaded = False
-    lib: ctypes.CDLL | None = None
-    version = 0
-
-
-def _site_dirs() -> list[Path]:
-    """sys.path entries, then the locations of an importable `nvidia` namespace package."""
-    dirs = [Path(p) for p in sys.path if p]
-    try:
-        spec = importlib.util.find_spec("nvidia")
-    except (ImportError, ValueError):
-        spec = None
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        parent = Path(location).parent
-        if parent not in dirs:
-            dirs.append(parent)
-    return dirs
-
-
-def _wheel_libraries(pattern: str) -> list[str]:
-    """Files matching nvidia/<pattern> in every sys.path entry (the CUDA wheels' layout)."""
-    found: list[str] = []
-    for d in _site_dirs():
-        found.extend(sorted(glob.glob(str(d / "nvidia" / pattern))))
-    return found
-
-
-def _loaded_libraries(name_prefix: str) -> list[str]:
-    """Paths of already-mapped shared objects whose file name starts with name_prefix."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "/" in line}
-    except OSError:
-        return []
-    return sorted(p for p in paths if os.path.basename(p).startswith(name_prefix))
-
-
-def _choose_cudart() -> None:
-    """Points the cuDNN frontend's own libcudart loader at the runtime JAX uses.
-
-    The frontend (dynamic loading) dlopens libcudart.so.12 or .13 by itself and takes
-    the first it finds; CUDNN_FRONTEND_CUDART_LIB_NAME selects one explicitly.
-    """
-    if os.environ.get("CUDNN_FRONTEND_CUDART_LIB_NAME"):
-        return
-    candidates = (_loaded_libraries("libcudart.so.13") + _loaded_libraries("libcudart.so.12")
-                  + _wheel_libraries("cu13/lib/libcudart.so.13")
-                  + _wheel_libraries("cuda_runtime/lib/libcudart.so.1*"))
-    for path in candidates:
-        if os.path.isfile(path):
-            os.environ["CUDNN_FRONTEND_CUDART_LIB_NAME"] = path
-            return
-
-
-def _load() -> str | None:
-    if not _library._has_jax_backend("CUDA"):
-        return "jax has no CUDA backend in this process"
-    path = _library.library_path(LIBRARY_STEM)
-    if path is None:
-        return ("the cuDNN backend library was not built (lib" + LIBRARY_STEM + " not found: it "
-                "needs nvcc and the headers of the nvidia-cudnn-frontend and nvidia-cudnn-cu13 "
-                "wheels at install time); pip install nvidia-cudnn-frontend nvidia-cudnn-cu13, "
-                "then reinstall fusedattn")
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as error:
-        return f"could not load {path}: {error}"
-    lib.FusedattnCudnnLoad.restype = ctypes.c_int64
-    lib.FusedattnCudnnLoad.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int64]
-    lib.FusedattnCudnnCheck.restype = ctypes.c_int64
-    lib.FusedattnCudnnCheck.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int64,
-                                        ctypes.c_float, ctypes.c_float, ctypes.c_int64,
-                                        ctypes.c_char_p, ctypes.c_int64]
-    lib.FusedattnCudnnWorkspace.restype = ctypes.c_int64
-    lib.FusedattnCudnnWorkspace.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int64,
-                                            ctypes.c_float, ctypes.c_float, ctypes.c_int64,
-                                            ctypes.c_int64, ctypes.c_int64, ctypes.c_char_p,
-                                            ctypes.c_int64]
-    _choose_cudart()
-    message = ctypes.create_string_buffer(_MESSAGE_BYTES)
-    version = lib.FusedattnCudnnLoad(None, message, _MESSAGE_BYTES)
-    errors = [message.value.decode(errors="replace")]
-    if not version:
-        for candidate in _wheel_libraries("cudnn/lib/libcudnn.so.9"):
-            version = lib.FusedattnCudnnLoad(candidate.encode(), message, _MESSAGE_BYTES)
-            if version:
-                break
-            errors.append(message.value.decode(errors="replace"))
-    if not version:
-        return "could not load libcudnn: " + "; ".join(errors)
-    try:
-        for target, symbol in TARGETS.items():
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
-                                        platform="CUDA")
-    except (AttributeError, ValueError, RuntimeError) as error:
-        return f"could not register the handlers of {path}: {error}"
-    _State.lib, _State.version = lib, int(version)
-    return None
-
-
-def available() -> str | None:
-    """None when the cuDNN backend library and libcudnn are loaded, else why not."""
-    with _State.lock:
-        if not _State.loaded:
-            _State.reason = _load()
-            _State.loaded = True
-        return _State.reason
-
-
-def cudnn_version() -> int:
-    """cuDNN's version as loaded (e.g. 91000 for 9.10.0); 0 when not loaded."""
-    return _State.version if available() is None else 0
-
-
-def _version_string(version: int) -> str:
-    return f"{version // 10000}.{version // 100 % 100}.{version % 100}"
-
-
 def _device() -> jax.Device:
     return jax.devices()[0]
 
@@ -249,31 +111,6 @@ def _compute_capability() -> tuple[int, int]:
     text = getattr(_device(), "compute_capability", "0.0")
     major, _, minor = str(text).partition(".")
     return int(major or 0), int(minor or 0)
-
-
-@functools.lru_cache(maxsize=4096)
-def _check(params: tuple[int, ...], scale: float, dropout: float, device: int) -> str | None:
-    """Builds the forward and backward graphs (cached in the library); None or cuDNN's reason."""
-    values = (ctypes.c_int64 * len(params))(*params)
-    message = ctypes.create_string_buffer(_MESSAGE_BYTES)
-    ok = _State.lib.FusedattnCudnnCheck(values, len(params), scale, dropout, device, message,
-                                        _MESSAGE_BYTES)
-    return None if ok else message.value.decode(errors="replace")
-
-
-@functools.lru_cache(maxsize=4096)
-def _workspace_bytes(params: tuple[int, ...], scale: float, dropout: float, inference: bool,
-                     backward: bool, device: int) -> int:
-    """The workspace bytes of one FFI call (its graph built and cached in the library)."""
-    values = (ctypes.c_int64 * len(params))(*params)
-    message = ctypes.create_string_buffer(_MESSAGE_BYTES)
-    size = _State.lib.FusedattnCudnnWorkspace(values, len(params), scale, dropout, int(inference),
-                                              int(backward), device, message, _MESSAGE_BYTES)
-    if size < 0:
-        raise RuntimeError(f"cudnn: cannot size the call's workspace: "
-                           f"{message.value.decode(errors='replace')}. Set config.backend to "
-                           f"'flash' or 'xla' for this call.")
-    return size
 
 
 def _graph_params(static: _Static, b: int, h: int, hkv: int, sq: int, skv: int, d: int, dv: int,
@@ -295,8 +132,8 @@ def _workspace(static: _Static, q, k, v, bias, backward: bool, training: bool = 
     size = 0
     if b and sq and skv and h:  # the handlers run nothing on empty calls
         params = _graph_params(static, b, h, hkv, sq, skv, d, dv, q.dtype, *bias.shape[:2])
-        size = _workspace_bytes(params, static.scale, static.dropout_rate, not training, backward,
-                                _device_ordinal())
+        size = cudnn_library.workspace_bytes(params, static.scale, static.dropout_rate,
+                                             not training, backward, _device_ordinal())
     return jax.ShapeDtypeStruct((size,), jnp.uint8)
 
 
@@ -522,7 +359,7 @@ def _forward_ffi(static: _Static, q, k, v, bias, slots, rng, sink, training=True
     seqlen_q, seqlen_kv, offsets = _lengths_and_offsets(static, slots, q.shape, k.shape, v.shape)
     stats_shape = (b * static.batch_per_row, h, static.max_seqlen_q or sq, 1) if training else (0,)
     o, stats, _ = jax.ffi.ffi_call(
-        FWD_TARGET,
+        cudnn_library.FWD_TARGET,
         (jax.ShapeDtypeStruct((b, sq, h, v.shape[-1]), q.dtype),
          jax.ShapeDtypeStruct(stats_shape, jnp.float32),
          _workspace(static, q, k, v, bias, backward=False, training=training)),
@@ -533,7 +370,7 @@ def _forward_ffi(static: _Static, q, k, v, bias, slots, rng, sink, training=True
 def _backward_ffi(static: _Static, q, k, v, bias, slots, rng, sink, o, stats, do):
     seqlen_q, seqlen_kv, offsets = _lengths_and_offsets(static, slots, q.shape, k.shape, v.shape)
     return jax.ffi.ffi_call(
-        BWD_TARGET,
+        cudnn_library.BWD_TARGET,
         (jax.ShapeDtypeStruct(q.shape, q.dtype),
          jax.ShapeDtypeStruct(k.shape, k.dtype),
          jax.ShapeDtypeStruct(v.shape, v.dtype),
@@ -741,7 +578,7 @@ class CudnnBackend:
             if ragged and elements >= 2 ** 31:
                 return (f"cudnn: packed segments are addressed by int32 element offsets, but an "
                         f"operand has {elements} elements; split the batch")
-        reason = available()
+        reason = cudnn_library.available()
         if reason is not None:
             return f"cudnn: {reason}"
         major, minor = _compute_capability()
@@ -757,14 +594,15 @@ class CudnnBackend:
         params = _graph_params(static, shapes.batch, shapes.num_heads, shapes.num_kv_heads,
                                shapes.seqlen_q, shapes.seqlen_kv, shapes.head_dim_qk,
                                shapes.head_dim_v, shapes.dtype, bias_b, bias_h)
-        why = _check(params, static.scale, static.dropout_rate, _device_ordinal())
+        why = cudnn_library.check(params, static.scale, static.dropout_rate, _device_ordinal())
         if why is not None:
-            return (f"cudnn: cuDNN {_version_string(_State.version)} on compute capability "
+            version = cudnn_library.version_string(cudnn_library.cudnn_version())
+            return (f"cudnn: cuDNN {version} on compute capability "
                     f"{major}.{minor} cannot run this call: {why}")
         return None
 
     def attention(self, spec: AttentionSpec, args: CanonicalArgs, scale: float) -> jax.Array:
-        reason = available()
+        reason = cudnn_library.available()
         if reason is not None:
             raise RuntimeError(f"cudnn: {reason}")
         q, k, v = (jnp.asarray(x) for x in (args.q, args.k, args.v))
