@@ -2,7 +2,6 @@
 // included once per head dim by small_seq_d{64,128,256,512}.cu, so a build compiles
 // the head dims side by side; small_seq.cu holds the FFI handlers.
 //
-//
 // Mapping: a team of kLanes lanes (a fraction of a warp) serves one task.
 // Every lane of the team holds the same slice of q and of every key and value
 // row: two 16-byte vectors (four for f32 d=512 on 32-lane warps), vector t of
