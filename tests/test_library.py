@@ -1,18 +1,17 @@
 """The compiled op libraries against the handler tables of fusedattn/ops/_library.py.
 
-A library that was built must export every handler its platform registers, as an
-XLA FFI handler JAX can take. Loading a library needs no device: the CUDA and ROCm
-libraries are checked here on any machine that built them (CI builds both).
+A library that was built must load and register, with JAX, every handler of its
+platform (each symbol resolved and taken as an XLA FFI handler). That needs no
+device: the CUDA and ROCm libraries are checked on any machine that built them
+(CI builds both).
 Libraries that were not built skip, unless FUSEDATTN_REQUIRE_LIBRARIES names
 their platform ("cpu CUDA ROCM" in CI), where a missing library fails.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 
-import jax
 import pytest
 
 from fusedattn.ops import _library
@@ -21,17 +20,14 @@ REQUIRED = set(os.environ.get("FUSEDATTN_REQUIRE_LIBRARIES", "cpu").replace(",",
 
 
 @pytest.mark.parametrize("platform", sorted(_library._LIBRARIES))
-def test_built_library_exports_every_handler_of_its_platform(platform):
-    stem, targets, _ = _library._LIBRARIES[platform]
-    path = _library.library_path(stem)
-    if path is None:
+def test_built_library_registers_every_handler_of_its_platform(platform, monkeypatch):
+    stem, _, _ = _library._LIBRARIES[platform]
+    if _library.library_path(stem) is None:
         assert platform not in REQUIRED, f"lib{stem} was not built (FUSEDATTN_REQUIRE_LIBRARIES)"
         pytest.skip(f"lib{stem} was not built on this machine")
-    library = ctypes.CDLL(str(path))
-    for target, symbol in targets.items():
-        handler = getattr(library, symbol, None)
-        assert handler is not None, f"{path.name} lacks {symbol} (FFI target {target})"
-        assert type(jax.ffi.pycapsule(handler)).__name__ == "PyCapsule"
+    # JAX keeps registrations for a platform it has no backend for until one appears.
+    monkeypatch.setattr(_library, "_has_jax_backend", lambda platform: True)
+    assert _library._load(platform) is None
 
 
 def test_unbuilt_library_names_the_missing_compiler(monkeypatch):
