@@ -46,11 +46,12 @@ GPU_TARGETS = {
     "fusedattn_small_seq_bwd": "FusedattnSmallSeqBwdGpu",
 }
 
-# JAX platform name for register_ffi_target -> (library stem, targets, the compiler that builds it).
+# JAX platform name for register_ffi_target -> (library stem, targets, the compiler that
+# builds it and its toolkit).
 _LIBRARIES = {
     "cpu": ("fusedattn_host", HOST_TARGETS, None),
-    "CUDA": ("fusedattn_cuda", GPU_TARGETS, "nvcc"),
-    "ROCM": ("fusedattn_rocm", GPU_TARGETS, "hipcc"),
+    "CUDA": ("fusedattn_cuda", GPU_TARGETS, ("nvcc", "the CUDA toolkit")),
+    "ROCM": ("fusedattn_rocm", GPU_TARGETS, ("hipcc", "ROCm (HIP)")),
 }
 
 _lock = threading.Lock()
@@ -117,7 +118,7 @@ def _has_jax_backend(ffi_platform: str) -> bool:
 def _load(ffi_platform: str) -> str | None:
     if ffi_platform not in _LIBRARIES:
         return f"no compiled op library exists for platform {ffi_platform!r}"
-    stem, targets, compiler = _LIBRARIES[ffi_platform]
+    stem, targets, builder = _LIBRARIES[ffi_platform]
     if ffi_platform != "cpu" and not _has_jax_backend(ffi_platform):
         return f"jax has no {ffi_platform} backend in this process"
     path = library_path(stem)
@@ -125,9 +126,9 @@ def _load(ffi_platform: str) -> str | None:
         if ffi_platform == "cpu":
             return ("the host library was not built (libfusedattn_host not found next to the "
                     "fusedattn package): reinstall with pip install .")
-        toolkit = "CUDA toolkit" if compiler == "nvcc" else "ROCm (HIP) toolkit"
+        compiler, toolkit = builder
         return (f"the {ffi_platform} library was not built (no {compiler} was found at install "
-                f"time): reinstall with pip install . on a machine with the {toolkit}")
+                f"time): reinstall with pip install . on a machine with {toolkit}")
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as error:
