@@ -73,6 +73,20 @@ def assert_close(actual, expected, tol: float, name: str = "value", scale: float
         )
 
 
+def poison_like(*arrays, copies: int = 4) -> None:
+    """Fills `copies` buffers of each array's shape and dtype with NaN, then frees them.
+
+    Output buffers allocated next reuse that memory (XLA's GPU allocator hands a freed
+    region out again; the host allocator reuses blocks of the same size), so an output
+    element that a kernel leaves unwritten reads back as NaN, which no comparison passes.
+    Call it right before the computation under test runs.
+    """
+    poison = [jnp.full(x.shape, jnp.nan, x.dtype) for x in arrays * copies]
+    jax.block_until_ready(poison)
+    for x in poison:
+        x.delete()
+
+
 def make_config(**overrides):
     """attention_config() with overrides; nested sections take dicts, e.g. sequence={...}."""
     from fusedattn.configs import attention_config

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax.experimental import checkify
 
-from conftest import assert_close, make_config, random_array, tolerance
+from conftest import assert_close, make_config, poison_like, random_array, tolerance
 from fusedattn.ops import _library
 from fusedattn.ops import AttentionSpec, SequenceDescriptor, explain, fused_attn
 from fusedattn.ops.backends import small_seq
@@ -346,7 +346,7 @@ def test_gpu_kernels_against_xla(rng, d, dtype, s_kv, h_kv):
     qkv = bshd_inputs(rng, b, s_kv, 4, h_kv, d, dtype)
     kv_len = jnp.asarray(rng.integers(0, s_kv + 1, b), jnp.int32).at[0].set(s_kv)
     sequence = SequenceDescriptor.from_seqlens(jnp.ones((b,), jnp.int32), kv_len)
-    _poison_allocator(qkv[1].size * 4 * 8)
+    poison_like(*qkv)
     check_against_xla(qkv, small_seq_config(max_kv=s_kv), rng, sequence=sequence)
 
 
@@ -358,16 +358,9 @@ def test_gpu_thd_dropout_and_guard(rng):
     config = small_seq_config(layout="thd_thd_thd", dropout_rate=0.2,
                               sequence={"max_segments_per_seq": 3, "max_seqlen_q": 1,
                                         "max_seqlen_kv": 16})
-    _poison_allocator(k.size * 4 * 8)
+    poison_like(q, k, v)
     check_against_xla((q, k, v), config, rng, sequence=thd_offsets_descriptor(),
                       dropout_rng=jax.random.key(3), is_training=True)
     qkv, bad_config, bad_sequence = broken_bound_call(rng)
     out = jax.jit(lambda *a: fused_attn(a, config=bad_config, sequence=bad_sequence))(*qkv)
     assert np.all(np.isnan(np.asarray(out[1]))) and np.all(np.isfinite(np.asarray(out[0])))
-
-
-def _poison_allocator(nbytes: int) -> None:
-    """Fills and frees device memory with NaN so that unwritten outputs would show as NaN."""
-    poison = jnp.full((max(nbytes // 4, 1),), jnp.nan, jnp.float32)
-    poison.block_until_ready()
-    poison.delete()
