@@ -7,7 +7,11 @@ Impls: "cudnn" (fusedattn.ops.fused_attn with backend "cudnn"), "jax_cudnn"
 layout, each row packing 4 sequences of s/4 tokens: a quarter of the FLOPs,
 which JAX's path cannot run), "cudnn_thd4_unchecked" (the same with
 config.sequence.check_bounds = False: no checkify effect, so JAX's C++ dispatch
-fast path; a lone packed call is short enough for its dispatch to show).
+fast path; a lone packed call is short enough for its dispatch to show),
+"cudnn_alibi" (ours with config.bias = "alibi", causal cases only: cuDNN serves ALiBi
+under causal masks) and "xla_alibi" (the same through our xla backend, what an ALiBi
+call ran on before cuDNN served it). --impls picks a subset (e.g. the ALiBi rows only:
+--impls cudnn,cudnn_alibi,xla_alibi --out benchmarks/results/cudnn_alibi.json).
 Passes "fwd" and "fwd+bwd" (the VJP with a random cotangent, all of dq, dk, dv).
 bf16, BSHD.
 
@@ -33,11 +37,12 @@ SHAPES = [(4, 2048, 2048, 16, 128), (1, 8192, 8192, 16, 128), (16, 512, 512, 16,
 THD_SEGMENTS = 4
 
 
-def ours(causal: bool, dropout: float = 0.0):
+def ours(causal: bool, dropout: float = 0.0, alibi: bool = False, backend: str = "cudnn"):
     config = fusedattn.configs.attention_config()
-    config.backend = "cudnn"
+    config.backend = backend
     config.mask = "causal" if causal else "no_mask"
     config.dropout_rate = dropout
+    config.bias = "alibi" if alibi else "no_bias"
     key = jax.random.key(0)
 
     def attend(q, k, v):
@@ -85,10 +90,21 @@ def jax_attention(implementation: str, causal: bool):
 
 
 def impls(causal: bool) -> dict:
+    alibi = {"cudnn_alibi": ours(causal, alibi=True),
+             "xla_alibi": ours(causal, alibi=True, backend="xla")} if causal else {}
     return {"cudnn": ours(causal), "jax_cudnn": jax_attention("cudnn", causal),
             "xla": jax_attention("xla", causal), "cudnn_dropout": ours(causal, 0.1),
             "cudnn_thd4": ours_thd(causal),
-            "cudnn_thd4_unchecked": ours_thd(causal, check_bounds=False)}
+            "cudnn_thd4_unchecked": ours_thd(causal, check_bounds=False), **alibi}
+
+
+IMPLS = ("cudnn", "jax_cudnn", "xla", "cudnn_dropout", "cudnn_thd4", "cudnn_thd4_unchecked",
+         "cudnn_alibi", "xla_alibi")
+
+
+def add_arguments(parser):
+    parser.add_argument("--impls", default=",".join(IMPLS),
+                        help=f"comma-separated subset of {', '.join(IMPLS)}")
 
 
 def passes(attend):
@@ -110,7 +126,8 @@ def flops(b, sq, skv, h, d, causal, pass_name, impl):
 
 
 def main():
-    args = parse_args("benchmarks/results/cudnn.json")
+    args = parse_args("benchmarks/results/cudnn.json", add_arguments)
+    chosen = args.impls.split(",")
     shapes = SHAPES[:1] if args.quick else SHAPES
     rows = []
     for b, sq, skv, h, d in shapes:
@@ -123,6 +140,8 @@ def main():
             name = f"b{b}_s{sq}_h{h}_d{d}" + ("_causal" if causal else "")
             shape = {"b": b, "sq": sq, "skv": skv, "h": h, "d": d, "causal": causal}
             for impl, attend in impls(causal).items():
+                if impl not in chosen:
+                    continue
                 for pass_name, fn in passes(attend).items():
                     row = {"name": name, "shape": shape, "impl": impl, "pass": pass_name}
                     try:
@@ -145,7 +164,7 @@ def main():
     print_table(summary)
 
 
-_VARIANTS = ("cudnn_dropout", "cudnn_thd4", "cudnn_thd4_unchecked")
+_VARIANTS = ("cudnn_dropout", "cudnn_thd4", "cudnn_thd4_unchecked", "cudnn_alibi")
 
 
 def summarize(rows):
@@ -156,7 +175,7 @@ def summarize(rows):
             continue
         entry = {"name": r["name"], "pass": r["pass"], "ms": r["ms"], "tflops": r.get("tflops"),
                  "of_peak": r.get("of_peak")}
-        for peer in ("jax_cudnn", "xla") + _VARIANTS:
+        for peer in ("jax_cudnn", "xla", "xla_alibi") + _VARIANTS:
             other = times.get((r["name"], peer, r["pass"]), {})
             entry[f"{peer}_ms"] = other.get("ms")
             entry[f"{peer}_tflops"] = other.get("tflops")
@@ -164,6 +183,9 @@ def summarize(rows):
             tflops = entry[f"{variant}_tflops"]
             entry[f"{variant}_of_plain"] = (round(tflops / r["tflops"], 3)
                                             if tflops and r.get("tflops") else None)
+        alibi_ms, xla_alibi_ms = entry["cudnn_alibi_ms"], entry["xla_alibi_ms"]
+        entry["alibi_speedup_vs_xla_alibi"] = (round(xla_alibi_ms / alibi_ms, 2)
+                                               if alibi_ms and xla_alibi_ms else None)
         jax_ms = entry["jax_cudnn_ms"]
         entry["time_vs_jax_cudnn"] = (round(r["ms"] / jax_ms, 3) if r["ms"] and jax_ms else None)
         out.append(entry)
@@ -173,17 +195,21 @@ def summarize(rows):
 def print_table(summary):
     fmt = lambda x, f="{:.2f}": "n/a" if x is None else f.format(x)
     print(f"\n{'case':<26}{'pass':<8}{'ours ms':>8}{'TF/s':>6}{'peak':>6}{'jax_cudnn':>10}"
-          f"{'ratio':>7}{'xla ms':>8}{'drop.1':>8}{'thd4':>7}{'thd4u':>7}")
+          f"{'ratio':>7}{'xla ms':>8}{'drop.1':>8}{'thd4':>7}{'thd4u':>7}{'alibi':>7}"
+          f"{'vs xla alibi':>13}")
     for s in summary:
         print(f"{s['name']:<26}{s['pass']:<8}{fmt(s['ms'], '{:.3f}'):>8}"
               f"{fmt(s['tflops'], '{:.0f}'):>6}{fmt(s['of_peak'] and 100 * s['of_peak'], '{:.0f}%'):>6}"
               f"{fmt(s['jax_cudnn_ms'], '{:.3f}'):>10}{fmt(s['time_vs_jax_cudnn'], '{:.3f}'):>7}"
               f"{fmt(s['xla_ms'], '{:.2f}'):>8}{fmt(s['cudnn_dropout_of_plain'], '{:.2f}'):>8}"
               f"{fmt(s['cudnn_thd4_of_plain'], '{:.2f}'):>7}"
-              f"{fmt(s['cudnn_thd4_unchecked_of_plain'], '{:.2f}'):>7}")
+              f"{fmt(s['cudnn_thd4_unchecked_of_plain'], '{:.2f}'):>7}"
+              f"{fmt(s['cudnn_alibi_of_plain'], '{:.2f}'):>7}"
+              f"{fmt(s['alibi_speedup_vs_xla_alibi'], '{:.2f}x'):>13}")
     print("ratio = ours / jax_cudnn time (<= 1.03 is the target); drop.1 and thd4 = throughput "
           "(TF/s) of ours with dropout 0.1 and of ours on THD with 4 sequences per row, as a "
-          "fraction of ours plain (target >= 0.85); thd4u the same without the bounds check")
+          "fraction of ours plain (target >= 0.85); thd4u the same without the bounds check; "
+          "alibi the same with ALiBi, and its speedup over our xla backend's ALiBi")
 
 
 if __name__ == "__main__":

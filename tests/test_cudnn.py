@@ -29,12 +29,12 @@ ON_GPU = jax.devices()[0].platform == "gpu"
 
 
 def shapes(b=2, sq=64, skv=64, h=4, h_kv=4, d=64, dv=None, dtype=jnp.bfloat16, bias=False,
-           dropout=False):
+           dropout=False, alibi_slopes=False):
     """The CallShapes of a call; `bias` True for a [b, h, sq, skv] bias, or its shape."""
     bias_shape = (b, h, sq, skv) if bias is True else (tuple(bias) if bias else None)
     return CallShapes(batch=b, seqlen_q=sq, seqlen_kv=skv, num_heads=h, num_kv_heads=h_kv,
                       head_dim_qk=d, head_dim_v=dv or d, dtype=jnp.dtype(dtype),
-                      bias_shape=bias_shape, dropout=dropout)
+                      bias_shape=bias_shape, dropout=dropout, alibi_slopes=alibi_slopes)
 
 
 def spec(**overrides):
@@ -60,7 +60,10 @@ def test_explain_on_cpu_and_named_backend_error():
 
 
 @pytest.mark.parametrize("overrides, call, expected", [
-    (dict(bias="alibi", mask="causal"), {}, "ALiBi is not served"),
+    (dict(bias="alibi", mask="no_mask"), {},
+     "ALiBi is served under masks 'causal' and 'padding_causal' only"),
+    (dict(bias="alibi", mask="causal_bottom_right"), {}, "got 'causal_bottom_right'"),
+    (dict(bias="alibi", mask="causal"), dict(alibi_slopes=True), "ALiBi with given slopes"),
     (dict(mask="padding", sequence={"format": "seqlens"}, bias="post_scale_bias"),
      dict(bias=True), "padding masks and THD layouts with config.bias 'post_scale_bias'"),
     (dict(qkv_layout="thd_thd_thd", mask="causal", bias="pre_scale_bias"),
@@ -86,6 +89,9 @@ def test_no_cuda_backend_reason():
     dict(mask="padding_causal", sequence={"format": "seqlens"}),
     dict(mask="padding_causal", sequence={"format": "segment_ids", "max_segments_per_seq": 4}),
     dict(qkv_layout="thd_thd_thd", mask="padding", sequence={"format": "seqlens_offsets"}),
+    dict(mask="causal", bias="alibi"),
+    dict(mask="padding_causal", bias="alibi", sequence={"format": "segment_ids",
+                                                         "max_segments_per_seq": 4}),
 ])
 def test_padding_and_packing_pass_the_static_checks(overrides):
     reason = cudnn.BACKEND.supports(spec(**overrides), shapes(), "cuda")
@@ -641,6 +647,40 @@ def test_sliding_window(rng, mask, window):
     config = make_config(mask=mask, window_size=window)
     skip_if_cudnn_refuses(config, qkv)
     compare(config, qkv, rng)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["gqa_6_heads", "cross", "window", "padding", "packed", "thd"])
+def test_alibi(rng, case):
+    """cuDNN's ALiBi (its own slopes, under top-left causal masks) equals the XLA backend's,
+    with 6 query heads (slopes past the largest power of two) and per segment."""
+    b, sq, skv, h, h_kv = 2, 96, 96, 4, 4
+    if case == "gqa_6_heads":
+        h, h_kv = 6, 3
+    if case == "cross":
+        skv = 160
+    mask = "padding_causal" if case in ("padding", "packed", "thd") else "causal"
+    overrides = dict(mask=mask, bias="alibi", window_size=(24, 0) if case == "window" else (-1, -1))
+    sequence = None
+    if case == "padding":
+        sequence = SequenceDescriptor.from_seqlens(np.array([96, 41], np.int32),
+                                                   np.array([70, 96], np.int32))
+        overrides["sequence"] = {"format": "seqlens"}
+    elif case == "packed":
+        ids = packed_segment_ids(rng, b, sq, max_segments=4)
+        sequence = SequenceDescriptor.from_segment_ids_and_pos(ids, ids)
+        overrides["sequence"] = {"format": "segment_ids", "max_segments_per_seq": 4}
+    elif case == "thd":
+        q_len = np.array([[30, 50, -1], [10, 20, 40]], np.int32)
+        q_off = np.array([[0, 30, 80, -1], [0, 10, 30, 70]], np.int32)
+        sequence = SequenceDescriptor.from_seqlens_and_offsets(q_len, q_len, q_off, q_off)
+        overrides.update(qkv_layout="thd_thd_thd",
+                         sequence={"format": "seqlens_offsets", "max_segments_per_seq": 3})
+    qkv = inputs(rng, b, sq, skv, h, h_kv, 64, jnp.bfloat16)
+    config = make_config(**overrides)
+    out, grads = compare(config, qkv, rng, sequence=sequence)
+    again, _ = run(config, qkv, sequence=sequence)  # the slopes are copied in on every call
+    np.testing.assert_array_equal(np.asarray(again, np.float32), np.asarray(out, np.float32))
 
 
 @pytest.mark.gpu

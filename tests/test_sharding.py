@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import reference
 from conftest import assert_close, make_config, random_array
 from fusedattn.ops import AttentionSpec, SequenceDescriptor, fused_attn
-from fusedattn.ops.backends import cudnn, cudnn_library, flash, partitioning, small_seq
+from fusedattn.ops.backends import cudnn, cudnn_library, flash, partitioning, small_seq, xla
 from fusedattn.ops.backends.base import CanonicalArgs
 
 HOST_MESH = jax.devices()[0].platform == "cpu" and jax.device_count() >= 4
@@ -345,8 +345,11 @@ def _fake_attention(static, q, k, v, bias, sink):
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * static.scale
     if static.has_bias:
         s = s + bias
+    sq, skv = s.shape[-2:]
+    if static.alibi:  # as cuDNN: the slopes of the heads this call sees
+        slopes = jnp.stack([jnp.float32(x) for x in xla.alibi_slopes(q.shape[2])])[:, None, None]
+        s = s + slopes * (jnp.arange(skv)[None, :] - jnp.arange(sq)[:, None])
     if static.causal:
-        sq, skv = s.shape[-2:]
         s = jnp.where(jnp.arange(skv)[None, :] <= jnp.arange(sq)[:, None], s, -jnp.inf)
     lse = jax.nn.logsumexp(s, axis=-1)
     if static.has_sink:
@@ -434,6 +437,22 @@ def test_cudnn_glue_dropout_runs_unsharded(rng, fake_cudnn):
     check_sharded(value_and_grads(attend, (0, 1, 2)), (random_array(rng, q.shape), q, k, v),
                   (QKV,) * 4, mesh, (QKV, (QKV,) * 3), exact=False)
     assert set(TRACED) == {q.shape}  # never on a shard
+
+
+def test_cudnn_glue_alibi_shards_the_batch_not_the_heads(rng, fake_cudnn):
+    """cuDNN derives ALiBi's slopes from the call's head count: the heads stay whole."""
+    mesh = make_mesh("2x2")
+    static = cudnn_static(has_bias=False)._replace(alibi=True)
+    q, k, v = flash_inputs(rng)
+
+    def attend(q, k, v):
+        return fake_cudnn(static, q, k, v, jnp.zeros((1, 1, 1, 1)), jnp.zeros((4,), jnp.uint32),
+                          jnp.zeros((4,)), None)
+
+    check_sharded(value_and_grads(attend, (0, 1, 2)), (random_array(rng, q.shape), q, k, v),
+                  (QKV,) * 4, mesh, (None, (None,) * 3), exact=False)
+    assert (q.shape[0] // mesh.shape["data"],) + q.shape[1:] in TRACED  # the batch split
+    assert {shape[2] for shape in TRACED} == {q.shape[2]}  # the heads never
 
 
 @pytest.mark.parametrize("mesh_name", MESHES)

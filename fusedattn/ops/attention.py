@@ -113,7 +113,8 @@ def _call_shapes(spec: AttentionSpec, q, k, v, bias, softmax_offset, sequence,
                       head_dim_qk=d, head_dim_v=v.shape[3], dtype=jnp.dtype(q.dtype),
                       bias_shape=(tuple(bias.shape) if bias is not None and spec.bias != BiasType.ALIBI
                                   else None),
-                      dropout=dropout)
+                      dropout=dropout,
+                      alibi_slopes=bias is not None and spec.bias == BiasType.ALIBI)
 
 
 def _check_bias(spec: AttentionSpec, bias, b: int, h: int, sq: int, skv: int) -> None:

@@ -38,7 +38,8 @@
 //   workspace U8 [n]: at least FusedattnCudnnWorkspace's bytes for the call; scratch
 // attributes: scale f32, dropout_rate f32, causal bool, bottom_right bool,
 //   window_left i64, window_right i64 (inclusive, -1 unbounded), segments i64, ragged bool,
-//   max_seqlen_q i64, max_seqlen_kv i64, has_bias bool, has_sink bool, deterministic bool,
+//   max_seqlen_q i64, max_seqlen_kv i64, has_bias bool, has_sink bool, alibi bool (cuDNN's
+//   ALiBi: the standard slopes of H heads, under a top-left causal mask), deterministic bool,
 //   training bool: the forward builds cuDNN's training graph (with stats) when true, else its
 //       inference graph (set_generate_stats(false): no stats, which lets cuDNN choose other
 //       engines). Dropout draws the same mask either way. The backward takes true only.
@@ -164,16 +165,17 @@ struct Params {
   int64_t segments = 0, ragged = 0;  // segments > 0: padding, cuDNN batch b * segments
   int64_t seg_sq = 0, seg_skv = 0;   // cuDNN's sequence extents: sq, skv unless ragged bounds
   int64_t bias_b = 0, bias_h = 0;  // 0, 0: no bias
-  int64_t sink = 0, deterministic = 0;
+  int64_t sink = 0, alibi = 0, deterministic = 0;
   int64_t inference = 0;  // forward only: 1 builds the graph without stats (training = false)
   float scale = 1.0f, dropout = 0.0f;
 
   // Everything that shapes a graph, with the device and direction: the cache key. Built
   // on every call, so plain integers (the floats by their bits), not a formatted string.
-  using Key = std::array<int64_t, 25>;
+  using Key = std::array<int64_t, 26>;
   Key key(int device, bool backward) const {
     return {backward, device, b, h, hkv, sq, skv, d, dv, bf16, causal, bottom_right, left, right, segments,
-            ragged, seg_sq, seg_skv, bias_b, bias_h, sink, deterministic, inference, bits(scale), bits(dropout)};
+            ragged, seg_sq, seg_skv, bias_b, bias_h, sink, alibi, deterministic, inference, bits(scale),
+            bits(dropout)};
   }
 
  private:
@@ -254,7 +256,7 @@ Tensor scalar_int64(fe::graph::Graph& g, const char* name, Uid uid) {
                       .set_data_type(fe::DataType_t::INT64));
 }
 
-// Mask, window, padding, bias, dropout and sink: the same for both directions.
+// Mask, window, padding, bias, ALiBi, dropout and sink: the same for both directions.
 template <typename Attributes>
 void set_common(fe::graph::Graph& g, Attributes& a, const Params& p) {
   a.set_attn_scale(p.scale);
@@ -284,6 +286,7 @@ void set_common(fe::graph::Graph& g, Attributes& a, const Params& p) {
                             .set_dim(bias_dims(p))
                             .set_stride(bias_strides(p))));
   }
+  if (p.alibi) a.set_alibi_mask(true);
   if (p.dropout > 0.0f) {
     a.set_dropout(p.dropout, scalar_int64(g, "seed", kSeed), scalar_int64(g, "offset", kOffset));
   }
@@ -558,7 +561,7 @@ struct Attrs {
   int64_t window_left, window_right, segments;
   bool ragged;
   int64_t max_seqlen_q, max_seqlen_kv;
-  bool has_bias, has_sink, deterministic;
+  bool has_bias, has_sink, alibi, deterministic;
   bool training;  // the forward's graph: with stats (true) or without (false); the backward's: true
 };
 
@@ -611,6 +614,7 @@ ffi::Error parse(const char* op, const Inputs& in, const Attrs& at, Params* p) {
   p->seg_sq = at.max_seqlen_q ? at.max_seqlen_q : p->sq;
   p->seg_skv = at.max_seqlen_kv ? at.max_seqlen_kv : p->skv;
   p->sink = at.has_sink;
+  p->alibi = at.alibi;
   p->deterministic = at.deterministic;
   if (at.has_bias) {
     const auto bd = in.bias.dimensions();
@@ -798,18 +802,18 @@ FA_CUDNN_EXPORT int64_t FusedattnCudnnLoad(const char* path, char* msg, int64_t 
 }
 
 // The graph parameters of the exports: b, h, hkv, sq, skv, d, dv, bf16, causal, bottom_right,
-// left, right, segments, ragged, seg_sq, seg_skv, bias_b, bias_h, sink, deterministic (20
-// values, the Params fields the handlers read off their operands and attributes).
+// left, right, segments, ragged, seg_sq, seg_skv, bias_b, bias_h, sink, alibi, deterministic
+// (21 values, the Params fields the handlers read off their operands and attributes).
 static std::string read_params(const int64_t* params, int64_t n, float scale, float dropout,
                                fusedattn_cudnn::Params* p) {
-  constexpr int kCount = 20;
+  constexpr int kCount = 21;
   if (n != kCount) {
     return "expected " + std::to_string(kCount) + " graph parameters, got " + std::to_string(n);
   }
   int64_t* fields[kCount] = {&p->b,      &p->h,     &p->hkv,    &p->sq,     &p->skv,    &p->d,
                              &p->dv,     &p->bf16,  &p->causal, &p->bottom_right,       &p->left,
                              &p->right,  &p->segments,          &p->ragged, &p->seg_sq, &p->seg_skv,
-                             &p->bias_b, &p->bias_h,            &p->sink,   &p->deterministic};
+                             &p->bias_b, &p->bias_h,            &p->sink,   &p->alibi,  &p->deterministic};
   for (int i = 0; i < kCount; ++i) *fields[i] = params[i];
   p->scale = scale;
   p->dropout = dropout;
@@ -878,7 +882,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(fusedattn_cudnn::Attrs, StructMember<float
                                       StructMember<int64_t>("window_right"), StructMember<int64_t>("segments"),
                                       StructMember<bool>("ragged"), StructMember<int64_t>("max_seqlen_q"),
                                       StructMember<int64_t>("max_seqlen_kv"), StructMember<bool>("has_bias"),
-                                      StructMember<bool>("has_sink"), StructMember<bool>("deterministic"),
+                                      StructMember<bool>("has_sink"), StructMember<bool>("alibi"),
+                                      StructMember<bool>("deterministic"),
                                       StructMember<bool>("training"));
 
 FA_CUDNN_EXPORT XLA_FFI_Error* FusedattnCudnnFwd(XLA_FFI_CallFrame* call_frame);

@@ -76,6 +76,7 @@ class CallShapes:
     dtype: jnp.dtype
     bias_shape: tuple[int, ...] | None  # the bias array's [b|1, h|1, sq, skv]; None without one
     dropout: bool
+    alibi_slopes: bool = False  # config.bias 'alibi' with slopes given (else the standard ones)
 
     @property
     def has_bias_array(self) -> bool:

@@ -41,6 +41,10 @@ What it serves (everything else is rejected by `supports` with the reason):
 - sliding windows (window_size, inclusive, from the mask's diagonal);
 - post-scale bias [b|1, h|1, sq, skv] with its gradient, and pre-scale bias
   as the post-scale bias `bias * scale` (not combined with padding masks);
+- ALiBi under masks "causal" and "padding_causal" (cuDNN adds slope_h * (j - i)
+  below the top-left diagonal, its slopes the standard ones of the query heads,
+  which the xla backend also draws), dense, padded and packed; not with given
+  slopes (`bias`), and the heads do not shard under a mesh;
 - softmax "off_by_one" and "learnable" through cuDNN's sink token (cuDNN >= 9.13),
   with the offset's gradient;
 - dropout with cuDNN's own Philox generator: seed = the dropout key's two
@@ -83,7 +87,7 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from fusedattn.ops.backends import cudnn_library, partitioning
 from fusedattn.ops.backends.base import CallShapes, CanonicalArgs, TokenInfo, guard
-from fusedattn.ops.enums import BiasType, SequenceFormat, SoftmaxType
+from fusedattn.ops.enums import BiasType, MaskType, SequenceFormat, SoftmaxType
 from fusedattn.ops.sequence import segment_runs
 from fusedattn.ops.spec import AttentionSpec
 
@@ -121,7 +125,7 @@ def _graph_params(static: _Static, b: int, h: int, hkv: int, sq: int, skv: int, 
             int(static.bottom_right), static.window_left, static.window_right, static.segments,
             int(static.ragged), static.max_seqlen_q or sq, static.max_seqlen_kv or skv,
             bias_b if static.has_bias else 0, bias_h if static.has_bias else 0,
-            int(static.has_sink), int(static.deterministic))
+            int(static.has_sink), int(static.alibi), int(static.deterministic))
 
 
 def _workspace(static: _Static, q, k, v, bias, backward: bool, training: bool = True):
@@ -148,6 +152,8 @@ class _Static(NamedTuple):
     without it each row holds one segment from its first token (the seqlens form).
     max_seqlen_q / max_seqlen_kv: with ragged, the declared bounds on a segment's
     length when tighter than the row (0: the row); cuDNN's work scales with them.
+    alibi: cuDNN adds ALiBi, -slope_h * (query position - key position), with the
+    standard slopes of the call's query heads (so the heads never shard).
     """
 
     scale: float
@@ -162,6 +168,7 @@ class _Static(NamedTuple):
     max_seqlen_kv: int
     has_bias: bool
     has_sink: bool
+    alibi: bool
     deterministic: bool
 
     def attributes(self, training: bool = True) -> dict:
@@ -173,7 +180,8 @@ class _Static(NamedTuple):
                     window_right=np.int64(self.window_right), segments=np.int64(self.segments),
                     ragged=bool(self.ragged), max_seqlen_q=np.int64(self.max_seqlen_q),
                     max_seqlen_kv=np.int64(self.max_seqlen_kv), has_bias=bool(self.has_bias),
-                    has_sink=bool(self.has_sink), deterministic=bool(self.deterministic),
+                    has_sink=bool(self.has_sink), alibi=bool(self.alibi),
+                    deterministic=bool(self.deterministic),
                     training=bool(training))
 
     @property
@@ -203,6 +211,7 @@ def _static(spec: AttentionSpec, scale: float, dropout: bool, has_bias: bool, se
         max_seqlen_kv=bound(spec.max_seqlen_kv, seqlen_kv),
         has_bias=has_bias,
         has_sink=spec.softmax != SoftmaxType.VANILLA,
+        alibi=spec.bias == BiasType.ALIBI,
         deterministic=spec.deterministic_backward,
     )
 
@@ -440,7 +449,7 @@ def _folding_op(static: _Static, backward: bool, unread: frozenset[int] = frozen
     sharded axes. A shard cannot draw the unsharded call's dropout mask from cuDNN's
     generator, so with dropout the batch and heads stay unsharded (gathered).
     """
-    signature = _signature(static.dropout_rate > 0, backward, unread, training)
+    signature = _signature(static, backward, unread, training)
     if not backward:
         return partitioning.op(functools.partial(_forward_ffi, static, training=training),
                                signature)
@@ -451,14 +460,16 @@ def _folding_op(static: _Static, backward: bool, unread: frozenset[int] = frozen
     return partitioning.op(functools.partial(_backward_ffi, static), signature, sink_rows)
 
 
-def _signature(dropout: bool, backward: bool, unread: frozenset[int] = frozenset(),
+def _signature(static: _Static, backward: bool, unread: frozenset[int] = frozenset(),
                training: bool = True) -> partitioning.Signature:
+    dropout = static.dropout_rate > 0
     if backward:
         return partitioning.Signature(
             _OPERANDS + ("b.h.", "bh..", "b.h."), ("b.h.", "b.g.", "b.g.", "BH..", "h"),
-            batch_sums=frozenset({_DSINK}), dropout=dropout, unread=unread)
+            batch_sums=frozenset({_DSINK}), dropout=dropout, unread=unread,
+            whole_heads=static.alibi)
     return partitioning.Signature(_OPERANDS, ("b.h.", "bh..") if training else ("b.h.",),
-                                  dropout=dropout)
+                                  dropout=dropout, whole_heads=static.alibi)
 
 
 # ---- the op --------------------------------------------------------------------------
@@ -557,8 +568,10 @@ class CudnnBackend:
         if platform not in ("cuda", "gpu"):
             return f"cudnn: needs a CUDA GPU; this computation runs on {platform}"
         if spec.bias == BiasType.ALIBI:
-            return "cudnn: ALiBi is not served (cuDNN's ALiBi differs); use backend 'xla'"
-        if spec.uses_segments and spec.bias != BiasType.NO_BIAS:
+            reason = _alibi_reason(spec, shapes is not None and shapes.alibi_slopes)
+            if reason is not None:
+                return reason
+        elif spec.uses_segments and spec.bias != BiasType.NO_BIAS:
             return (f"cudnn: padding masks and THD layouts with config.bias {str(spec.bias)!r} are "
                     "not served (cuDNN's bias is not defined per segment)")
         if shapes is not None:
@@ -618,11 +631,11 @@ class CudnnBackend:
                 bias = bias.astype(jnp.float32) * jnp.float32(scale)
             bias = bias.astype(q.dtype)
             has_bias = True
-        elif spec.bias == BiasType.NO_BIAS:
+        else:  # no bias, or ALiBi, which cuDNN derives from the head count and positions
+            reason = _alibi_reason(spec, args.bias is not None)
+            if reason is not None:
+                raise ValueError(f"{reason}.")
             bias, has_bias = np.zeros((1, 1, 1, 1), q.dtype), False  # unread (see _UNREAD_INT32)
-        else:
-            raise ValueError(f"cudnn: config.bias {str(spec.bias)!r} is not served; use "
-                             "backend='xla'")
         dropout = args.dropout_seed is not None and spec.dropout_rate > 0
         if dropout:
             seed = jnp.asarray(args.dropout_seed).astype(jnp.uint32).reshape(2)
@@ -643,6 +656,24 @@ class CudnnBackend:
             if segments.broken is not None:
                 guard(segments.broken, _guard_message(spec, static), spec)
         return _cudnn(static, q, k, v, bias, rng, sink, segments)
+
+
+def _alibi_reason(spec: AttentionSpec, slopes_given: bool) -> str | None:
+    """Why cuDNN cannot serve this ALiBi call (None: it can, or the call has no ALiBi).
+
+    cuDNN adds ALiBi only under a top-left causal mask (where |i - j| = i - j) and only
+    with the standard slopes of the query heads (the ALiBi paper's, as the XLA backend's).
+    """
+    if spec.bias != BiasType.ALIBI:
+        return None
+    if slopes_given:
+        return ("cudnn: ALiBi with given slopes is not served (cuDNN derives the standard "
+                "slopes from the head count); pass no slopes, or use backend 'xla'")
+    if spec.mask not in (MaskType.CAUSAL, MaskType.PADDING_CAUSAL):
+        return (f"cudnn: ALiBi is served under masks 'causal' and 'padding_causal' only "
+                f"(cuDNN adds it below a top-left diagonal), got {str(spec.mask)!r}; use "
+                "backend 'xla'")
+    return None
 
 
 def _device_ordinal() -> int:

@@ -54,6 +54,9 @@ shard does not know, so with `dropout` set the heads never shard, and the batch 
 only where the rows of operand `dropout_rows` (per-example seeds, the kernels' Philox
 batch coordinate being the row's index within its seed's rows) split with it. Then a
 sharded call draws exactly the masks of the unsharded one.
+
+Per-head constants: a kernel that derives values from the head index and count (cuDNN's
+ALiBi slopes) sets `whole_heads`, so its heads never shard either (the batch still does).
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ class Signature:
     dropout: bool = False
     dropout_rows: int | None = None
     unread: frozenset[int] = frozenset()
+    whole_heads: bool = False
 
     def __post_init__(self):
         for roles in self.operands + self.results:
@@ -179,7 +183,7 @@ def _plan(signature: Signature, mesh, arg_shapes) -> _Plan | None:
         batch_ok = batch_ok and rows.get(signature.dropout_rows, 1) % n_batch == 0
     head_extents = [extent for r, s in zip(signature.operands, shapes)
                     for role, extent in zip(r, s) if role in "hg" or role == "H" and extent != 1]
-    heads_ok = n_heads == 1 or (not signature.dropout
+    heads_ok = n_heads == 1 or (not signature.dropout and not signature.whole_heads
                                 and all(extent % n_heads == 0 for extent in head_extents))
     return _Plan(mesh, plan.batch if batch_ok else (), plan.heads if heads_ok else ())
 
