@@ -64,10 +64,11 @@ def test_explain_on_cpu_and_named_backend_error():
      "ALiBi is served under masks 'causal' and 'padding_causal' only"),
     (dict(bias="alibi", mask="causal_bottom_right"), {}, "got 'causal_bottom_right'"),
     (dict(bias="alibi", mask="causal"), dict(alibi_slopes=True), "ALiBi with given slopes"),
-    (dict(mask="padding", sequence={"format": "seqlens"}, bias="post_scale_bias"),
-     dict(bias=True), "padding masks and THD layouts with config.bias 'post_scale_bias'"),
-    (dict(qkv_layout="thd_thd_thd", mask="causal", bias="pre_scale_bias"),
-     dict(bias=True), "padding masks and THD layouts with config.bias 'pre_scale_bias'"),
+    (dict(mask="padding", sequence={"format": "segment_ids"}, bias="post_scale_bias"),
+     dict(bias=True), "packed segments (segment ids, offsets) with config.bias 'post_scale_bias'"),
+    (dict(qkv_layout="thd_thd_thd", mask="causal", bias="pre_scale_bias",
+          sequence={"format": "seqlens_offsets"}),
+     dict(bias=True), "packed segments (segment ids, offsets) with config.bias 'pre_scale_bias'"),
     ({}, dict(dtype=jnp.float32), "needs bfloat16 or float16 inputs, got float32"),
     ({}, dict(d=72 + 4), "head dim must be a multiple of 8"),
     ({}, dict(d=320), "at most 256"),
@@ -647,6 +648,26 @@ def test_sliding_window(rng, mask, window):
     config = make_config(mask=mask, window_size=window)
     skip_if_cudnn_refuses(config, qkv)
     compare(config, qkv, rng)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["post_scale_bias", "pre_scale_bias"])
+@pytest.mark.parametrize("bias_shape", [(3, 4), (1, 4), (3, 1), (1, 1)])
+@pytest.mark.parametrize("mask", ["padding", "padding_causal"])
+def test_bias_with_padding(rng, kind, bias_shape, mask):
+    """A bias over the padded rows of the seqlens form (one sequence per row), gradient
+    included: zero at padded positions, per row or summed over the rows sharing it."""
+    b, sq, skv = 3, 80, 96
+    qkv = inputs(rng, b, sq, skv, 4, 2, 64, jnp.bfloat16)
+    sequence = SequenceDescriptor.from_seqlens(np.array([80, 33, 0], np.int32),
+                                               np.array([96, 40, 17], np.int32))
+    config = make_config(mask=mask, bias=kind, sequence={"format": "seqlens"})
+    bias = random_array(rng, bias_shape + (sq, skv), jnp.bfloat16)
+    _, grads = compare(config, qkv, rng, bias=bias, sequence=sequence, tol_factor=1.5)
+    if bias_shape[0] == b:
+        dbias = np.asarray(grads[3], np.float32)
+        assert np.all(dbias[1, :, 33:] == 0) and np.all(dbias[1, :, :, 40:] == 0)
+        assert np.all(dbias[2] == 0)
 
 
 @pytest.mark.gpu

@@ -40,7 +40,9 @@ What it serves (everything else is rejected by `supports` with the reason):
   gradients (masked here: cuDNN leaves them unset);
 - sliding windows (window_size, inclusive, from the mask's diagonal);
 - post-scale bias [b|1, h|1, sq, skv] with its gradient, and pre-scale bias
-  as the post-scale bias `bias * scale` (not combined with padding masks);
+  as the post-scale bias `bias * scale`, also under padding masks of the seqlens
+  form (one sequence per row: the bias indexes its positions), not with packed
+  segments;
 - ALiBi under masks "causal" and "padding_causal" (cuDNN adds slope_h * (j - i)
   below the top-left diagonal, its slopes the standard ones of the query heads,
   which the xla backend also draws), dense, padded and packed; not with given
@@ -571,9 +573,11 @@ class CudnnBackend:
             reason = _alibi_reason(spec, shapes is not None and shapes.alibi_slopes)
             if reason is not None:
                 return reason
-        elif spec.uses_segments and spec.bias != BiasType.NO_BIAS:
-            return (f"cudnn: padding masks and THD layouts with config.bias {str(spec.bias)!r} are "
-                    "not served (cuDNN's bias is not defined per segment)")
+        elif (spec.uses_segments and spec.sequence_format != SequenceFormat.SEQLENS
+              and spec.bias != BiasType.NO_BIAS):
+            return (f"cudnn: packed segments (segment ids, offsets) with config.bias "
+                    f"{str(spec.bias)!r} are not served (cuDNN's bias is not defined per "
+                    "segment); the seqlens form (one sequence per row) is")
         if shapes is not None:
             dtype = jnp.dtype(shapes.dtype)
             if dtype not in _DTYPES:
