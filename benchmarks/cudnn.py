@@ -98,13 +98,9 @@ def impls(causal: bool) -> dict:
             "cudnn_thd4_unchecked": ours_thd(causal, check_bounds=False), **alibi}
 
 
-IMPLS = ("cudnn", "jax_cudnn", "xla", "cudnn_dropout", "cudnn_thd4", "cudnn_thd4_unchecked",
-         "cudnn_alibi", "xla_alibi")
-
-
 def add_arguments(parser):
-    parser.add_argument("--impls", default=",".join(IMPLS),
-                        help=f"comma-separated subset of {', '.join(IMPLS)}")
+    names = ",".join(impls(causal=True))  # every impl: the causal cases have them all
+    parser.add_argument("--impls", default=names, help=f"comma-separated subset of {names}")
 
 
 def passes(attend):
@@ -128,6 +124,10 @@ def flops(b, sq, skv, h, d, causal, pass_name, impl):
 def main():
     args = parse_args("benchmarks/results/cudnn.json", add_arguments)
     chosen = args.impls.split(",")
+    unknown = sorted(set(chosen) - set(impls(causal=True)))
+    if unknown:
+        raise SystemExit(f"--impls: unknown {', '.join(unknown)}; choose a subset of "
+                         f"{','.join(impls(causal=True))}")
     shapes = SHAPES[:1] if args.quick else SHAPES
     rows = []
     for b, sq, skv, h, d in shapes:
