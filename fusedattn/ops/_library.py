@@ -8,7 +8,8 @@ of FFI handler symbols, without any Python ABI:
     fusedattn/_lib/libfusedattn_rocm.so   when hipcc was found at build time; platform "ROCM"
 
 The CUDA and ROCm libraries are built from the same sources (ops_cuda/cuda),
-so they export the same handlers.
+so they export the same handlers, except the flash kernels (ops_cuda/cuda/flash),
+which the CUDA library alone has.
 
 `load(platform)` opens the platform's library once with ctypes and registers
 its handlers under the target names below with `jax.ffi.register_ffi_target`;
@@ -46,11 +47,18 @@ GPU_TARGETS = {
     "fusedattn_small_seq_bwd": "FusedattnSmallSeqBwdGpu",
 }
 
+# The flash kernels are CUDA only (mma.sync, cp.async): the ROCm library lacks them.
+CUDA_TARGETS = {
+    **GPU_TARGETS,
+    "fusedattn_flash_fwd": "FusedattnFlashFwdCuda",
+    "fusedattn_flash_bwd": "FusedattnFlashBwdCuda",
+}
+
 # JAX platform name for register_ffi_target -> (library stem, targets, the compiler that
 # builds it and its toolkit).
 _LIBRARIES = {
     "cpu": ("fusedattn_host", HOST_TARGETS, None),
-    "CUDA": ("fusedattn_cuda", GPU_TARGETS, ("nvcc", "the CUDA toolkit")),
+    "CUDA": ("fusedattn_cuda", CUDA_TARGETS, ("nvcc", "the CUDA toolkit")),
     "ROCM": ("fusedattn_rocm", GPU_TARGETS, ("hipcc", "ROCm (HIP)")),
 }
 
@@ -158,3 +166,12 @@ def available(platform: str) -> str | None:
 def load(platform: str) -> bool:
     """Loads and registers the op library of `platform` once; True on success."""
     return available(platform) is None
+
+
+def flash_head_dims(platform: str = "cuda") -> frozenset[int]:
+    """The head dims the loaded CUDA library's flash kernels were built for (empty when the
+    library is not loaded)."""
+    if available(platform) is not None:
+        return frozenset()
+    mask = _handles[_ffi_platform(platform)].FusedattnFlashCudaHeadDims()
+    return frozenset(d for d in (64, 128, 256) if mask & (d // 64))

@@ -1,8 +1,10 @@
 """The "flash" backend: the compiled op set's own attention kernels.
 
-This version serves platform "cpu" through the host build
-(ops_cuda/host/flash_host.cc); the GPU kernels are not written yet. The op
-is two XLA FFI calls around a `jax.custom_vjp`:
+It serves platform "cpu" through the host build (ops_cuda/host/flash_host.cc)
+and CUDA GPUs of compute capability 8.0 and newer through the kernels of
+ops_cuda/cuda/flash (bfloat16 and float16, head dims 64, 128 and 256 with
+dv = d; mma.sync tensor-core tiles, tile skipping from the token vectors,
+a deterministic backward). The op is two XLA FFI calls around a `jax.custom_vjp`:
 
     fusedattn_flash_fwd(q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos,
                         softmax_offset, seed) -> (o, lse)
@@ -144,24 +146,63 @@ def _flash_bwd(static: _Static, residuals, do):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
+# Head dims and element types the CUDA kernels serve (which head dims a build holds:
+# _library.flash_head_dims).
+_CUDA_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _cuda_reason(shapes: CallShapes | None) -> str | None:
+    """Why the CUDA kernels cannot serve a call (None: they can)."""
+    reason = _library.available("cuda")
+    if reason is not None:
+        return f"flash: {reason}"
+    major, minor = _compute_capability()
+    if major < 8:
+        return (f"flash: the CUDA kernels need compute capability 8.0 or newer, this GPU has "
+                f"{major}.{minor}; use backend='xla'")
+    if shapes is None:
+        return None
+    if jnp.dtype(shapes.dtype) not in _CUDA_DTYPES:
+        return (f"flash: the CUDA kernels take bfloat16 or float16 inputs, got "
+                f"{jnp.dtype(shapes.dtype).name}; cast q, k and v, or use backend='cudnn' or 'xla'")
+    if shapes.head_dim_v != shapes.head_dim_qk:
+        return (f"flash: the CUDA kernels need v's head dim equal to q's, got {shapes.head_dim_v} "
+                f"and {shapes.head_dim_qk}; use backend='xla'")
+    built = _library.flash_head_dims("cuda")
+    if shapes.head_dim_qk not in built:
+        return (f"flash: no CUDA kernel for head dim {shapes.head_dim_qk} in this build (built: "
+                f"{sorted(built)}; the kernels exist for 64, 128 and 256, see "
+                "FUSEDATTN_FLASH_HEAD_DIMS in the README); use backend='cudnn' or 'xla'")
+    return None
+
+
+def _compute_capability() -> tuple[int, int]:
+    text = getattr(jax.devices()[0], "compute_capability", "0.0")
+    major, _, minor = str(text).partition(".")
+    return int(major or 0), int(minor or 0)
+
+
 class FlashBackend:
-    """The compiled kernels of this project; the host build on "cpu" for now."""
+    """The compiled kernels of this project: the host build on "cpu", CUDA kernels on NVIDIA
+    GPUs (sm_80 and newer)."""
 
     name = "flash"
 
     def supports(self, spec: AttentionSpec, shapes: CallShapes | None, platform: str) -> str | None:
         platform = (platform or "").lower()
-        if platform in ("gpu", "cuda", "rocm"):
-            return "flash: no GPU kernel yet (host build only); use backend='xla'"
-        if platform != "cpu":
-            return (f"flash: only the host (cpu) build exists; this computation runs on "
-                    f"{platform}; use backend='xla'")
         if spec.bias == BiasType.ALIBI:
             return ("flash: ALiBi is not supported by the flash kernels; use backend='xla' "
                     "or 'auto'")
         if spec.bias != BiasType.NO_BIAS or (shapes is not None and shapes.has_bias_array):
             return ("flash: bias arrays are not supported by the flash kernels; use "
                     "backend='xla' or 'auto'")
+        if platform in ("gpu", "cuda"):
+            return _cuda_reason(shapes)
+        if platform == "rocm":
+            return "flash: no ROCm kernel yet (CUDA and host builds only); use backend='xla'"
+        if platform != "cpu":
+            return (f"flash: kernels exist for cpu (host build) and CUDA GPUs; this computation "
+                    f"runs on {platform}; use backend='xla'")
         if shapes is not None and jnp.dtype(shapes.dtype) not in _DTYPES:
             return (f"flash: dtype {jnp.dtype(shapes.dtype).name} is not supported; use float32, "
                     "bfloat16 or float16 inputs, or backend='xla'")
@@ -171,9 +212,6 @@ class FlashBackend:
         return None
 
     def attention(self, spec: AttentionSpec, args: CanonicalArgs, scale: float) -> jax.Array:
-        reason = _library.available("cpu")
-        if reason is not None:
-            raise RuntimeError(f"flash: {reason}")
         if spec.bias != BiasType.NO_BIAS or args.bias is not None:
             raise ValueError("flash: bias arrays are not supported by the flash kernels; use "
                              "backend='xla' or 'auto'")

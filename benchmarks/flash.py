@@ -1,0 +1,199 @@
+"""The flash backend's CUDA kernels against cuDNN (ours and JAX's) and FlashAttention-3.
+
+Impls: "flash" (fusedattn.ops.fused_attn with backend "flash"), "cudnn" (ours, backend
+"cudnn"), "jax_cudnn" (jax.nn.dot_product_attention(implementation="cudnn")), "fa3"
+(flash_attn3_jax.flash_mha, head dim 128 only, where the wheel is installed),
+"flash_dropout" and "cudnn_dropout" (ours with dropout 0.1, training). Passes "fwd" and
+"fwd+bwd" (the VJP with a random cotangent, all of dq, dk, dv). bf16, BSHD, random
+normal inputs.
+
+Every case times its impls interleaved: --repeats rounds, each round one timed window
+(at least --min-window-ms of back-to-back calls) of every impl in turn, rotated; the
+median per impl is reported. TF/s counts matmul FLOPs only: forward 4*b*h*sq*skv*d,
+halved for causal; fwd+bwd 3.5x the forward. "of_peak" is the fraction of ~790 TF/s,
+a large bf16 matmul measured on the H200.
+
+    python benchmarks/flash.py --out benchmarks/results/flash.json
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import jax
+import jax.numpy as jnp
+
+import fusedattn
+from fusedattn.ops import fused_attn
+
+from common import (H200_MEASURED_MATMUL_FLOPS, calls_per_repeat, mean_call_ms, parse_args,
+                    random_normal, write_results)
+
+# (b, s, h, h_kv, d): the issue's six shapes, then d=64 and d=256.
+SHAPES = [(4, 2048, 16, 16, 128), (1, 8192, 16, 16, 128), (2, 4096, 32, 8, 128),
+          (16, 512, 16, 16, 128), (16, 512, 16, 16, 64), (2, 4096, 16, 16, 256)]
+
+
+def ours(backend: str, causal: bool, dropout: float = 0.0):
+    config = fusedattn.configs.attention_config()
+    config.backend = backend
+    config.mask = "causal" if causal else "no_mask"
+    config.dropout_rate = dropout
+    key = jax.random.key(0)
+
+    def attend(q, k, v):
+        return fused_attn((q, k, v), config=config, dropout_rng=key if dropout else None,
+                          is_training=dropout > 0)
+    return attend
+
+
+def jax_cudnn(causal: bool):
+    def attend(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+    return attend
+
+
+def fa3(causal: bool):
+    from flash_attn3_jax import flash_mha
+
+    def attend(q, k, v):
+        return flash_mha(q, k, v, is_causal=causal)
+    return attend
+
+
+def impls(causal: bool, d: int) -> dict:
+    table = {"flash": ours("flash", causal), "cudnn": ours("cudnn", causal),
+             "jax_cudnn": jax_cudnn(causal), "flash_dropout": ours("flash", causal, 0.1),
+             "cudnn_dropout": ours("cudnn", causal, 0.1)}
+    if d == 128:
+        table["fa3"] = fa3(causal)
+    return table
+
+
+IMPL_NAMES = ("flash", "cudnn", "jax_cudnn", "fa3", "flash_dropout", "cudnn_dropout")
+
+
+def add_arguments(parser):
+    parser.add_argument("--impls", default=",".join(IMPL_NAMES),
+                        help=f"comma-separated subset of {','.join(IMPL_NAMES)}")
+
+
+def passes(attend):
+    forward = jax.jit(attend)
+
+    @jax.jit
+    def forward_backward(q, k, v, do):
+        out, vjp = jax.vjp(attend, q, k, v)
+        return out, vjp(do)
+
+    return {"fwd": lambda q, k, v, do: forward(q, k, v), "fwd+bwd": forward_backward}
+
+
+def flops(b, s, h, d, causal, pass_name):
+    forward = 4 * b * h * s * s * d / (2 if causal else 1)
+    return forward if pass_name == "fwd" else 3.5 * forward
+
+
+def interleaved_ms(fns: dict, args: tuple, repeats: int, iters: int, min_window_ms: float) -> dict:
+    """Median ms per call of each fn over `repeats` rounds; each round times every fn once,
+    in an order rotated from round to round. Fns that fail are reported by their error."""
+    runnable, errors = {}, {}
+    for name, fn in fns.items():
+        try:
+            jax.block_until_ready(fn(*args))
+            runnable[name] = (fn, calls_per_repeat(fn, args, iters, min_window_ms))
+        except Exception as error:  # an implementation that cannot run the case
+            errors[name] = str(error).splitlines()[0][:300]
+    samples = {name: [] for name in runnable}
+    names = list(runnable)
+    for round_index in range(repeats):
+        shift = round_index % max(len(names), 1)
+        for name in names[shift:] + names[:shift]:
+            fn, calls = runnable[name]
+            samples[name].append(mean_call_ms(fn, args, calls))
+    return {name: statistics.median(times) for name, times in samples.items()}, errors
+
+
+def main():
+    args = parse_args("benchmarks/results/flash.json", add_arguments)
+    chosen = args.impls.split(",")
+    unknown = sorted(set(chosen) - set(IMPL_NAMES))
+    if unknown:
+        raise SystemExit(f"--impls: unknown {', '.join(unknown)}; choose from {','.join(IMPL_NAMES)}")
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    rows = []
+    for b, s, h, h_kv, d in shapes:
+        keys = jax.random.split(jax.random.key(s + d + h_kv), 4)
+        q = random_normal(keys[0], (b, s, h, d), jnp.bfloat16)
+        k = random_normal(keys[1], (b, s, h_kv, d), jnp.bfloat16)
+        v = random_normal(keys[2], (b, s, h_kv, d), jnp.bfloat16)
+        do = random_normal(keys[3], (b, s, h, d), jnp.bfloat16)
+        for causal in (False, True):
+            name = f"b{b}_s{s}_h{h}_{h_kv}_d{d}" + ("_causal" if causal else "")
+            shape = {"b": b, "s": s, "h": h, "h_kv": h_kv, "d": d, "causal": causal}
+            table = {n: f for n, f in impls(causal, d).items() if n in chosen}
+            for pass_name in ("fwd", "fwd+bwd"):
+                fns = {n: passes(f)[pass_name] for n, f in table.items()}
+                times, errors = interleaved_ms(fns, (q, k, v, do), args.repeats, args.iters,
+                                               args.min_window_ms)
+                for impl in table:
+                    row = {"name": name, "shape": shape, "impl": impl, "pass": pass_name}
+                    if impl in times:
+                        ms = times[impl]
+                        tflops = flops(b, s, h, d, causal, pass_name) / (ms * 1e-3) / 1e12
+                        row.update(ms=round(ms, 4), tflops=round(tflops, 1),
+                                   of_peak=round(tflops * 1e12 / H200_MEASURED_MATMUL_FLOPS, 3))
+                    else:
+                        row.update(ms=None, unsupported=errors[impl])
+                    rows.append(row)
+                    print(row, flush=True)
+    summary = summarize(rows)
+    write_results(args.out, rows, summary=summary,
+                  flops="matmul only: fwd 4*b*h*s*s*d (causal /2), fwd+bwd 3.5x",
+                  peak="790 TF/s (large bf16 matmul measured on the H200)",
+                  method="interleaved rotated rounds, median per impl")
+    print_table(summary)
+
+
+def summarize(rows):
+    by_key = {(r["name"], r["impl"], r["pass"]): r for r in rows}
+    out = []
+    for r in rows:
+        if r["impl"] != "flash":
+            continue
+        entry = {"name": r["name"], "pass": r["pass"], "flash_ms": r["ms"],
+                 "flash_tflops": r.get("tflops")}
+        for peer in IMPL_NAMES[1:]:
+            other = by_key.get((r["name"], peer, r["pass"]), {})
+            entry[f"{peer}_tflops"] = other.get("tflops")
+            entry[f"speed_vs_{peer}"] = (round(other["ms"] / r["ms"], 3)
+                                         if other.get("ms") and r["ms"] else None)
+        dropout = by_key.get((r["name"], "flash_dropout", r["pass"]), {})
+        cudnn_dropout = by_key.get((r["name"], "cudnn_dropout", r["pass"]), {})
+        entry["flash_dropout_vs_cudnn_dropout"] = (
+            round(cudnn_dropout["ms"] / dropout["ms"], 3)
+            if dropout.get("ms") and cudnn_dropout.get("ms") else None)
+        entry["flash_dropout_of_plain"] = (round(r["ms"] / dropout["ms"], 3)
+                                           if dropout.get("ms") and r["ms"] else None)
+        out.append(entry)
+    return out
+
+
+def print_table(summary):
+    fmt = lambda x, f="{:.2f}": "n/a" if x is None else f.format(x)
+    print(f"\n{'case':<30}{'pass':<8}{'flash':>7}{'cudnn':>7}{'jaxcd':>7}{'fa3':>7}"
+          f"{'vs cudnn':>9}{'vs fa3':>8}{'drop vs cudnn':>14}{'drop/plain':>11}")
+    for s in summary:
+        print(f"{s['name']:<30}{s['pass']:<8}{fmt(s['flash_tflops'], '{:.0f}'):>7}"
+              f"{fmt(s['cudnn_tflops'], '{:.0f}'):>7}{fmt(s['jax_cudnn_tflops'], '{:.0f}'):>7}"
+              f"{fmt(s['fa3_tflops'], '{:.0f}'):>7}{fmt(s['speed_vs_cudnn'], '{:.3f}'):>9}"
+              f"{fmt(s['speed_vs_fa3'], '{:.3f}'):>8}"
+              f"{fmt(s['flash_dropout_vs_cudnn_dropout'], '{:.3f}'):>14}"
+              f"{fmt(s['flash_dropout_of_plain'], '{:.3f}'):>11}")
+    print("TF/s columns; 'vs X' = X's time / flash's time (> 1: flash faster; targets: >= 1.00 vs "
+          "fa3, >= 1.05 vs cudnn); drop = flash with dropout 0.1 vs cudnn's dropout (target "
+          ">= 1.5) and vs flash plain (target >= 0.85)")
+
+
+if __name__ == "__main__":
+    main()

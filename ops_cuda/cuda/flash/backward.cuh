@@ -1,0 +1,263 @@
+// The flash backward kernels (CUDA, sm_80 and later), deterministic by construction
+// (every gradient element has one writer, no atomics):
+//
+//   softmax_delta_kernel   delta_i = rowsum(dO_i * O_i)                    [B, H, Sq]
+//   sink_gradient_kernel   d_offset[b, h] = -sum_i exp(sink - lse_i) delta_i   (learnable softmax)
+//   dkdv_kernel            a block owns 64 keys of one K/V head (16 per warp) and a range of
+//                          output columns, and streams the (query head, query tile) pairs of its
+//                          GQA group: S^T = K Q^T, dP^T = V dO^T, dV += (P o drop)^T dO,
+//                          dK += dS^T Q with dS = P o (drop o dP - delta)
+//   dq_kernel              a block owns 64 queries of one head and streams the key tiles:
+//                          dQ += dS K
+//
+// P is recomputed from the saved lse (+inf for rows without visible keys: P = 0).
+#ifndef FUSEDATTN_FLASH_BACKWARD_CUH_
+#define FUSEDATTN_FLASH_BACKWARD_CUH_
+
+#include <cmath>
+
+#include "params.cuh"
+#include "pipeline.cuh"
+
+namespace fusedattn {
+namespace flash {
+
+// rows of 16-bit elements: one warp per row of D elements, 16 rows per block.
+template <ElementType ET, int D>
+__global__ void __launch_bounds__(128) softmax_delta_kernel(const FlashArgs a) {
+  const AttentionParams& p = a.p;
+  const int64_t rows = p.batch * p.seqlen_q * p.heads;  // (b, i, h) in memory order
+  const int lane = threadIdx.x % 32;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32; row < rows;
+       row += static_cast<int64_t>(gridDim.x) * 4) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int d = 2 * lane; d < D; d += 64) {
+      const uint32_t o2 = *reinterpret_cast<const uint32_t*>(a.o + row * D + d);
+      const uint32_t g2 = *reinterpret_cast<const uint32_t*>(a.dout + row * D + d);
+      sum += Element<ET>::load(static_cast<uint16_t>(o2)) * Element<ET>::load(static_cast<uint16_t>(g2));
+      sum += Element<ET>::load(static_cast<uint16_t>(o2 >> 16)) * Element<ET>::load(static_cast<uint16_t>(g2 >> 16));
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    if (lane == 0) {
+      const int64_t h = row % p.heads, bi = row / p.heads;
+      const int64_t i = bi % p.seqlen_q, b = bi / p.seqlen_q;
+      a.delta[(b * p.heads + h) * p.seqlen_q + i] = sum;
+    }
+  }
+}
+
+// One block of 256 threads per (b, h), a fixed summation order.
+__global__ void __launch_bounds__(256) sink_gradient_kernel(const FlashArgs a) {
+  const AttentionParams& p = a.p;
+  const int64_t bh = blockIdx.x, h = bh % p.heads, b = bh / p.heads;
+  const HeadContext c = head_context(a, b, h);
+  float sum = 0.0f;
+  for (int64_t i = threadIdx.x; i < p.seqlen_q; i += 256) {
+    const int64_t at = bh * p.seqlen_q + i;
+    sum -= softmax_sink_weight(p.softmax_type, c.sink, a.lse[at]) * a.delta[at];
+  }
+  __shared__ float partial[8];
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = sum;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float total = 0.0f;
+    for (int w = 0; w < 8; ++w) total += partial[w];
+    a.d_offset[bh] = total;
+  }
+}
+
+template <int D>
+struct DkDvTiles {
+  static constexpr int kN = 64;                   // keys per block
+  static constexpr int kM = D == 64 ? 64 : 32;    // queries per tile (registers: dK, dV and S^T, dP^T)
+  static constexpr int kOut = D == 256 ? 128 : D;  // output columns per block
+  static constexpr int kThreads = 128;
+  static constexpr int kChunks = D / 8;
+  static constexpr int kSharedBytes = (2 * kN + 4 * kM) * D * 2;  // K, V, then two stages of Q and dO
+};
+
+template <ElementType ET, int D>
+__global__ void __launch_bounds__(DkDvTiles<D>::kThreads) dkdv_kernel(const FlashArgs a) {
+  using T = DkDvTiles<D>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const AttentionParams& p = a.p;
+  const int64_t n_kv_tiles = (p.seqlen_kv + T::kN - 1) / T::kN;
+  constexpr int kColumnBlocks = D / T::kOut;
+  const int64_t column_block = blockIdx.x % kColumnBlocks;
+  const int64_t tile = blockIdx.x / kColumnBlocks;
+  const int64_t n0 = (tile % n_kv_tiles) * T::kN;
+  const int64_t bg = tile / n_kv_tiles, g = bg % p.kv_heads, b = bg / p.kv_heads;
+  const int64_t group = p.heads / p.kv_heads;
+  const int warp = threadIdx.x / 32;
+
+  const uint32_t base = smem_address(smem);
+  const SwizzledTile<T::kChunks> k_tile{base}, v_tile{base + T::kN * D * 2};
+  const auto q_tile = [&](int s) { return SwizzledTile<T::kChunks>{base + (2 * T::kN + 2 * s * T::kM) * D * 2}; };
+  const auto do_tile = [&](int s) {
+    return SwizzledTile<T::kChunks>{base + (2 * T::kN + (2 * s + 1) * T::kM) * D * 2};
+  };
+
+  const int64_t q_stride = p.heads * D, kv_stride = p.kv_heads * D;
+  const int64_t kv_offset = (b * p.seqlen_kv * p.kv_heads + g) * D;
+  load_tile_async<T::kN, T::kChunks, T::kThreads>(k_tile, a.k + kv_offset, kv_stride, n0, p.seqlen_kv);
+  load_tile_async<T::kN, T::kChunks, T::kThreads>(v_tile, a.v + kv_offset, kv_stride, n0, p.seqlen_kv);
+  cp_async_commit();
+
+  const HeadContext c0 = head_context(a, b, g * group);  // token vectors and spans: shared by the group
+  const FragmentCoords at{n0 + 16 * warp, 0, static_cast<int>(threadIdx.x % 32)};
+  int32_t key_seg[2], key_pos[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t j = at.row(2 * r);
+    key_seg[r] = j < p.seqlen_kv ? c0.kv_seg[j] : 0;
+    key_pos[r] = j < p.seqlen_kv ? c0.kv_pos[j] : 0;
+  }
+  float dk[T::kOut / 8][4], dv[T::kOut / 8][4];
+  zero(dk);
+  zero(dv);
+
+  const Span kv_span = tile_span(c0.kv_spans, c0.n_kv_spans, n0, T::kN);
+  const int n_q_tiles = static_cast<int>((p.seqlen_q + T::kM - 1) / T::kM);
+  // tile u: query head g * group + u / n_q_tiles, query tile u % n_q_tiles
+  const auto relation = [&](int u) {
+    const int64_t m0 = static_cast<int64_t>(u % n_q_tiles) * T::kM;
+    return relate(p.mask, tile_span(c0.q_spans, c0.n_q_spans, m0, T::kM), kv_span);
+  };
+  const auto q_offset = [&](int u) { return (b * p.seqlen_q * p.heads + g * group + u / n_q_tiles) * D; };
+  const auto load = [&](int u, int s) {
+    const int64_t m0 = static_cast<int64_t>(u % n_q_tiles) * T::kM;
+    load_tile_async<T::kM, T::kChunks, T::kThreads>(q_tile(s), a.q + q_offset(u), q_stride, m0, p.seqlen_q);
+    load_tile_async<T::kM, T::kChunks, T::kThreads>(do_tile(s), a.dout + q_offset(u), q_stride, m0, p.seqlen_q);
+  };
+  const auto compute = [&](int u, int s, bool full) {
+    const int64_t h = g * group + u / n_q_tiles;
+    const HeadContext c = head_context(a, b, h);
+    const float* lse = a.lse + (b * p.heads + h) * p.seqlen_q;
+    const float* delta = a.delta + (b * p.heads + h) * p.seqlen_q;
+    float st[T::kM / 8][4], dpt[T::kM / 8][4];  // S^T and dP^T: rows are keys, columns queries
+    zero(st);
+    zero(dpt);
+    warp_rows_times_rows<ET, D, T::kM>(st, k_tile, 16 * warp, q_tile(s));
+    warp_rows_times_rows<ET, D, T::kM>(dpt, v_tile, 16 * warp, do_tile(s));
+    const FragmentCoords qc{at.row0, static_cast<int64_t>(u % n_q_tiles) * T::kM, at.lane};
+#pragma unroll
+    for (int n = 0; n < T::kM / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t i = qc.col(n, e), j = qc.row(e);
+        float w = 0.0f, ds = 0.0f;
+        if (full || visible(p.mask, query_token(c, i, p.seqlen_q), key_seg[e / 2], key_pos[e / 2])) {
+          w = exp2f((st[n][e] * p.scale - lse[i]) * kLog2e);
+          const float f = p.dropout ? dropout_factor(p, c, h, i, j) : 1.0f;
+          ds = w * (f * dpt[n][e] - delta[i]);
+          w *= f;
+        }
+        st[n][e] = w;
+        dpt[n][e] = ds;
+      }
+    }
+    warp_regs_times_rows<ET, T::kM, T::kOut>(dv, st, do_tile(s), column_block * (T::kOut / 8));
+    warp_regs_times_rows<ET, T::kM, T::kOut>(dk, dpt, q_tile(s), column_block * (T::kOut / 8));
+  };
+  stream_tiles<T::kThreads>(static_cast<int>(group) * n_q_tiles, relation, load, compute);
+
+  const FragmentCoords out{at.row0, column_block * T::kOut, at.lane};
+  store_rows<ET>(dk, {p.scale, p.scale}, a.dk + kv_offset, kv_stride, out, p.seqlen_kv);
+  store_rows<ET>(dv, {1.0f, 1.0f}, a.dv + kv_offset, kv_stride, out, p.seqlen_kv);
+}
+
+template <int D>
+struct DqTiles {
+  static constexpr int kM = 64;                  // queries per block
+  static constexpr int kN = D == 256 ? 32 : 64;  // keys per tile
+  static constexpr int kThreads = 128;
+  static constexpr int kChunks = D / 8;
+  static constexpr int kSharedBytes = (2 * kM + 4 * kN) * D * 2;  // Q, dO, then two stages of K and V
+};
+
+template <ElementType ET, int D>
+__global__ void __launch_bounds__(DqTiles<D>::kThreads) dq_kernel(const FlashArgs a) {
+  using T = DqTiles<D>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const AttentionParams& p = a.p;
+  const int64_t n_q_tiles = (p.seqlen_q + T::kM - 1) / T::kM;
+  const int64_t bh = blockIdx.x / n_q_tiles;
+  const int64_t m0 = (n_q_tiles - 1 - blockIdx.x % n_q_tiles) * T::kM;
+  const int64_t h = bh % p.heads, b = bh / p.heads, g = kv_head_of(h, p.heads, p.kv_heads);
+  const HeadContext c = head_context(a, b, h);
+  const int warp = threadIdx.x / 32;
+
+  const uint32_t base = smem_address(smem);
+  const SwizzledTile<T::kChunks> q_tile{base}, do_tile{base + T::kM * D * 2};
+  const auto k_tile = [&](int s) { return SwizzledTile<T::kChunks>{base + (2 * T::kM + 2 * s * T::kN) * D * 2}; };
+  const auto v_tile = [&](int s) {
+    return SwizzledTile<T::kChunks>{base + (2 * T::kM + (2 * s + 1) * T::kN) * D * 2};
+  };
+
+  const int64_t q_stride = p.heads * D, kv_stride = p.kv_heads * D;
+  const int64_t q_offset = (b * p.seqlen_q * p.heads + h) * D;
+  const int64_t kv_offset = (b * p.seqlen_kv * p.kv_heads + g) * D;
+  load_tile_async<T::kM, T::kChunks, T::kThreads>(q_tile, a.q + q_offset, q_stride, m0, p.seqlen_q);
+  load_tile_async<T::kM, T::kChunks, T::kThreads>(do_tile, a.dout + q_offset, q_stride, m0, p.seqlen_q);
+  cp_async_commit();
+
+  const FragmentCoords at{m0 + 16 * warp, 0, static_cast<int>(threadIdx.x % 32)};
+  QueryToken query[2];
+  float lse[2], delta[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t i = at.row(2 * r);
+    query[r] = query_token(c, i, p.seqlen_q);
+    lse[r] = i < p.seqlen_q ? a.lse[(b * p.heads + h) * p.seqlen_q + i] : INFINITY;
+    delta[r] = i < p.seqlen_q ? a.delta[(b * p.heads + h) * p.seqlen_q + i] : 0.0f;
+  }
+  float dq[D / 8][4];
+  zero(dq);
+
+  const Span q_span = tile_span(c.q_spans, c.n_q_spans, m0, T::kM);
+  const int n_kv_tiles = static_cast<int>((p.seqlen_kv + T::kN - 1) / T::kN);
+  const auto relation = [&](int t) {
+    return relate(p.mask, q_span, tile_span(c.kv_spans, c.n_kv_spans, static_cast<int64_t>(t) * T::kN, T::kN));
+  };
+  const auto load = [&](int t, int s) {
+    const int64_t j0 = static_cast<int64_t>(t) * T::kN;
+    load_tile_async<T::kN, T::kChunks, T::kThreads>(k_tile(s), a.k + kv_offset, kv_stride, j0, p.seqlen_kv);
+    load_tile_async<T::kN, T::kChunks, T::kThreads>(v_tile(s), a.v + kv_offset, kv_stride, j0, p.seqlen_kv);
+  };
+  const auto compute = [&](int t, int s, bool full) {
+    float sc[T::kN / 8][4], dp[T::kN / 8][4];
+    zero(sc);
+    zero(dp);
+    warp_rows_times_rows<ET, D, T::kN>(sc, q_tile, 16 * warp, k_tile(s));
+    warp_rows_times_rows<ET, D, T::kN>(dp, do_tile, 16 * warp, v_tile(s));
+    const FragmentCoords kv{at.row0, static_cast<int64_t>(t) * T::kN, at.lane};
+#pragma unroll
+    for (int n = 0; n < T::kN / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e / 2;
+        const int64_t j = kv.col(n, e);
+        float ds = 0.0f;
+        if (full || key_visible(p.mask, c, query[r], j, p.seqlen_kv)) {
+          const float w = exp2f((sc[n][e] * p.scale - lse[r]) * kLog2e);
+          const float f = p.dropout ? dropout_factor(p, c, h, kv.row(e), j) : 1.0f;
+          ds = w * (f * dp[n][e] - delta[r]);
+        }
+        sc[n][e] = ds;
+      }
+    }
+    warp_regs_times_rows<ET, T::kN, D>(dq, sc, k_tile(s), 0);
+  };
+  stream_tiles<T::kThreads>(n_kv_tiles, relation, load, compute);
+
+  store_rows<ET>(dq, {p.scale, p.scale}, a.dq + q_offset, q_stride, at, p.seqlen_q);
+}
+
+}  // namespace flash
+}  // namespace fusedattn
+
+#endif  // FUSEDATTN_FLASH_BACKWARD_CUH_

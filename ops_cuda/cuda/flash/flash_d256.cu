@@ -1,0 +1,11 @@
+// The flash kernels for head dim 256 (see kernels.cuh).
+#include "kernels.cuh"
+
+namespace fusedattn {
+namespace flash {
+
+template void launch_forward<256>(gpuStream_t, const FlashArgs&, ElementType);
+template void launch_backward<256>(gpuStream_t, const FlashArgs&, ElementType);
+
+}  // namespace flash
+}  // namespace fusedattn

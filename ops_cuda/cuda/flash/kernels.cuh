@@ -1,0 +1,69 @@
+// Definitions of the launchers of launch.h (included by flash_d<D>.cu only).
+#ifndef FUSEDATTN_FLASH_KERNELS_CUH_
+#define FUSEDATTN_FLASH_KERNELS_CUH_
+
+#include "backward.cuh"
+#include "forward.cuh"
+#include "launch.h"
+
+namespace fusedattn {
+namespace flash {
+
+// Launches kernel<<<blocks, threads, shared_bytes>>>(a), raising its dynamic shared-memory limit first.
+template <typename Kernel>
+void launch(Kernel kernel, int64_t blocks, int threads, int shared_bytes, gpuStream_t stream, const FlashArgs& a) {
+  if (blocks == 0) return;
+  if (shared_bytes > 48 * 1024) {
+    gpuFuncSetAttribute(reinterpret_cast<const void*>(kernel), gpuFuncAttributeMaxDynamicSharedMemorySize,
+                        shared_bytes);
+  }
+  kernel<<<static_cast<unsigned>(blocks), threads, shared_bytes, stream>>>(a);
+}
+
+template <ElementType ET, int D>
+void forward(gpuStream_t stream, const FlashArgs& a) {
+  using T = ForwardTiles<D>;
+  const int64_t blocks = (a.p.seqlen_q + T::kM - 1) / T::kM * a.p.heads * a.p.batch;
+  launch(forward_kernel<ET, D>, blocks, T::kThreads, T::kSharedBytes, stream, a);
+}
+
+template <ElementType ET, int D>
+void backward(gpuStream_t stream, const FlashArgs& a) {
+  const AttentionParams& p = a.p;
+  const int64_t rows = p.batch * p.seqlen_q * p.heads;
+  launch(softmax_delta_kernel<ET, D>, std::min<int64_t>((rows + 3) / 4, 65536), 128, 0, stream, a);
+  if (p.softmax_type == kSoftmaxLearnable) {
+    launch(sink_gradient_kernel, p.batch * p.heads, 256, 0, stream, a);
+  } else {
+    gpuMemsetAsync(a.d_offset, 0, sizeof(float) * p.batch * p.heads, stream);
+  }
+  using KV = DkDvTiles<D>;
+  const int64_t kv_blocks = (p.seqlen_kv + KV::kN - 1) / KV::kN * p.kv_heads * p.batch * (D / KV::kOut);
+  launch(dkdv_kernel<ET, D>, kv_blocks, KV::kThreads, KV::kSharedBytes, stream, a);
+  using Q = DqTiles<D>;
+  const int64_t q_blocks = (p.seqlen_q + Q::kM - 1) / Q::kM * p.heads * p.batch;
+  launch(dq_kernel<ET, D>, q_blocks, Q::kThreads, Q::kSharedBytes, stream, a);
+}
+
+template <int D>
+void launch_forward(gpuStream_t stream, const FlashArgs& a, ElementType type) {
+  if (type == ElementType::kBF16) {
+    forward<ElementType::kBF16, D>(stream, a);
+  } else {
+    forward<ElementType::kF16, D>(stream, a);
+  }
+}
+
+template <int D>
+void launch_backward(gpuStream_t stream, const FlashArgs& a, ElementType type) {
+  if (type == ElementType::kBF16) {
+    backward<ElementType::kBF16, D>(stream, a);
+  } else {
+    backward<ElementType::kF16, D>(stream, a);
+  }
+}
+
+}  // namespace flash
+}  // namespace fusedattn
+
+#endif  // FUSEDATTN_FLASH_KERNELS_CUH_

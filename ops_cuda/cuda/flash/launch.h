@@ -1,0 +1,24 @@
+// Launchers of the flash kernels for one head dim D (instantiated in flash_d<D>.cu,
+// one source per head dim so that a parallel build compiles them side by side).
+#ifndef FUSEDATTN_FLASH_LAUNCH_H_
+#define FUSEDATTN_FLASH_LAUNCH_H_
+
+#include "fusedattn/gpu_runtime.h"
+#include "fusedattn/portability.h"
+#include "params.cuh"
+
+namespace fusedattn {
+namespace flash {
+
+// Both need a.spans summarised (launch_summarise_spans) on the same stream first; the
+// backward also needs a.delta, a buffer of [B, H, Sq] floats it fills. Errors surface
+// through the stream's last error.
+template <int D>
+void launch_forward(gpuStream_t stream, const FlashArgs& a, ElementType type);
+template <int D>
+void launch_backward(gpuStream_t stream, const FlashArgs& a, ElementType type);
+
+}  // namespace flash
+}  // namespace fusedattn
+
+#endif  // FUSEDATTN_FLASH_LAUNCH_H_

@@ -1,0 +1,166 @@
+// Warp-level tensor-core primitives of the flash kernels (CUDA, sm_80 and later):
+// mma.sync m16n8k16 with float accumulators, ldmatrix, cp.async, and a swizzled
+// shared-memory tile of 16-byte chunks.
+//
+// Fragment layouts (lane l of 32; PTX ISA "mma.m16n8k16"):
+//   C/D (16 x 8, float): c[0], c[1] = row l/4,     cols 2(l%4), 2(l%4)+1
+//                        c[2], c[3] = row l/4 + 8, the same cols
+//   A (16 x 16): a[0] rows 0-7 k 0-7, a[1] rows 8-15 k 0-7, a[2] rows 0-7 k 8-15,
+//                a[3] rows 8-15 k 8-15 (two 16-bit values each, as in C)
+//   B (16 x 8):  b[0] k 0-7, b[1] k 8-15 of col l/4, rows 2(l%4), 2(l%4)+1
+// so the C fragments of two adjacent 8-column tiles are, packed to 16 bits, the
+// A fragment of one 16-deep step: scores feed the next product from registers.
+#ifndef FUSEDATTN_FLASH_MMA_CUH_
+#define FUSEDATTN_FLASH_MMA_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "fusedattn/portability.h"
+
+namespace fusedattn {
+namespace flash {
+
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Two floats as one register of two 16-bit values of element type ET (low = a).
+template <ElementType ET>
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
+  if constexpr (ET == ElementType::kBF16) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
+// d += a * b for one 16 x 8 x 16 step.
+template <ElementType ET>
+__device__ __forceinline__ void mma_16816(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  if constexpr (ET == ElementType::kBF16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+// Copies 16 bytes global -> shared asynchronously; zero-fills when !valid.
+__device__ __forceinline__ void cp_async_16(uint32_t smem, const void* gmem, bool valid) {
+  const int bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Waits until at most `kPending` committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// A [rows x 8*kChunks] tile of 16-bit elements in shared memory, stored as 16-byte
+// chunks with chunk c of row r at slot r * kChunks + (c ^ (r % 8)): the eight rows an
+// ldmatrix reads at one chunk column land in eight different bank groups.
+template <int kChunks>
+struct SwizzledTile {
+  static_assert(kChunks >= 8 && kChunks % 8 == 0, "rows of at least 64 elements");
+  uint32_t base;  // shared-memory address
+
+  __device__ __forceinline__ uint32_t chunk(int row, int c) const {
+    return base + static_cast<uint32_t>((row * kChunks + (c ^ (row & 7))) * 16);
+  }
+};
+
+// Loads rows [row0, row0 + kRows) of a strided global array of 16-bit elements
+// (row r at src + r * row_stride elements, 8 * kChunks contiguous elements) into
+// `tile`; rows at or past `rows` read as zeros. All kThreads threads take part.
+template <int kRows, int kChunks, int kThreads>
+__device__ __forceinline__ void load_tile_async(SwizzledTile<kChunks> tile, const uint16_t* src, int64_t row_stride,
+                                                int64_t row0, int64_t rows) {
+  constexpr int kTotal = kRows * kChunks;
+#pragma unroll
+  for (int i = threadIdx.x; i < kTotal; i += kThreads) {
+    const int r = i / kChunks, c = i % kChunks;
+    const bool valid = row0 + r < rows;
+    const uint16_t* p = src + (valid ? (row0 + r) * row_stride : 0) + c * 8;
+    cp_async_16(tile.chunk(r, c), p, valid);
+  }
+}
+
+// acc[t] (16 x 8 tiles t = 0 .. kCols/8) += X[x_row0 .. +16, :kDepth] * Y[0 .. kCols, :kDepth]^T,
+// X and Y rows in swizzled tiles (the scores S = Q K^T, and dP = dO V^T, for one warp).
+template <ElementType ET, int kDepth, int kCols, int kXChunks, int kYChunks>
+__device__ __forceinline__ void warp_rows_times_rows(float (&acc)[kCols / 8][4], SwizzledTile<kXChunks> x,
+                                                     int x_row0, SwizzledTile<kYChunks> y) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int ks = 0; ks < kDepth / 16; ++ks) {
+    uint32_t a[4];
+    ldmatrix_x4(a, x.chunk(x_row0 + (lane % 8) + 8 * ((lane / 8) % 2), 2 * ks + lane / 16));
+#pragma unroll
+    for (int np = 0; np < kCols / 16; ++np) {
+      uint32_t b[4];
+      ldmatrix_x4(b, y.chunk(16 * np + (lane % 8) + 8 * (lane / 16), 2 * ks + (lane / 8) % 2));
+      mma_16816<ET>(acc[2 * np], a, b[0], b[1]);
+      mma_16816<ET>(acc[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// acc[t] (16 x 8 tiles over output cols [8 * chunk0, 8 * chunk0 + kOut)) += P * Z[0 .. kDepth, cols],
+// with P (16 x kDepth) in registers as C fragments (p[t], t = 0 .. kDepth/8) and Z's rows in a
+// swizzled tile (O += P V, dV += P^T dO, dK += dS^T Q, dQ += dS K).
+template <ElementType ET, int kDepth, int kOut, int kZChunks>
+__device__ __forceinline__ void warp_regs_times_rows(float (&acc)[kOut / 8][4], const float (&p)[kDepth / 8][4],
+                                                     SwizzledTile<kZChunks> z, int chunk0) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int ks = 0; ks < kDepth / 16; ++ks) {
+    const uint32_t a[4] = {pack2<ET>(p[2 * ks][0], p[2 * ks][1]), pack2<ET>(p[2 * ks][2], p[2 * ks][3]),
+                           pack2<ET>(p[2 * ks + 1][0], p[2 * ks + 1][1]),
+                           pack2<ET>(p[2 * ks + 1][2], p[2 * ks + 1][3])};
+#pragma unroll
+    for (int dp = 0; dp < kOut / 16; ++dp) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, z.chunk(16 * ks + (lane % 8) + 8 * ((lane / 8) % 2), chunk0 + 2 * dp + lane / 16));
+      mma_16816<ET>(acc[2 * dp], a, b[0], b[1]);
+      mma_16816<ET>(acc[2 * dp + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+template <int kTiles>
+__device__ __forceinline__ void zero(float (&acc)[kTiles][4]) {
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
+}
+
+}  // namespace flash
+}  // namespace fusedattn
+
+#endif  // FUSEDATTN_FLASH_MMA_CUH_

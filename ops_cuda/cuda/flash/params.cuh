@@ -1,0 +1,113 @@
+// What the flash kernels receive, and the per-(batch row, head) context they derive.
+#ifndef FUSEDATTN_FLASH_PARAMS_CUH_
+#define FUSEDATTN_FLASH_PARAMS_CUH_
+
+#include <cstdint>
+
+#include "fusedattn/layout.h"
+#include "fusedattn/mask.h"
+#include "fusedattn/philox.h"
+#include "fusedattn/softmax.h"
+#include "spans.cuh"
+
+namespace fusedattn {
+namespace flash {
+
+// The canonical call (see ffi_args.h) as device pointers; 16-bit elements.
+struct FlashArgs {
+  AttentionParams p;
+  const uint16_t* q;     // [B, Sq, H, D]
+  const uint16_t* k;     // [B, Skv, Hkv, D]
+  const uint16_t* v;     // [B, Skv, Hkv, D]
+  const int32_t* q_seg;  // [L, Sq] (and q_pos, q_diag)
+  const int32_t* q_pos;
+  const int32_t* q_diag;
+  const int32_t* kv_seg;  // [L, Skv] (and kv_pos)
+  const int32_t* kv_pos;
+  const float* offset;   // [L_offset, H]
+  const uint32_t* seed;  // [L_seed, 2]
+  const Span* spans;     // [L, n_q_spans + n_kv_spans]
+  // forward results; backward inputs
+  uint16_t* o;  // [B, Sq, H, D]
+  float* lse;   // [B, H, Sq]
+  // backward
+  const uint16_t* dout;  // [B, Sq, H, D]
+  float* delta;          // [B, H, Sq]: rowsum(dO * O)
+  uint16_t* dq;
+  uint16_t* dk;
+  uint16_t* dv;
+  float* d_offset;  // [B, H]
+};
+
+// One (batch row, head) of the call: token vectors, softmax sink, dropout key.
+struct HeadContext {
+  const int32_t* q_seg;
+  const int32_t* q_pos;
+  const int32_t* q_diag;
+  const int32_t* kv_seg;
+  const int32_t* kv_pos;
+  const Span* q_spans;
+  const Span* kv_spans;
+  int64_t n_q_spans, n_kv_spans;
+  float sink;
+  uint32_t seed0, seed1, philox_batch;
+};
+
+__device__ __forceinline__ HeadContext head_context(const FlashArgs& a, int64_t b, int64_t h) {
+  const AttentionParams& p = a.p;
+  HeadContext c;
+  const int64_t tr = broadcast_row(b, p.batch, p.token_rows);
+  c.q_seg = a.q_seg + tr * p.seqlen_q;
+  c.q_pos = a.q_pos + tr * p.seqlen_q;
+  c.q_diag = a.q_diag + tr * p.seqlen_q;
+  c.kv_seg = a.kv_seg + tr * p.seqlen_kv;
+  c.kv_pos = a.kv_pos + tr * p.seqlen_kv;
+  c.n_q_spans = span_count(p.seqlen_q);
+  c.n_kv_spans = span_count(p.seqlen_kv);
+  c.q_spans = a.spans + tr * (c.n_q_spans + c.n_kv_spans);
+  c.kv_spans = c.q_spans + c.n_q_spans;
+  c.sink = softmax_sink_logit(p.softmax_type, a.offset[broadcast_row(b, p.batch, p.offset_rows) * p.heads + h]);
+  const int64_t sr = broadcast_row(b, p.batch, p.seed_rows);
+  c.seed0 = a.seed[2 * sr];
+  c.seed1 = a.seed[2 * sr + 1];
+  c.philox_batch = static_cast<uint32_t>(broadcast_inner(b, p.batch, p.seed_rows));
+  return c;
+}
+
+// Query token i of the row (seg 0, never visible, past the end).
+__device__ __forceinline__ QueryToken query_token(const HeadContext& c, int64_t i, int64_t seqlen_q) {
+  if (i >= seqlen_q) return make_query_token(0, 0, 0);
+  return make_query_token(c.q_seg[i], c.q_pos[i], c.q_diag[i]);
+}
+
+// Whether key j (of seqlen_kv) is visible from query token qt.
+__device__ __forceinline__ bool key_visible(const MaskParams& m, const HeadContext& c, const QueryToken& qt,
+                                            int64_t j, int64_t seqlen_kv) {
+  return j < seqlen_kv && visible(m, qt, c.kv_seg[j], c.kv_pos[j]);
+}
+
+// Dropout factors (0 or 1 / (1 - rate)) of keys j and j + 1 (j even) in row i of head h.
+__device__ __forceinline__ float2 dropout_pair(const AttentionParams& p, const HeadContext& c, int64_t h, int64_t i,
+                                               int64_t j) {
+  const Philox4 draws = dropout_draws(c.seed0, c.seed1, c.philox_batch, static_cast<uint32_t>(h),
+                                      static_cast<uint32_t>(i), static_cast<uint32_t>(j >> 2));
+  const int lane = static_cast<int>(j & 3);
+  return make_float2(draws.x[lane] >= p.dropout_threshold ? p.dropout_scale : 0.0f,
+                     draws.x[lane + 1] >= p.dropout_threshold ? p.dropout_scale : 0.0f);
+}
+
+// The dropout factor of element (i, j) of head h.
+__device__ __forceinline__ float dropout_factor(const AttentionParams& p, const HeadContext& c, int64_t h, int64_t i,
+                                                int64_t j) {
+  return dropout_keep(c.seed0, c.seed1, p.dropout_threshold, c.philox_batch, static_cast<uint32_t>(h),
+                      static_cast<uint32_t>(i), static_cast<uint32_t>(j))
+             ? p.dropout_scale
+             : 0.0f;
+}
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+}  // namespace flash
+}  // namespace fusedattn
+
+#endif  // FUSEDATTN_FLASH_PARAMS_CUH_
