@@ -33,7 +33,7 @@ void backward(gpuStream_t stream, const FlashArgs& a) {
   const int64_t rows = p.batch * p.seqlen_q * p.heads;
   launch(softmax_delta_kernel<ET, D>, std::min<int64_t>((rows + 3) / 4, 65536), 128, 0, stream, a);
   if (p.softmax_type == kSoftmaxLearnable) {
-    launch(sink_gradient_kernel, p.batch * p.heads, 256, 0, stream, a);
+    launch_sink_gradient(stream, a);
   } else {
     gpuMemsetAsync(a.d_offset, 0, sizeof(float) * p.batch * p.heads, stream);
   }
