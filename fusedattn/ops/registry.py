@@ -7,7 +7,7 @@ import dataclasses
 import jax
 
 from fusedattn.ops.backends import cudnn, flash, small_seq, xla
-from fusedattn.ops.backends.base import Backend, CallShapes
+from fusedattn.ops.backends.base import Backend, CallShapes, current_platform  # noqa: F401
 from fusedattn.ops.enums import BackendName
 from fusedattn.ops.spec import AttentionSpec
 
@@ -15,15 +15,6 @@ from fusedattn.ops.spec import AttentionSpec
 BACKENDS: dict[str, Backend] = {
     b.name: b for b in (small_seq.BACKEND, cudnn.BACKEND, flash.BACKEND, xla.BACKEND)
 }
-
-
-def current_platform() -> str:
-    """"cpu", "cuda" or "rocm" (or another JAX platform name) of the default device."""
-    device = jax.devices()[0]
-    if device.platform == "gpu":
-        version = device.client.platform_version.lower()
-        return "rocm" if "rocm" in version or "hip" in version else "cuda"
-    return device.platform
 
 
 def verdict(name: str, spec: AttentionSpec, shapes: CallShapes, platform: str) -> str | None:

@@ -95,6 +95,15 @@ class Backend(Protocol):
         """Returns the [b, sq, h, dv] output; differentiable in q, k, v, bias, offset."""
 
 
+def current_platform() -> str:
+    """"cpu", "cuda" or "rocm" (or another JAX platform name) of the default device."""
+    device = jax.devices()[0]
+    if device.platform == "gpu":
+        version = device.client.platform_version.lower()
+        return "rocm" if "rocm" in version or "hip" in version else "cuda"
+    return device.platform
+
+
 def visible_mask(spec: AttentionSpec, tokens: TokenInfo) -> jax.Array:
     """The predicate above as a boolean [b, 1, sq, skv] array (broadcast over heads)."""
     q_seg = tokens.q_seg[:, :, None]

@@ -36,6 +36,7 @@ are exactly 0).
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -44,7 +45,7 @@ import numpy as np
 
 from fusedattn.ops import _library
 from fusedattn.ops.backends import partitioning
-from fusedattn.ops.backends.base import CallShapes, CanonicalArgs
+from fusedattn.ops.backends.base import CallShapes, CanonicalArgs, current_platform
 from fusedattn.ops.enums import BiasType, SoftmaxType
 from fusedattn.ops.spec import AttentionSpec
 
@@ -80,13 +81,40 @@ class _Static(NamedTuple):
         )
 
 
+# The CUDA handlers' scratch, a uint8 result XLA allocates (ops_cuda/cuda/flash/flash.cu
+# checks its size): per token row, one 32-byte summary of every 32 queries and of every
+# 32 keys; the backward adds float32 [b, h, sq] for rowsum(dO * O). Each part is
+# 256-byte aligned.
+_SPAN_TOKENS = 32
+_SPAN_BYTES = 32
+
+
+def _align256(size: int) -> int:
+    return -(-size // 256) * 256
+
+
+def _cuda_workspace(q, k, tokens, backward: bool) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """() on the host; the workspace result's shape on CUDA."""
+    if current_platform() != "cuda":
+        return ()
+    b, sq, h, _ = q.shape
+    skv = k.shape[1]
+    token_rows = math.prod(tokens.shape[:-1])
+    spans = -(-sq // _SPAN_TOKENS) + -(-skv // _SPAN_TOKENS)  # ceil(sq / 32) + ceil(skv / 32)
+    size = _align256(token_rows * spans * _SPAN_BYTES)
+    if backward:
+        size += _align256(b * h * sq * 4)
+    return (jax.ShapeDtypeStruct((size,), jnp.uint8),)
+
+
 def _forward(static: _Static, q, k, v, *operands):
     b, sq, h, _ = q.shape
     return jax.ffi.ffi_call(
         FWD_TARGET,
         (jax.ShapeDtypeStruct((b, sq, h, v.shape[-1]), q.dtype),
-         jax.ShapeDtypeStruct((b, h, sq), jnp.float32)),
-    )(q, k, v, *operands, **static.attributes())
+         jax.ShapeDtypeStruct((b, h, sq), jnp.float32))
+        + _cuda_workspace(q, k, operands[0], backward=False),
+    )(q, k, v, *operands, **static.attributes())[:2]
 
 
 def _backward(static: _Static, q, k, v, *operands):
@@ -96,8 +124,9 @@ def _backward(static: _Static, q, k, v, *operands):
         (jax.ShapeDtypeStruct(q.shape, q.dtype),
          jax.ShapeDtypeStruct(k.shape, k.dtype),
          jax.ShapeDtypeStruct(v.shape, v.dtype),
-         jax.ShapeDtypeStruct((b, h), jnp.float32)),
-    )(q, k, v, *operands, **static.attributes())
+         jax.ShapeDtypeStruct((b, h), jnp.float32))
+        + _cuda_workspace(q, k, operands[0], backward=True),
+    )(q, k, v, *operands, **static.attributes())[:4]
 
 
 # q, k, v, the five token vectors, then the per-row offset [L, h] and seed [L, 2].

@@ -3,8 +3,9 @@
 // summarise the token rows for tile skipping and launch the kernels of the
 // call's head dim. Serves bfloat16 and float16, head dims 64, 128 and 256 with
 // Dv = D (those this library was built with: FusedattnFlashCudaHeadDims).
-// Workspaces (the spans; the backward's softmax delta) come from XLA's scratch
-// allocator.
+// Scratch (the spans; the backward's softmax delta) lives in a uint8 workspace
+// result that XLA allocates, sized by fusedattn/ops/backends/flash.py
+// (_cuda_workspace_bytes): the handlers allocate nothing.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -65,12 +66,24 @@ ffi::Error check_kernel_support(const char* op, const AttentionParams& p, ffi::D
   return ffi::Error::Success();
 }
 
-// Allocates `count` elements of T from XLA's scratch space into *out.
-template <typename T>
-ffi::Error scratch(const char* op, ffi::ScratchAllocator& allocator, int64_t count, T** out) {
-  const auto memory = allocator.Allocate(sizeof(T) * std::max<int64_t>(count, 1), 256);
-  if (!memory.has_value()) return ffi::Error::Internal(std::string(op) + ": could not allocate a workspace");
-  *out = static_cast<T*>(*memory);
+// The workspace's layout: the spans, then (backward) the softmax delta, each 256-byte aligned.
+int64_t align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+
+int64_t span_bytes(const AttentionParams& p) {
+  return align256(p.token_rows * (span_count(p.seqlen_q) + span_count(p.seqlen_kv)) *
+                  static_cast<int64_t>(sizeof(Span)));
+}
+
+int64_t delta_bytes(const AttentionParams& p) {
+  return align256(p.batch * p.heads * p.seqlen_q * static_cast<int64_t>(sizeof(float)));
+}
+
+ffi::Error check_workspace(const char* op, ffi::Result<ffi::AnyBuffer>& workspace, int64_t bytes) {
+  if (workspace->element_type() != ffi::DataType::U8 || workspace->dimensions().size() != 1 ||
+      workspace->dimensions()[0] < bytes) {
+    return invalid(op, "the workspace result must be uint8 [>= " + std::to_string(bytes) + "], got " +
+                           dtype_name(workspace->element_type()) + " " + dims_string(workspace->dimensions()));
+  }
   return ffi::Error::Success();
 }
 
@@ -93,25 +106,18 @@ FlashArgs common_args(const AttentionParams& p, const ffi::AnyBuffer& q, const f
   return a;
 }
 
-// Allocates and fills a.spans.
-ffi::Error summarise(const char* op, gpuStream_t stream, ffi::ScratchAllocator& allocator, FlashArgs* a) {
-  const AttentionParams& p = a->p;
-  Span* spans = nullptr;
-  if (auto e = scratch(op, allocator, p.token_rows * (span_count(p.seqlen_q) + span_count(p.seqlen_kv)), &spans);
-      e.failure()) {
-    return e;
-  }
-  launch_summarise_spans(stream, a->q_seg, a->q_pos, a->q_diag, a->kv_seg, a->kv_pos, p.token_rows, p.seqlen_q,
-                         p.seqlen_kv, spans);
-  a->spans = spans;
-  return ffi::Error::Success();
+// Fills a.spans, at the start of the workspace.
+void summarise(gpuStream_t stream, void* workspace, FlashArgs* a) {
+  a->spans = static_cast<Span*>(workspace);
+  launch_summarise_spans(stream, a->q_seg, a->q_pos, a->q_diag, a->kv_seg, a->kv_pos, a->p.token_rows,
+                         a->p.seqlen_q, a->p.seqlen_kv, const_cast<Span*>(a->spans));
 }
 
-ffi::Error FlashFwdImpl(gpuStream_t stream, ffi::ScratchAllocator allocator, ffi::AnyBuffer q, ffi::AnyBuffer k,
+ffi::Error FlashFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer v, ffi::AnyBuffer q_seg, ffi::AnyBuffer q_pos, ffi::AnyBuffer q_diag,
                         ffi::AnyBuffer kv_seg, ffi::AnyBuffer kv_pos, ffi::AnyBuffer softmax_offset,
                         ffi::AnyBuffer seed, ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
-                        float scale, bool causal, int64_t window_left, int64_t window_right, int32_t softmax_type,
+                        ffi::Result<ffi::AnyBuffer> workspace, float scale, bool causal, int64_t window_left, int64_t window_right, int32_t softmax_type,
                         double dropout_rate) {
   constexpr const char* kOp = "fusedattn_flash_fwd (CUDA)";
   AttentionParams p;
@@ -131,20 +137,22 @@ ffi::Error FlashFwdImpl(gpuStream_t stream, ffi::ScratchAllocator allocator, ffi
     return e;
   }
   if (p.batch == 0 || p.heads == 0 || p.seqlen_q == 0) return ffi::Error::Success();
+  if (auto e = check_workspace(kOp, workspace, span_bytes(p)); e.failure()) return e;
   FlashArgs a = common_args(p, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed);
   a.o = static_cast<uint16_t*>(o->untyped_data());
   a.lse = lse->typed_data<float>();
-  if (auto e = summarise(kOp, stream, allocator, &a); e.failure()) return e;
+  summarise(stream, workspace->untyped_data(), &a);
   with_head_dim(p.head_dim, [&](auto d) { launch_forward<decltype(d)::value>(stream, a, element_type_of(q.element_type())); });
   return launch_status(kOp);
 }
 
-ffi::Error FlashBwdImpl(gpuStream_t stream, ffi::ScratchAllocator allocator, ffi::AnyBuffer q, ffi::AnyBuffer k,
+ffi::Error FlashBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer v, ffi::AnyBuffer q_seg, ffi::AnyBuffer q_pos, ffi::AnyBuffer q_diag,
                         ffi::AnyBuffer kv_seg, ffi::AnyBuffer kv_pos, ffi::AnyBuffer softmax_offset,
                         ffi::AnyBuffer seed, ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer dout,
                         ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                        ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> d_offset, float scale,
+                        ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> d_offset,
+                        ffi::Result<ffi::AnyBuffer> workspace, float scale,
                         bool causal, int64_t window_left, int64_t window_right, int32_t softmax_type,
                         double dropout_rate) {
   constexpr const char* kOp = "fusedattn_flash_bwd (CUDA)";
@@ -173,6 +181,7 @@ ffi::Error FlashBwdImpl(gpuStream_t stream, ffi::ScratchAllocator allocator, ffi
     return e;
   }
   if (p.batch == 0 || p.heads == 0) return ffi::Error::Success();
+  if (auto e = check_workspace(kOp, workspace, span_bytes(p) + delta_bytes(p)); e.failure()) return e;
   FlashArgs a = common_args(p, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed);
   a.o = static_cast<uint16_t*>(const_cast<void*>(o.untyped_data()));
   a.lse = const_cast<float*>(lse.typed_data<float>());
@@ -181,27 +190,32 @@ ffi::Error FlashBwdImpl(gpuStream_t stream, ffi::ScratchAllocator allocator, ffi
   a.dk = static_cast<uint16_t*>(dk->untyped_data());
   a.dv = static_cast<uint16_t*>(dv->untyped_data());
   a.d_offset = d_offset->typed_data<float>();
-  if (auto e = summarise(kOp, stream, allocator, &a); e.failure()) return e;
-  if (auto e = scratch(kOp, allocator, p.batch * p.heads * p.seqlen_q, &a.delta); e.failure()) return e;
+  summarise(stream, workspace->untyped_data(), &a);
+  a.delta = reinterpret_cast<float*>(static_cast<char*>(workspace->untyped_data()) + span_bytes(p));
   with_head_dim(p.head_dim, [&](auto d) { launch_backward<decltype(d)::value>(stream, a, element_type_of(dt)); });
   return launch_status(kOp);
 }
 
 }  // namespace
+
+// A handler's binding: the stream, the op's operands and results, then the workspace.
+template <Pass kPass>
+auto binding() {
+  return bind_attention<kPass, 1>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>());
+}
+
 }  // namespace flash
 }  // namespace fusedattn
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FusedattnFlashFwdCuda, fusedattn::flash::FlashFwdImpl,
-    fusedattn::bind_attention<fusedattn::Pass::kForward>(
-        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>().Ctx<ffi::ScratchAllocator>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnFlashFwdCuda, fusedattn::flash::FlashFwdImpl,
+                              fusedattn::flash::binding<fusedattn::Pass::kForward>(),
+                              {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FusedattnFlashBwdCuda, fusedattn::flash::FlashBwdImpl,
-    fusedattn::bind_attention<fusedattn::Pass::kBackward>(
-        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>().Ctx<ffi::ScratchAllocator>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnFlashBwdCuda, fusedattn::flash::FlashBwdImpl,
+                              fusedattn::flash::binding<fusedattn::Pass::kBackward>(),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 // The head dims the flash kernels of this library serve, as a bit mask of D / 64 (1: 64,
 // 2: 128, 4: 256); read by fusedattn/ops/backends/flash.py.

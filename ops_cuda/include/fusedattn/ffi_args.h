@@ -336,11 +336,13 @@ auto bind_attrs(FfiBinding&& binding, Member attr, Members... rest) {
 enum class Pass { kForward, kBackward };
 
 // The flash op's FFI signature: the forward binds 10 operands and 2 results,
-// the backward 13 and 4 (as listed above).
-template <Pass kPass, typename FfiBinding>
+// the backward 13 and 4 (as listed above), each followed by kWorkspaces results that
+// serve the handler as scratch (the CUDA handlers' one uint8 workspace).
+template <Pass kPass, int kWorkspaces = 0, typename FfiBinding>
 auto bind_attention(FfiBinding&& binding) {
   constexpr bool kForward = kPass == Pass::kForward;
-  return bind_attrs(bind_buffers<kForward ? 10 : 13, kForward ? 2 : 4>(std::forward<FfiBinding>(binding)),
+  return bind_attrs(bind_buffers<kForward ? 10 : 13, (kForward ? 2 : 4) + kWorkspaces>(
+                        std::forward<FfiBinding>(binding)),
                     ffi::StructMember<float>("scale"), ffi::StructMember<bool>("causal"),
                     ffi::StructMember<int64_t>("window_left"), ffi::StructMember<int64_t>("window_right"),
                     ffi::StructMember<int32_t>("softmax_type"), ffi::StructMember<double>("dropout_rate"));
