@@ -13,10 +13,9 @@ namespace flash {
 template <typename Kernel>
 void launch(Kernel kernel, int64_t blocks, int threads, int shared_bytes, gpuStream_t stream, const FlashArgs& a) {
   if (blocks == 0) return;
-  if (shared_bytes > 48 * 1024) {
-    gpuFuncSetAttribute(reinterpret_cast<const void*>(kernel), gpuFuncAttributeMaxDynamicSharedMemorySize,
-                        shared_bytes);
-  }
+  // Always: a kernel's static shared memory counts against the default 48 KB as well.
+  gpuFuncSetAttribute(reinterpret_cast<const void*>(kernel), gpuFuncAttributeMaxDynamicSharedMemorySize,
+                      shared_bytes);
   kernel<<<static_cast<unsigned>(blocks), threads, shared_bytes, stream>>>(a);
 }
 

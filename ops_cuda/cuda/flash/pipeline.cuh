@@ -4,6 +4,8 @@
 #ifndef FUSEDATTN_FLASH_PIPELINE_CUH_
 #define FUSEDATTN_FLASH_PIPELINE_CUH_
 
+#include <climits>
+
 #include "mma.cuh"
 #include "spans.cuh"
 
@@ -15,13 +17,16 @@ namespace flash {
 // they (and every copy committed before this call) have landed. Block-wide.
 template <int kThreads, typename Relation, typename Load, typename Compute>
 __device__ __forceinline__ void stream_tiles(int n_tiles, Relation relation, Load load, Compute compute) {
+  __shared__ TileWindow<kThreads> window;
+  if (threadIdx.x == 0) window.base = INT_MIN / 2;
+  __syncthreads();
   bool full;
-  int t = next_tile<kThreads>(-1, n_tiles, relation, &full);
+  int t = next_tile<kThreads>(window, -1, n_tiles, relation, &full);
   if (t < n_tiles) load(t, 0);
   cp_async_commit();
   for (int stage = 0; t < n_tiles; stage ^= 1) {
     bool next_full;
-    const int next = next_tile<kThreads>(t, n_tiles, relation, &next_full);
+    const int next = next_tile<kThreads>(window, t, n_tiles, relation, &next_full);
     if (next < n_tiles) load(next, stage ^ 1);
     cp_async_commit();
     cp_async_wait<1>();

@@ -93,28 +93,46 @@ void launch_summarise_spans(gpuStream_t stream, const int32_t* q_seg, const int3
                             const int32_t* kv_seg, const int32_t* kv_pos, int64_t rows, int64_t seqlen_q,
                             int64_t seqlen_kv, Span* spans);
 
+// A block's view of which tiles it visits: the relations of kThreads consecutive tiles
+// from `base`, as bit masks (one word per warp), evaluated once per kThreads tiles.
+template <int kThreads>
+struct TileWindow {
+  uint32_t any[kThreads / 32];
+  uint32_t full[kThreads / 32];
+  int base;
+};
+
 // The first tile t in (after, n_tiles) for which `relation(t).any`, or n_tiles; *full
-// receives relation(t).full. Block-wide (every thread calls it; kThreads tiles are
-// tested at once).
+// receives relation(t).full. Block-wide: every thread calls it with the same arguments;
+// the window (in shared memory, base initialised below any tile) is refilled, with
+// kThreads tiles tested at once, only when t leaves it.
 template <int kThreads, typename Relation>
-__device__ __forceinline__ int next_tile(int after, int n_tiles, Relation relation, bool* full) {
-  __shared__ int first;
-  __shared__ bool first_full;
-  for (int base = after + 1; base < n_tiles; base += kThreads) {
-    const int t = base + static_cast<int>(threadIdx.x);
-    TileRelation r{false, false};
-    if (t < n_tiles) r = relation(t);
-    if (threadIdx.x == 0) first = n_tiles;
-    if (__syncthreads_or(r.any)) {
-      if (r.any) atomicMin(&first, t);
+__device__ __forceinline__ int next_tile(TileWindow<kThreads>& window, int after, int n_tiles,
+                                         Relation relation, bool* full) {
+  for (int t = after + 1; t < n_tiles;) {
+    if (t < window.base || t >= window.base + kThreads) {
+      __syncthreads();  // every thread is done reading the window
+      const int tile = t + static_cast<int>(threadIdx.x);
+      TileRelation r{false, false};
+      if (tile < n_tiles) r = relation(tile);
+      const uint32_t any = __ballot_sync(0xffffffffu, r.any), all = __ballot_sync(0xffffffffu, r.full);
+      if (threadIdx.x % 32 == 0) {
+        window.any[threadIdx.x / 32] = any;
+        window.full[threadIdx.x / 32] = all;
+      }
+      if (threadIdx.x == 0) window.base = t;
       __syncthreads();
-      if (t == first) first_full = r.full;
-      __syncthreads();
-      const int found = first;
-      *full = first_full;
-      __syncthreads();  // `first` is rewritten by the next call
-      return found;
     }
+    const int offset = t - window.base;
+    for (int w = offset / 32; w < kThreads / 32; ++w) {
+      const uint32_t bits = window.any[w] & (w == offset / 32 ? ~0u << (offset % 32) : ~0u);
+      if (bits) {
+        const int index = w * 32 + __ffs(bits) - 1;
+        *full = (window.full[w] >> (index % 32)) & 1u;
+        return window.base + index;
+      }
+    }
+    t = window.base + kThreads;
   }
   *full = false;
   return n_tiles;
