@@ -1,0 +1,46 @@
+"""Runs the flash backend's forward and fwd+bwd once each (after a warm-up call) at one
+shape, for a kernel profiler to attach to (e.g. `ncu --kernel-name regex:flash -c 4
+python benchmarks/flash_kernel_profile.py`). bf16, random normal inputs.
+
+    python benchmarks/flash_kernel_profile.py --shape 4,2048,16,16,128 --causal
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+import fusedattn
+from fusedattn.ops import fused_attn
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="4,2048,16,16,128", help="b,s,h,h_kv,d")
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--backend", default="flash")
+    args = parser.parse_args()
+    b, s, h, h_kv, d = (int(x) for x in args.shape.split(","))
+    config = fusedattn.configs.attention_config()
+    config.backend = args.backend
+    config.mask = "causal" if args.causal else "no_mask"
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (b, s, h, d), jnp.float32).astype(jnp.bfloat16)
+    k = jax.random.normal(keys[1], (b, s, h_kv, d), jnp.float32).astype(jnp.bfloat16)
+    v = jax.random.normal(keys[2], (b, s, h_kv, d), jnp.float32).astype(jnp.bfloat16)
+    do = jax.random.normal(keys[3], (b, s, h, d), jnp.float32).astype(jnp.bfloat16)
+
+    def attend(q, k, v):
+        return fused_attn((q, k, v), config=config)
+
+    forward = jax.jit(attend)
+    forward_backward = jax.jit(lambda q, k, v, do: jax.vjp(attend, q, k, v)[1](do))
+    for _ in range(2):  # the first call compiles; the second is the one to profile
+        jax.block_until_ready(forward(q, k, v))
+        jax.block_until_ready(forward_backward(q, k, v, do))
+
+
+if __name__ == "__main__":
+    main()
