@@ -125,6 +125,17 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads) dkdv_kernel(const Flas
     warp_rows_times_rows<ET, D, T::kM>(st, k_tile, 16 * warp, q_tile(s));
     warp_rows_times_rows<ET, D, T::kM>(dpt, v_tile, 16 * warp, do_tile(s));
     const FragmentCoords qc{at.row0, static_cast<int64_t>(u % n_q_tiles) * T::kM, at.lane};
+    float lse_scaled[T::kM / 8][2], delta_of[T::kM / 8][2];  // the lane's query columns
+#pragma unroll
+    for (int n = 0; n < T::kM / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int64_t i = qc.col(n, e);
+        lse_scaled[n][e] = i < p.seqlen_q ? lse[i] * kLog2e : INFINITY;
+        delta_of[n][e] = i < p.seqlen_q ? delta[i] : 0.0f;
+      }
+    }
+    const float scale_log2 = p.scale * kLog2e;
 #pragma unroll
     for (int n = 0; n < T::kM / 8; ++n) {
 #pragma unroll
@@ -132,9 +143,9 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads) dkdv_kernel(const Flas
         const int64_t i = qc.col(n, e), j = qc.row(e);
         float w = 0.0f, ds = 0.0f;
         if (full || visible(p.mask, query_token(c, i, p.seqlen_q), key_seg[e / 2], key_pos[e / 2])) {
-          w = exp2f((st[n][e] * p.scale - lse[i]) * kLog2e);
+          w = exp2f(st[n][e] * scale_log2 - lse_scaled[n][e % 2]);
           const float f = p.dropout ? dropout_factor(p, c, h, i, j) : 1.0f;
-          ds = w * (f * dpt[n][e] - delta[i]);
+          ds = w * (f * dpt[n][e] - delta_of[n][e % 2]);
           w *= f;
         }
         st[n][e] = w;
@@ -209,6 +220,8 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads) dq_kernel(const FlashArg
     load_tile_async<T::kN, T::kChunks, T::kThreads>(k_tile(s), a.k + kv_offset, kv_stride, j0, p.seqlen_kv);
     load_tile_async<T::kN, T::kChunks, T::kThreads>(v_tile(s), a.v + kv_offset, kv_stride, j0, p.seqlen_kv);
   };
+  const float scale_log2 = p.scale * kLog2e;
+  const float lse_scaled[2] = {lse[0] * kLog2e, lse[1] * kLog2e};
   const auto compute = [&](int t, int s, bool full) {
     float sc[T::kN / 8][4], dp[T::kN / 8][4];
     zero(sc);
@@ -224,7 +237,7 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads) dq_kernel(const FlashArg
         const int64_t j = kv.col(n, e);
         float ds = 0.0f;
         if (full || key_visible(p.mask, c, query[r], j, p.seqlen_kv)) {
-          const float w = exp2f((sc[n][e] * p.scale - lse[r]) * kLog2e);
+          const float w = exp2f(sc[n][e] * scale_log2 - lse_scaled[r]);
           const float f = p.dropout ? dropout_factor(p, c, h, kv.row(e), j) : 1.0f;
           ds = w * (f * dp[n][e] - delta[r]);
         }

@@ -91,41 +91,67 @@ struct SwizzledTile {
   static_assert(kChunks >= 8 && kChunks % 8 == 0, "rows of at least 64 elements");
   uint32_t base;  // shared-memory address
 
-  __device__ __forceinline__ uint32_t chunk(int row, int c) const {
-    return base + static_cast<uint32_t>((row * kChunks + (c ^ (row & 7))) * 16);
+  __device__ __forceinline__ uint32_t row(int r) const { return base + static_cast<uint32_t>(r * kChunks * 16); }
+};
+
+// The byte offsets, within a row whose index is lane % 8 modulo 8, of the swizzled chunks
+// 2m + odd (m = 0 .. 3): chunk c of such a row sits at 16 * (c & ~7) + offset[(c / 2) % 4]
+// when c % 2 == odd. Every operand a lane reads in the products below is of this form, so
+// the swizzle costs four registers per lane instead of address arithmetic per load.
+struct LaneChunks {
+  uint32_t offset[4];
+
+  __device__ __forceinline__ explicit LaneChunks(int odd) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) offset[m] = static_cast<uint32_t>((((2 * m) | odd) ^ (lane % 8)) * 16);
+  }
+
+  // The address of chunk 2 * pair + odd of the row at row_address.
+  __device__ __forceinline__ uint32_t at(uint32_t row_address, int pair) const {
+    return row_address + static_cast<uint32_t>((2 * pair) & ~7) * 16 + offset[pair % 4];
   }
 };
 
 // Loads rows [row0, row0 + kRows) of a strided global array of 16-bit elements
 // (row r at src + r * row_stride elements, 8 * kChunks contiguous elements) into
-// `tile`; rows at or past `rows` read as zeros. All kThreads threads take part.
+// `tile`; rows at or past `rows` read as zeros. All kThreads threads take part: each
+// copies one chunk column of every (kThreads / kChunks)-th row.
 template <int kRows, int kChunks, int kThreads>
 __device__ __forceinline__ void load_tile_async(SwizzledTile<kChunks> tile, const uint16_t* src, int64_t row_stride,
                                                 int64_t row0, int64_t rows) {
-  constexpr int kTotal = kRows * kChunks;
+  constexpr int kRowsPerPass = kThreads / kChunks;
+  static_assert(kThreads % kChunks == 0 && kRows % kRowsPerPass == 0, "whole passes");
+  const int r0 = static_cast<int>(threadIdx.x) / kChunks, c = static_cast<int>(threadIdx.x) % kChunks;
+  const uint16_t* p = src + (row0 + r0) * row_stride + c * 8;
+  const int64_t step = kRowsPerPass * row_stride;
 #pragma unroll
-  for (int i = threadIdx.x; i < kTotal; i += kThreads) {
-    const int r = i / kChunks, c = i % kChunks;
+  for (int k = 0; k < kRows / kRowsPerPass; ++k) {
+    const int r = r0 + k * kRowsPerPass;
     const bool valid = row0 + r < rows;
-    const uint16_t* p = src + (valid ? (row0 + r) * row_stride : 0) + c * 8;
-    cp_async_16(tile.chunk(r, c), p, valid);
+    cp_async_16(tile.row(r) + static_cast<uint32_t>((c ^ (r % 8)) * 16), valid ? p + k * step : src, valid);
   }
 }
 
 // acc[t] (16 x 8 tiles t = 0 .. kCols/8) += X[x_row0 .. +16, :kDepth] * Y[0 .. kCols, :kDepth]^T,
-// X and Y rows in swizzled tiles (the scores S = Q K^T, and dP = dO V^T, for one warp).
+// X and Y rows in swizzled tiles (the scores S = Q K^T, and dP = dO V^T, for one warp;
+// x_row0 a multiple of 16).
 template <ElementType ET, int kDepth, int kCols, int kXChunks, int kYChunks>
 __device__ __forceinline__ void warp_rows_times_rows(float (&acc)[kCols / 8][4], SwizzledTile<kXChunks> x,
                                                      int x_row0, SwizzledTile<kYChunks> y) {
   const int lane = threadIdx.x % 32;
+  const LaneChunks a_chunks(lane / 16), b_chunks((lane / 8) % 2);
+  const uint32_t x_row = x.row(x_row0 + (lane % 8) + 8 * ((lane / 8) % 2));
+  const uint32_t y_row = y.row((lane % 8) + 8 * (lane / 16));
 #pragma unroll
   for (int ks = 0; ks < kDepth / 16; ++ks) {
     uint32_t a[4];
-    ldmatrix_x4(a, x.chunk(x_row0 + (lane % 8) + 8 * ((lane / 8) % 2), 2 * ks + lane / 16));
+    ldmatrix_x4(a, a_chunks.at(x_row, ks));
+    const uint32_t y_address = b_chunks.at(y_row, ks);
 #pragma unroll
     for (int np = 0; np < kCols / 16; ++np) {
       uint32_t b[4];
-      ldmatrix_x4(b, y.chunk(16 * np + (lane % 8) + 8 * (lane / 16), 2 * ks + (lane / 8) % 2));
+      ldmatrix_x4(b, y_address + np * 16 * kYChunks * 16);
       mma_16816<ET>(acc[2 * np], a, b[0], b[1]);
       mma_16816<ET>(acc[2 * np + 1], a, b[2], b[3]);
     }
@@ -134,11 +160,13 @@ __device__ __forceinline__ void warp_rows_times_rows(float (&acc)[kCols / 8][4],
 
 // acc[t] (16 x 8 tiles over output cols [8 * chunk0, 8 * chunk0 + kOut)) += P * Z[0 .. kDepth, cols],
 // with P (16 x kDepth) in registers as C fragments (p[t], t = 0 .. kDepth/8) and Z's rows in a
-// swizzled tile (O += P V, dV += P^T dO, dK += dS^T Q, dQ += dS K).
+// swizzled tile (O += P V, dV += P^T dO, dK += dS^T Q, dQ += dS K); chunk0 a multiple of 8.
 template <ElementType ET, int kDepth, int kOut, int kZChunks>
 __device__ __forceinline__ void warp_regs_times_rows(float (&acc)[kOut / 8][4], const float (&p)[kDepth / 8][4],
                                                      SwizzledTile<kZChunks> z, int chunk0) {
   const int lane = threadIdx.x % 32;
+  const LaneChunks b_chunks(lane / 16);
+  const uint32_t z_row = z.row((lane % 8) + 8 * ((lane / 8) % 2)) + chunk0 * 16;
 #pragma unroll
   for (int ks = 0; ks < kDepth / 16; ++ks) {
     const uint32_t a[4] = {pack2<ET>(p[2 * ks][0], p[2 * ks][1]), pack2<ET>(p[2 * ks][2], p[2 * ks][3]),
@@ -147,7 +175,7 @@ __device__ __forceinline__ void warp_regs_times_rows(float (&acc)[kOut / 8][4], 
 #pragma unroll
     for (int dp = 0; dp < kOut / 16; ++dp) {
       uint32_t b[4];
-      ldmatrix_x4_trans(b, z.chunk(16 * ks + (lane % 8) + 8 * ((lane / 8) % 2), chunk0 + 2 * dp + lane / 16));
+      ldmatrix_x4_trans(b, b_chunks.at(z_row + ks * 16 * kZChunks * 16, dp));
       mma_16816<ET>(acc[2 * dp], a, b[0], b[1]);
       mma_16816<ET>(acc[2 * dp + 1], a, b[2], b[3]);
     }
