@@ -9,6 +9,8 @@ OUT=${OUT:-/tmp/fusedattn-out}
 export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 lib=$(find build -name libfusedattn_cuda.so | head -1)
 cuobjdump -sass "$lib" > "$OUT/flash.sass" 2>&1
+cuobjdump -sass -fun _ZN9fusedattn5flash14forward_kernelILNS_11ElementTypeE1ELi128EEEvNS0_9FlashArgsE "$lib" \
+  > "$OUT/forward_bf16_d128.sass" 2>&1
 python3 - "$OUT/flash.sass" <<'PY'
 import re, sys, collections
 text = open(sys.argv[1]).read()
@@ -19,6 +21,7 @@ for name, body in re.findall(r"Function : (\S+)\n(.*?)(?=\n\s*Function :|\Z)", t
     keep = {k: ops[k] for k in ("HMMA", "HGMMA", "LDSM", "LDGSTS", "LDG", "STG", "LDL", "STL", "BAR", "MUFU", "SHFL", "FFMA", "FMUL", "IMAD")}
     print(name[:90], sum(ops.values()), keep)
 PY
+gzip -f "$OUT/flash.sass"
 timeout 300 ncu --clock-control none --kernel-name regex:"forward_kernel|dkdv_kernel|dq_kernel" --launch-skip 4 -c 4 \
   --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --section ComputeWorkloadAnalysis \
   python3 benchmarks/flash_kernel_profile.py "$@" > "$OUT/ncu.txt" 2>&1

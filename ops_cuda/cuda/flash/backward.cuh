@@ -139,17 +139,29 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads) dkdv_kernel(const Flas
 #pragma unroll
     for (int n = 0; n < T::kM / 8; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int64_t i = qc.col(n, e), j = qc.row(e);
-        float w = 0.0f, ds = 0.0f;
-        if (full || visible(p.mask, query_token(c, i, p.seqlen_q), key_seg[e / 2], key_pos[e / 2])) {
-          w = exp2f(st[n][e] * scale_log2 - lse_scaled[n][e % 2]);
-          const float f = p.dropout ? dropout_factor(p, c, h, i, j) : 1.0f;
-          ds = w * (f * dpt[n][e] - delta_of[n][e % 2]);
-          w *= f;
+      for (int e = 0; e < 4; ++e) st[n][e] = exp2f(st[n][e] * scale_log2 - lse_scaled[n][e % 2]);
+    }
+    if (!full) {
+      mask_fragment(st, 0.0f, [&](int n, int e) {
+        return visible(p.mask, query_token(c, qc.col(n, e), p.seqlen_q), key_seg[e / 2], key_pos[e / 2]);
+      });
+    }
+    // st: P^T; then dS^T = P^T o (drop o dP^T - delta) into dpt, and st: (P o drop)^T
+    if (p.dropout) {
+#pragma unroll
+      for (int n = 0; n < T::kM / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float f = dropout_factor(p, c, h, qc.col(n, e), qc.row(e));
+          dpt[n][e] = st[n][e] * (f * dpt[n][e] - delta_of[n][e % 2]);
+          st[n][e] *= f;
         }
-        st[n][e] = w;
-        dpt[n][e] = ds;
+      }
+    } else {
+#pragma unroll
+      for (int n = 0; n < T::kM / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dpt[n][e] = st[n][e] * (dpt[n][e] - delta_of[n][e % 2]);
       }
     }
     warp_regs_times_rows<ET, T::kM, T::kOut>(dv, st, do_tile(s), column_block * (T::kOut / 8));
@@ -232,16 +244,28 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads) dq_kernel(const FlashArg
 #pragma unroll
     for (int n = 0; n < T::kN / 8; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e / 2;
-        const int64_t j = kv.col(n, e);
-        float ds = 0.0f;
-        if (full || key_visible(p.mask, c, query[r], j, p.seqlen_kv)) {
-          const float w = exp2f(sc[n][e] * scale_log2 - lse_scaled[r]);
-          const float f = p.dropout ? dropout_factor(p, c, h, kv.row(e), j) : 1.0f;
-          ds = w * (f * dp[n][e] - delta[r]);
+      for (int e = 0; e < 4; ++e) sc[n][e] = exp2f(sc[n][e] * scale_log2 - lse_scaled[e / 2]);
+    }
+    if (!full) {
+      mask_fragment(sc, 0.0f, [&](int n, int e) {
+        return key_visible(p.mask, c, query[e / 2], kv.col(n, e), p.seqlen_kv);
+      });
+    }
+    // sc: P; then dS = P o (drop o dP - delta)
+    if (p.dropout) {
+#pragma unroll
+      for (int n = 0; n < T::kN / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float f = dropout_factor(p, c, h, kv.row(e), kv.col(n, e));
+          sc[n][e] *= f * dp[n][e] - delta[e / 2];
         }
-        sc[n][e] = ds;
+      }
+    } else {
+#pragma unroll
+      for (int n = 0; n < T::kN / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[n][e] *= dp[n][e] - delta[e / 2];
       }
     }
     warp_regs_times_rows<ET, T::kN, D>(dq, sc, k_tile(s), 0);

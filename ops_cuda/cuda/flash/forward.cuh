@@ -71,16 +71,21 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads) forward_kernel(cons
     zero(scores);
     warp_rows_times_rows<ET, D, T::kN>(scores, q_tile, 16 * warp, k_tile(s));
     const FragmentCoords kv{at.row0, static_cast<int64_t>(t) * T::kN, at.lane};
+#pragma unroll
+    for (int n = 0; n < T::kN / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) scores[n][e] *= p.scale;
+    }
+    if (!full) {
+      mask_fragment(scores, -INFINITY, [&](int n, int e) {
+        return key_visible(p.mask, c, query[e / 2], kv.col(n, e), p.seqlen_kv);
+      });
+    }
     float block_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int n = 0; n < T::kN / 8; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = scores[n][e] * p.scale;
-        if (!full && !key_visible(p.mask, c, query[e / 2], kv.col(n, e), p.seqlen_kv)) x = -INFINITY;
-        scores[n][e] = x;
-        block_max[e / 2] = fmaxf(block_max[e / 2], x);
-      }
+      for (int e = 0; e < 4; ++e) block_max[e / 2] = fmaxf(block_max[e / 2], scores[n][e]);
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -94,17 +99,21 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads) forward_kernel(cons
         o[d][2 * r + 1] *= factor;
       }
     }
-    const float m_scaled[2] = {state[0].m * kLog2e, state[1].m * kLog2e};
+    // exp(x - m) as exp2(x log2(e) - m log2(e)); masked x = -inf gives 0 (a row without a
+    // visible key so far has m = -inf and every weight masked).
+    const float m_log2[2] = {state[0].any ? state[0].m * kLog2e : 0.0f, state[1].any ? state[1].m * kLog2e : 0.0f};
 #pragma unroll
     for (int n = 0; n < T::kN / 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float x = scores[n][e];
-        const float w = x == -INFINITY ? 0.0f : exp2f(x * kLog2e - m_scaled[e / 2]);
+        const float w = exp2f(scores[n][e] * kLog2e - m_log2[e / 2]);
         state[e / 2].l += w;
         scores[n][e] = w;
       }
-      if (p.dropout) {
+    }
+    if (p.dropout) {
+#pragma unroll
+      for (int n = 0; n < T::kN / 8; ++n) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const float2 f = dropout_pair(p, c, h, kv.row(2 * r), kv.col(n, 0));

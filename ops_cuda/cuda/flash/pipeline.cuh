@@ -48,6 +48,20 @@ struct FragmentCoords {
   __device__ __forceinline__ int64_t col(int t, int e) const { return col0 + 8 * t + 2 * (lane % 4) + e % 2; }
 };
 
+// Sets the elements of a warp's 16 x (8 * kTiles) fragment for which !visible(tile, element)
+// to `value`. Kept apart from the arithmetic on every element, so that the common path (a
+// tile with nothing masked) runs through compact code.
+template <int kTiles, typename Visible>
+__device__ __forceinline__ void mask_fragment(float (&x)[kTiles][4], float value, Visible visible) {
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (!visible(t, e)) x[t][e] = value;
+    }
+  }
+}
+
 // Stores a warp's 16 x (8 * kTiles) accumulators as 16-bit elements of type ET, the lane's
 // first row times factor[0] and its second times factor[1]:
 // row r (global index row0 + r, only those < rows) at dst + r * row_stride, columns from col0.
