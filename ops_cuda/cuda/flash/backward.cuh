@@ -255,11 +255,10 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads) dq_kernel(const FlashArg
     if (p.dropout) {
 #pragma unroll
       for (int n = 0; n < T::kN / 8; ++n) {
+        float f[4];
+        dropout_fragment(p, c, h, kv.row(0), kv.col(n, 0), f);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float f = dropout_factor(p, c, h, kv.row(e), kv.col(n, e));
-          sc[n][e] *= f * dp[n][e] - delta[e / 2];
-        }
+        for (int e = 0; e < 4; ++e) sc[n][e] *= f[e] * dp[n][e] - delta[e / 2];
       }
     } else {
 #pragma unroll

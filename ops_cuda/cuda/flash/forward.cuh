@@ -114,12 +114,10 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads) forward_kernel(cons
     if (p.dropout) {
 #pragma unroll
       for (int n = 0; n < T::kN / 8; ++n) {
+        float f[4];
+        dropout_fragment(p, c, h, kv.row(0), kv.col(n, 0), f);
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const float2 f = dropout_pair(p, c, h, kv.row(2 * r), kv.col(n, 0));
-          scores[n][2 * r] *= f.x;
-          scores[n][2 * r + 1] *= f.y;
-        }
+        for (int e = 0; e < 4; ++e) scores[n][e] *= f[e];
       }
     }
     warp_regs_times_rows<ET, T::kN, D>(o, scores, v_tile(s), 0);
