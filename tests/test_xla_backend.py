@@ -787,3 +787,28 @@ def test_property_seqlens_any_lengths(lengths, mask, seed):
     fields = seqlens_form(None, len(lengths), 6, 6, q_lens=q_lens, kv_lens=kv_lens)
     case = Case(mask=mask, b=len(lengths), sq=6, skv=6, h=2, h_kv=1, fields=fields)
     run_and_compare(np.random.default_rng(seed), case, grads=True)
+
+
+@pytest.mark.parametrize("layout", ref.LAYOUTS)
+def test_bf16_transposed_views_under_jit(rng, layout):
+    """bfloat16 q/k/v that are transposed views of the stored arrays (e.g. [b, h, s, d]
+    swapped to [b, s, h, d] inside jit, as models that keep heads first hand them over)
+    run on every platform and equal the reference, forward and gradients (XLA:CPU has no
+    BF16 x BF16 = F32 dot for the layouts these views give the grouped einsums)."""
+    case = layout_case(layout, "causal", dtype=BF16, h_kv=4, dv=8)  # GQA groups of one
+    inputs = build(rng, case)
+    swap = lambda arrays: tuple(jnp.swapaxes(a, 1, -2) for a in arrays)
+    stored = swap(inputs.arrays)  # the views below give back inputs.arrays
+
+    def attend(stored):
+        return fused_attn(swap(stored), config=inputs.config, sequence=inputs.sequence)
+
+    out_shape = jax.eval_shape(attend, stored)
+    dout = random_array(rng, out_shape.shape, F32).astype(BF16)
+    out, vjp = jax.jit(lambda s: jax.vjp(attend, s))(stored)
+    (grads,) = jax.jit(vjp)(dout)
+    expected = ref.reference_attention(inputs.arrays, inputs.config, sequence=inputs.fields,
+                                       dout=dout)
+    assert_close(out, expected.out, tolerance(BF16), "out")
+    for i, (got, want) in enumerate(zip(swap(grads), expected.grads["qkv"])):
+        assert_close(got, want, tolerance(BF16), f"d qkv[{i}]")

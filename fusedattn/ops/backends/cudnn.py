@@ -659,7 +659,7 @@ class CudnnBackend:
             segments = _segments(static, args)
             if segments.broken is not None:
                 guard(segments.broken, _guard_message(spec, static), spec)
-        return _cudnn(static, q, k, v, bias, rng, sink, segments)
+        return _cudnn(static, *partitioning.same_varying((q, k, v, bias, rng, sink, segments)))
 
 
 def _alibi_reason(spec: AttentionSpec, slopes_given: bool) -> str | None:
