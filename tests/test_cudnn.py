@@ -263,6 +263,24 @@ def thd_descriptor_and_ids(rng, b, s, slots):
     return lengths, offsets, ids
 
 
+def test_declared_slots_of_transformer_engine_widths():
+    """TransformerEngine's descriptors: q and kv arrays of different widths, wider than
+    max_segments_per_seq; a row that uses a slot past it is broken (NaN and an error)."""
+    the_spec = spec(qkv_layout="thd_thd_thd", mask="padding",
+                    sequence={"format": "seqlens_offsets", "max_segments_per_seq": 2})
+    static = cudnn._static(the_spec, 0.125, dropout=False, has_bias=False, seqlen_q=8,
+                           seqlen_kv=8)
+    sequence = SequenceDescriptor.from_seqlens_and_offsets(
+        np.array([[3, 5, -1, -1], [2, 2, 4, -1]], np.int32),   # row 1 uses a third slot
+        np.array([[4, 4, -1], [1, 3, 4]], np.int32),
+        np.array([[0, 3, 8, -1, -1], [0, 2, 4, 8, -1]], np.int32),
+        np.array([[0, 4, 8, -1], [0, 1, 4, 8]], np.int32))
+    assert sequence.q_seqlens.shape == sequence.kv_seqlens.shape == (2, 4)
+    segments = segments_of(static, sequence.token_info(the_spec, 8, 8), sequence)
+    np.testing.assert_array_equal(segments.slots[0], [[0, 3], [3, 5], [0, 4], [4, 4]])
+    np.testing.assert_array_equal(segments.broken, [False, True])
+
+
 @pytest.mark.parametrize("mask", ["padding", "padding_causal", "padding_causal_bottom_right"])
 @pytest.mark.parametrize("bound", [None, 24])
 def test_declared_slots_equal_the_per_token_reading(rng, mask, bound):

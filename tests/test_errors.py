@@ -273,21 +273,10 @@ def test_offsets_shape(offsets_shape):
 
 def test_kv_offsets_shape_differs():
     lengths = np.ones((B, 2), np.int32)
-    with pytest.raises(ValueError, match=r"kv_offsets: expected the shape of q_offsets"):
+    with pytest.raises(ValueError, match=r"kv_offsets: expected shape \[b, max_segments \+ 1\] "
+                                         r"= \(2, 3\) to match kv_seqlens"):
         SequenceDescriptor.from_seqlens_and_offsets(lengths, lengths, np.zeros((B, 3), np.int32),
                                                     np.zeros((B, 4), np.int32))
-
-
-@pytest.mark.parametrize("slots,limit", [(3, 2), (2, 1), (5, 4)])
-def test_too_many_segment_slots(slots, limit):
-    config = make_config(backend="xla", qkv_layout="thd_thd_thd", mask="padding",
-                         sequence={"max_segments_per_seq": limit})
-    lengths = np.ones((B, slots), np.int32)
-    offsets = np.tile(np.arange(slots + 1, dtype=np.int32), (B, 1))
-    sequence = SequenceDescriptor.from_seqlens_and_offsets(lengths, lengths, offsets, offsets)
-    raises_both(ValueError, rf"sequence: the descriptor has {slots} segment slots per row but "
-                rf"config.sequence.max_segments_per_seq is {limit}", QKV, config,
-                sequence=sequence)
 
 
 @pytest.mark.parametrize("fmt,sequence,form", [
@@ -327,7 +316,12 @@ def test_sequence_format_match_or_none_accepted(fmt):
         np.zeros((B, 2), np.int32)), r"q_seqlens: expected shape \[b, max_segments\]", ValueError),
     (lambda: SequenceDescriptor.from_seqlens_and_offsets(
         np.ones((B, 2), np.int32), np.ones((B, 3), np.int32), np.zeros((B, 3), np.int32),
-        np.zeros((B, 3), np.int32)), r"kv_seqlens: expected the shape of q_seqlens", ValueError),
+        np.zeros((B, 3), np.int32)), r"kv_offsets: expected shape \[b, max_segments \+ 1\] = "
+        r"\(2, 4\) to match kv_seqlens", ValueError),
+    (lambda: SequenceDescriptor.from_seqlens_and_offsets(
+        np.ones((B, 2), np.int32), np.ones((B + 1, 2), np.int32), np.zeros((B, 3), np.int32),
+        np.zeros((B + 1, 3), np.int32)), r"kv_seqlens: batch 3 differs from q_seqlens batch 2",
+        ValueError),
     (lambda: SequenceDescriptor.from_seqlens_and_offsets(
         np.ones((B, 2), np.int32), np.ones((B, 2), np.int32), np.zeros((B, 3), np.float32),
         np.zeros((B, 3), np.int32)), r"q_offsets: expected an integer array", TypeError),

@@ -31,6 +31,7 @@ from conftest import assert_close, make_config, random_array
 from fusedattn.ops import AttentionSpec, SequenceDescriptor, fused_attn
 from fusedattn.ops.backends import cudnn, cudnn_library, flash, partitioning, small_seq, xla
 from fusedattn.ops.backends.base import CanonicalArgs
+from fusedattn.ops.sequence import dense_token_info
 
 HOST_MESH = jax.devices()[0].platform == "cpu" and jax.device_count() >= 4
 
@@ -375,8 +376,8 @@ def _fake_backward(static, q, k, v, bias, slots, rng, sink, o, stats, do):
     """cuDNN's backward: dq, dk, dv, dbias (summed over bias's broadcast dims), dsink (over b)."""
     TRACED.append(q.shape)
     BACKWARD_BIAS.append(bias.shape)
-    _, vjp = jax.vjp(lambda *a: _fake_attention(static, *a)[0], q, k, v, bias, sink)
-    return vjp(do)
+    out, vjp = jax.vjp(lambda *a: _fake_attention(static, *a)[0], q, k, v, bias, sink)
+    return vjp(do.astype(out.dtype))  # bfloat16 inputs compute in float32 here
 
 
 @pytest.fixture
@@ -779,3 +780,114 @@ def test_cudnn_sharded_over_gpus_matches_unsharded(rng, split, case):
     hlo = compiled(run, *sharded)
     assert ("all-gather" in hlo) == (case == "dropout")
     assert got[0].sharding.is_equivalent_to(NamedSharding(mesh, QKV), 4)
+
+
+# --------------------------------------------------------------------------- jax.shard_map
+
+SHARD_MAP_CONFIGS = {
+    "xla": dict(backend="xla", mask="causal", softmax="learnable"),
+    "flash": dict(backend="flash", mask="causal", softmax="learnable"),
+    "small_seq": dict(backend="small_seq", mask="no_mask",
+                      sequence={"max_seqlen_q": 1, "max_seqlen_kv": 16}),
+    "auto": dict(mask="causal"),  # the default config: flash on the CPU
+}
+
+
+def check_grad_in_shard_map(mesh, attend, args, in_specs, tol=TOL):
+    """jax.grad of sum(attend(*args[:-1]) * args[-1]) w.r.t. every float arg but the last,
+    taken inside jax.shard_map over `in_specs`, equals the gradient of the unsharded call.
+
+    Inputs replicated over a mesh axis get the sum of every device's gradient, as JAX
+    gives for a replicated input; so their gradient equals the unsharded one too.
+    """
+    argnums = tuple(range(len(args) - 1))
+    grad = jax.grad(lambda *a: jnp.sum(attend(*a[:-1]).astype(jnp.float32) * a[-1]),
+                    argnums=argnums)
+    expected = jax.jit(grad)(*args)
+    sharded = jax.jit(jax.shard_map(grad, mesh=mesh, in_specs=in_specs,
+                                    out_specs=in_specs[:-1]))(*shard(mesh, args, in_specs))
+    for i, (got, want) in enumerate(zip(sharded, expected)):
+        assert_close(got, want, tol, f"d arg {i}")
+
+
+@pytest.mark.parametrize("kv", ["sharded", "replicated"])
+@pytest.mark.parametrize("backend", SHARD_MAP_CONFIGS)
+def test_grad_inside_shard_map(rng, backend, kv):
+    """Each device differentiates its own batch and head shard; k/v either sharded like q or
+    replicated over the head devices (one k/v head: MQA)."""
+    mesh = make_mesh("2x2")
+    config = make_config(**SHARD_MAP_CONFIGS[backend])
+    learnable = config.softmax == "learnable"
+    sq, h_kv = (1 if backend == "small_seq" else 8), (4 if kv == "sharded" else 1)
+    q = random_array(rng, (4, sq, 4, 64))
+    k, v = (random_array(rng, (4, 8, h_kv, 64)) for _ in range(2))
+    kv_spec = QKV if kv == "sharded" else P("data")
+    args, specs = [q, k, v], [QKV, kv_spec, kv_spec]
+    if learnable:
+        args.append(random_array(rng, (4,)))
+        specs.append(P("model"))
+
+    def attend(q, k, v, offset=None):
+        return fused_attn((q, k, v), config=config, softmax_offset=offset)
+
+    check_grad_in_shard_map(mesh, attend, (*args, random_array(rng, q.shape)),
+                            (*specs, QKV))
+
+
+def _typed_like_an_ffi_call(fake):
+    """The stand-in computing on its operands' local values with results that, as an FFI
+    call's, carry no shard_map varying axes (no implicit sums over devices inside)."""
+    def strip(x):
+        return jax.pure_callback(np.asarray, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    def call(static, *operands, **kwargs):
+        operands = tuple(strip(x) if hasattr(x, "shape") else x for x in operands)
+        return tuple(strip(x) for x in fake(static, *operands, **kwargs))
+    return call
+
+
+def test_cudnn_glue_grad_inside_shard_map(rng, fake_cudnn, monkeypatch):
+    """cuDNN's custom_vjp and partitioning glue (with jax.numpy for its FFI calls) under
+    jax.grad inside jax.shard_map: bias and sink gradients too, k/v replicated over heads."""
+    monkeypatch.setattr(cudnn_library, "available", lambda: None)
+    monkeypatch.setattr(cudnn, "_forward_ffi", _typed_like_an_ffi_call(_fake_forward))
+    monkeypatch.setattr(cudnn, "_backward_ffi", _typed_like_an_ffi_call(_fake_backward))
+    cudnn._folding_op.cache_clear()
+    mesh = make_mesh("2x2")
+    spec = AttentionSpec.from_config(make_config(backend="cudnn", mask="causal",
+                                                 softmax="learnable", bias="post_scale_bias"))
+    q = random_array(rng, (4, 8, 4, 16), jnp.bfloat16)
+    k, v = (random_array(rng, (4, 8, 1, 16), jnp.bfloat16) for _ in range(2))
+    bias = random_array(rng, (1, 4, 8, 8))
+    sink = random_array(rng, (4,))
+
+    def attend(q, k, v, bias, sink):
+        tokens = dense_token_info(spec, q.shape[0], q.shape[1], k.shape[1])
+        args = CanonicalArgs(q=q, k=k, v=v, tokens=tokens, bias=bias, softmax_offset=sink)
+        return cudnn.BACKEND.attention(spec, args, 0.25)
+
+    check_grad_in_shard_map(mesh, attend, (q, k, v, bias, sink, random_array(rng, q.shape)),
+                            (QKV, P("data"), P("data"), P(None, "model"), P("model"), QKV),
+                            tol=0.02)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["sharded", "replicated"])
+def test_cudnn_grad_inside_shard_map_on_gpus(rng, kv):
+    """The real cuDNN calls under jax.grad inside jax.shard_map over every GPU; one GPU
+    makes a mesh of one, where JAX checks the varying-axes types all the same."""
+    n = len(jax.devices())
+    shape = (1, n) if 4 % n == 0 else (n, 1)
+    mesh = Mesh(np.asarray(jax.devices()).reshape(shape), ("data", "model"))
+    config = make_config(backend="cudnn", mask="causal", softmax="learnable")
+    q = random_array(rng, (8, 128, 4, 64), jnp.bfloat16)
+    h_kv = 4 if kv == "sharded" else 1
+    k, v = (random_array(rng, (8, 128, h_kv, 64), jnp.bfloat16) for _ in range(2))
+    kv_spec = QKV if kv == "sharded" else P("data")
+
+    def attend(q, k, v, offset):
+        return fused_attn((q, k, v), config=config, softmax_offset=offset)
+
+    check_grad_in_shard_map(mesh, attend, (q, k, v, random_array(rng, (4,)),
+                                           random_array(rng, q.shape)),
+                            (QKV, kv_spec, kv_spec, P("model"), QKV), tol=0.04)

@@ -787,3 +787,54 @@ def test_property_seqlens_any_lengths(lengths, mask, seed):
     fields = seqlens_form(None, len(lengths), 6, 6, q_lens=q_lens, kv_lens=kv_lens)
     case = Case(mask=mask, b=len(lengths), sq=6, skv=6, h=2, h_kv=1, fields=fields)
     run_and_compare(np.random.default_rng(seed), case, grads=True)
+
+
+@pytest.mark.parametrize("layout", ref.LAYOUTS)
+def test_bf16_transposed_views_under_jit(rng, layout):
+    """bfloat16 q/k/v that are transposed views of the stored arrays (e.g. [b, h, s, d]
+    swapped to [b, s, h, d] inside jit, as models that keep heads first hand them over)
+    run on every platform and equal the reference, forward and gradients (XLA:CPU has no
+    BF16 x BF16 = F32 dot for the layouts these views give the grouped einsums)."""
+    case = layout_case(layout, "causal", dtype=BF16, h_kv=4, dv=8)  # GQA groups of one
+    inputs = build(rng, case)
+    swap = lambda arrays: tuple(jnp.swapaxes(a, 1, -2) for a in arrays)
+    stored = swap(inputs.arrays)  # the views below give back inputs.arrays
+
+    def attend(stored):
+        return fused_attn(swap(stored), config=inputs.config, sequence=inputs.sequence)
+
+    out_shape = jax.eval_shape(attend, stored)
+    dout = random_array(rng, out_shape.shape, F32).astype(BF16)
+    out, vjp = jax.jit(lambda s: jax.vjp(attend, s))(stored)
+    (grads,) = jax.jit(vjp)(dout)
+    expected = ref.reference_attention(inputs.arrays, inputs.config, sequence=inputs.fields,
+                                       dout=dout)
+    assert_close(out, expected.out, tolerance(BF16), "out")
+    for i, (got, want) in enumerate(zip(swap(grads), expected.grads["qkv"])):
+        assert_close(got, want, tolerance(BF16), f"d qkv[{i}]")
+
+
+@pytest.mark.parametrize("backend", ["xla", "flash"])
+def test_transformer_engine_descriptor_widths(rng, backend):
+    """Lengths + offsets as TransformerEngine accepts them: q and kv arrays of different
+    widths (unused slots -1), wider than config.sequence.max_segments_per_seq; the call
+    equals the same packing given by segment ids."""
+    b, s = 2, 9
+    q_lengths = np.array([[4, 5, -1, -1], [2, 7, -1, -1]], np.int32)
+    q_offsets = np.array([[0, 4, 9, -1, -1], [0, 2, 9, -1, -1]], np.int32)
+    kv_lengths = np.array([[3, 6, -1], [5, 4, -1]], np.int32)
+    kv_offsets = np.array([[0, 3, 9, -1], [0, 5, 9, -1]], np.int32)
+    ids = lambda lengths: np.stack([np.repeat(np.arange(1, 3), row[:2]) for row in lengths])
+    te = SequenceDescriptor.from_seqlens_and_offsets(q_lengths, kv_lengths, q_offsets,
+                                                     kv_offsets)
+    by_ids = SequenceDescriptor.from_segment_ids_and_pos(ids(q_lengths), ids(kv_lengths))
+    q, k, v = (random_array(rng, (b, s, 2, 8)) for _ in range(3))
+    outs = []
+    for sequence, form in ((te, "seqlens_offsets"), (by_ids, "segment_ids")):
+        config = make_config(backend=backend, qkv_layout="thd_thd_thd", mask="padding_causal",
+                             sequence={"format": form, "max_segments_per_seq": 2})
+        outs.append(jax.jit(lambda q, k, v, seq, c=config: fused_attn(
+            (q, k, v), config=c, sequence=seq))(q, k, v, sequence))
+    assert_finite(outs[0])
+    assert np.abs(np.asarray(outs[0])).max() > 0
+    np.testing.assert_allclose(np.asarray(outs[0]), np.asarray(outs[1]), rtol=1e-6, atol=1e-6)

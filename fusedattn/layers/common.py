@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fusedattn import ops as _ops
+from fusedattn.layers import stock
 from fusedattn.ops.backends.base import visible_mask
 from fusedattn.ops.enums import BiasType, MaskType, QKVLayout, SequenceFormat, SoftmaxType
 from fusedattn.ops.sequence import SequenceDescriptor, dense_token_info
@@ -486,7 +487,9 @@ def attention_fn(config) -> Callable[..., Array]:
     Returns a function with flax's `dot_product_attention` signature,
     `(query, key, value, bias=None, mask=None, broadcast_dropout=True,
     dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
-    precision=None, module=None, force_fp32_for_softmax=False, is_causal=False, ...)`,
+    precision=None, module=None, force_fp32_for_softmax=False, einsum_dot_general=None,
+    qk_attn_weights_einsum=None, attn_weights_value_einsum=None, is_causal=False,
+    promote_dtype=None)` (linen's, then nnx's `is_causal` and `promote_dtype`),
     that computes the attention with `fusedattn.ops.fused_attn` under `config`:
     query [batch..., sq, h, d], key [batch..., skv, h_kv, d], value
     [batch..., skv, h_kv, dv] -> [batch..., sq, h, dv] (layout family of
@@ -501,7 +504,9 @@ def attention_fn(config) -> Callable[..., Array]:
       must equal config.dropout_rate otherwise. `broadcast_dropout` is ignored
       (the op draws one Philox mask element per (batch, head, q, kv)).
     - `precision` and `force_fp32_for_softmax` are ignored (the op keeps the
-      softmax in float32); `module` (sow_weights) raises: no weights are formed.
+      softmax in float32); `module` (sow_weights) raises: no weights are formed, and
+      so do `einsum_dot_general` and the weight einsums when given.
+    - `promote_dtype` (nnx), when given, promotes query, key and value as nnx does.
     - Padding masks and THD layouts need a per-call SequenceDescriptor, which a
       stock module cannot pass: use an explicit `mask` instead.
     """
@@ -516,19 +521,17 @@ def attention_fn(config) -> Callable[..., Array]:
     def fused_attention(query, key, value, bias=None, mask=None, broadcast_dropout=True,
                         dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
                         precision=None, module=None, force_fp32_for_softmax=False,
-                        is_causal=False, qk_attn_weights_einsum=None,
-                        attn_weights_value_einsum=None):
+                        einsum_dot_general=None, qk_attn_weights_einsum=None,
+                        attn_weights_value_einsum=None, is_causal=False, promote_dtype=None):
         del broadcast_dropout, precision, force_fp32_for_softmax
         if module is not None:
             raise ValueError(
                 "module: sow_weights=True asks for the attention weights, which the fused op "
                 "never forms; call the module with sow_weights=False."
             )
-        if qk_attn_weights_einsum is not None or attn_weights_value_einsum is not None:
-            raise ValueError(
-                "qk_attn_weights_einsum/attn_weights_value_einsum: custom einsums cannot be used "
-                "with the fused op; leave them unset."
-            )
+        stock.check_weight_einsums(einsum_dot_general=einsum_dot_general,
+                                   qk_attn_weights_einsum=qk_attn_weights_einsum,
+                                   attn_weights_value_einsum=attn_weights_value_einsum)
         call_spec = spec
         if dropout_rate:
             if spec.dropout_rate not in (0.0, dropout_rate):
@@ -543,12 +546,13 @@ def attention_fn(config) -> Callable[..., Array]:
                 "dropout_rate is 0.0, so it never supplies a dropout RNG; set the module's "
                 f"dropout_rate={spec.dropout_rate} as well (it owns deterministic and the RNG)."
             )
-        if is_causal and not call_spec.mask.is_causal:
-            call_spec = call_spec.replace(mask=MaskType(
-                "padding_causal" if call_spec.mask.is_padding else "causal"))
+        if is_causal:
+            call_spec = stock.with_causal_mask(call_spec)
         if call_spec.dropout_rate > 0 and not deterministic and dropout_rng is None:
             raise missing_dropout_rng(call_spec, "pass dropout_rng (the stock module takes it "
                                                  "from its 'dropout' RNG stream).")
+        if promote_dtype is not None:  # nnx's: promotes q, k, v to one dtype
+            query, key, value = promote_dtype((query, key, value), dtype=dtype)
         if dtype is None:
             dtype = jnp.result_type(query.dtype, key.dtype, value.dtype)
         query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))

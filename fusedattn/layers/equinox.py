@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+import warnings
+from typing import Any, Callable
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from fusedattn.layers import common
+from fusedattn.layers import common, stock
 from fusedattn.ops.enums import SequenceFormat, SoftmaxType
 from fusedattn.ops.sequence import SequenceDescriptor
 from fusedattn.ops.spec import AttentionSpec
@@ -59,6 +60,9 @@ class MultiheadAttention(eqx.Module):
     - key_proj: Linear weight [h_kv * qk_size, key_size]
     - value_proj: Linear weight [h_kv * vo_size, value_size]
     - output_proj: Linear weight [output_size, h * vo_size]
+    - dropout: eqx.nn.Dropout(p, inference), as the stock module's (p is the layer's
+      dropout rate; eqx.nn.inference_mode toggles its `inference`), so the leaves of a
+      stock module serialised with eqx.tree_serialise_leaves load into this one
     - with fused_qkv=True, instead of query/key/value_proj (then None): qkv_proj, Linear
       weight [(h + 2 h_kv) * qk_size, query_size] (query, then key, then value rows)
     - with normalize_qk=True: query_ln, key_ln, eqx.nn.LayerNorm(qk_size) without bias
@@ -68,34 +72,38 @@ class MultiheadAttention(eqx.Module):
     batch axis to the single fused_attn call inside (the op folds it into its
     batch: one kernel call, no loop).
 
-    Args:
+    Args (the stock module's, in its order, positional too; then ours, keyword only):
       num_heads: query heads h.
       query_size: features of `query`.
-      config: the attention ConfigDict (fusedattn.configs.attention_config()).
       key_size, value_size: features of `key_` / `value` (default query_size).
       output_size: output features (default query_size).
       qk_size, vo_size: per-head q/k and v/output dims (default query_size // num_heads).
-      num_kv_heads: key/value heads h_kv (GQA/MQA), default num_heads.
       use_query_bias, use_key_bias, use_value_bias, use_output_bias: as the stock
         module (fused_qkv uses use_query_bias).
+      dropout_p: when given, the dropout rate of the call (replacing
+        config.dropout_rate); None keeps the config's.
+      inference: the default for the call's `inference` (True: no dropout); toggled
+        by eqx.nn.inference_mode.
       dtype: parameter dtype, as in Equinox (default float32/float64 per x64 mode).
+      key: PRNG key for parameter initialisation.
+      config: the attention ConfigDict (fusedattn.configs.attention_config()); None:
+        the stock module's semantics (`fusedattn.layers.stock.stock_config()`: mask
+        "no_mask", the call's `mask` being the only one).
+      num_kv_heads: key/value heads h_kv (GQA/MQA), default num_heads.
       compute_dtype: dtype of the projections and attention (e.g. jnp.bfloat16);
         default: the promoted dtype of inputs and parameters.
       normalize_qk, fused_qkv, rope, rope_theta: see fusedattn.layers.linen.
-      inference: the default for the call's `inference` (True: no dropout); toggled
-        by eqx.nn.inference_mode.
-      key: PRNG key for parameter initialisation.
     """
 
     query_proj: eqx.nn.Linear | None
     key_proj: eqx.nn.Linear | None
     value_proj: eqx.nn.Linear | None
     output_proj: eqx.nn.Linear
+    dropout: eqx.nn.Dropout
     qkv_proj: eqx.nn.Linear | None
     query_ln: eqx.nn.LayerNorm | None
     key_ln: eqx.nn.LayerNorm | None
     softmax_offset: Array | None
-    inference: bool
     spec: AttentionSpec = eqx.field(static=True)
     options: common.LayerOptions = eqx.field(static=True)
     num_heads: int = eqx.field(static=True)
@@ -112,16 +120,16 @@ class MultiheadAttention(eqx.Module):
     use_output_bias: bool = eqx.field(static=True)
     compute_dtype: Any = eqx.field(static=True)
 
-    def __init__(self, num_heads: int, query_size: int, *, config: Any,
-                 key_size: int | None = None, value_size: int | None = None,
-                 output_size: int | None = None, qk_size: int | None = None,
-                 vo_size: int | None = None, num_kv_heads: int | None = None,
+    def __init__(self, num_heads: int, query_size: int, key_size: int | None = None,
+                 value_size: int | None = None, output_size: int | None = None,
+                 qk_size: int | None = None, vo_size: int | None = None,
                  use_query_bias: bool = False, use_key_bias: bool = False,
                  use_value_bias: bool = False, use_output_bias: bool = False,
-                 dtype: Any = None, compute_dtype: Any = None, normalize_qk: bool = False,
-                 fused_qkv: bool = False, rope: bool = False, rope_theta: float = 10000.0,
-                 inference: bool = False, key: Array):
-        self.spec = common.spec_of(config)
+                 dropout_p: float | None = None, inference: bool = False, dtype: Any = None,
+                 *, key: Array, config: Any = None, num_kv_heads: int | None = None,
+                 compute_dtype: Any = None, normalize_qk: bool = False,
+                 fused_qkv: bool = False, rope: bool = False, rope_theta: float = 10000.0):
+        self.spec = stock.layer_spec(config, dropout_p, "dropout_p")
         dtype = jnp.zeros(()).dtype if dtype is None else dtype  # float32, float64 under x64
         key_size = query_size if key_size is None else key_size
         value_size = query_size if value_size is None else value_size
@@ -156,7 +164,7 @@ class MultiheadAttention(eqx.Module):
             self.query_ln = self.key_ln = None
         self.softmax_offset = (jnp.zeros((h,), jnp.float32)
                                if self.spec.softmax == SoftmaxType.LEARNABLE else None)
-        self.inference = inference
+        self.dropout = eqx.nn.Dropout(self.spec.dropout_rate, inference=inference)
         self.num_heads, self.num_kv_heads = h, h_kv
         self.query_size, self.key_size, self.value_size = query_size, key_size, value_size
         self.output_size, self.qk_size, self.vo_size = output_size, qk_size, vo_size
@@ -165,27 +173,39 @@ class MultiheadAttention(eqx.Module):
         self.compute_dtype = compute_dtype
 
     def __call__(self, query: Array, key_: Array | None = None, value: Array | None = None,
-                 mask: Array | None = None, *, bias: Array | None = None, sequence=None,
-                 key: Array | None = None, inference: bool | None = None) -> Array:
+                 mask: Array | None = None, *, key: Array | None = None,
+                 inference: bool | None = None, deterministic: bool | None = None,
+                 process_heads: Callable | None = None, bias: Array | None = None,
+                 sequence=None) -> Array:
         """Attention of one example's query over its key/value sequence.
 
-        Args:
+        Args (the stock call's, then ours):
           query: [sq, query_size].
           key_: [skv, key_size] (default query).
           value: [skv, value_size] (default key_).
           mask: [sq, skv] or [h, sq, skv], True = attend (bool, or 0/1 numeric),
             ANDed with config.mask (given to the op as a bias array; see
             fusedattn.layers.common on backend eligibility).
+          key: PRNG key for dropout (dropout rate > 0 and not inference).
+          inference: True turns dropout off; None means the module's
+            (`self.dropout.inference`).
+          deterministic: deprecated name of `inference`, as in the stock module (warns).
+          process_heads: as the stock module's: a function of the projected heads
+            (q [sq, h, qk_size], k [skv, h_kv, qk_size], v [skv, h_kv, vo_size]) returning
+            new heads of the same shapes (e.g. rotary embeddings), applied before QK
+            normalisation and `rope`.
           bias: per config.bias: [h|1, sq, skv] (or [sq, skv]), or [h] ALiBi slopes.
           sequence: this example's SequenceDescriptor, without the batch axis
             (q_seqlens [], segment ids [s], ...) as jax.vmap hands it over from a
             batched descriptor; a descriptor with a batch axis of 1 is accepted too.
-          key: PRNG key for dropout (config.dropout_rate > 0 and not inference).
-          inference: True turns dropout off; None means the module's `inference`.
 
         Returns:
           [sq, output_size].
         """
+        if deterministic is not None:
+            inference = deterministic
+            warnings.warn("MultiheadAttention()(deterministic=...) is deprecated in favour of "
+                          "MultiheadAttention()(inference=...)", DeprecationWarning, stacklevel=2)
         key_, value = common.default_key_value(query, key_, value, "key_", "value")
         if key_.shape[0] != value.shape[0]:
             raise ValueError(
@@ -197,7 +217,7 @@ class MultiheadAttention(eqx.Module):
                 f"query: expected one example of shape [sq, query_size], got "
                 f"{tuple(query.shape)}; use jax.vmap over a batch."
             )
-        spec = self.spec
+        spec = self._spec()
         h, h_kv = self.num_heads, self.num_kv_heads
         params = [p for p in (self.qkv_proj, self.query_proj) if p is not None][0].weight
         dtype = (self.compute_dtype if self.compute_dtype is not None
@@ -216,7 +236,9 @@ class MultiheadAttention(eqx.Module):
             k = _project(self.key_proj, key_, h_kv, dtype)
             v = _project(self.value_proj, value, h_kv, dtype)
 
-        inference = self.inference if inference is None else inference
+        if process_heads is not None:
+            q, k, v = _processed_heads(process_heads, q, k, v)
+        inference = self.dropout.inference if inference is None else inference
         deterministic = bool(inference) or spec.dropout_rate == 0
         if not deterministic and key is None:
             raise common.missing_dropout_rng(
@@ -241,3 +263,27 @@ class MultiheadAttention(eqx.Module):
         if self.output_proj.bias is not None:
             out = out + self.output_proj.bias.astype(dtype)
         return out
+
+    def _spec(self) -> AttentionSpec:
+        """The layer's spec; `dropout.p` (a leaf, as in the stock module) must still be the
+        dropout rate the layer was built with."""
+        rate = self.dropout.p
+        if not isinstance(rate, jax.core.Tracer) and float(rate) != self.spec.dropout_rate:
+            raise ValueError(
+                f"dropout.p: {float(rate)} differs from the layer's dropout rate "
+                f"{self.spec.dropout_rate} (set at construction from dropout_p or "
+                f"config.dropout_rate, and static); build the layer with dropout_p={float(rate)}."
+            )
+        return self.spec
+
+
+def _processed_heads(process_heads: Callable, q: Array, k: Array, v: Array):
+    """The stock `process_heads` hook on [s, heads, dim] q, k, v; shapes must not change."""
+    shapes = (q.shape, k.shape, v.shape)
+    q, k, v = process_heads(q, k, v)
+    if (q.shape, k.shape, v.shape) != shapes:
+        raise ValueError(
+            f"process_heads: must return q, k, v of the shapes it was given {shapes}, got "
+            f"{(q.shape, k.shape, v.shape)}."
+        )
+    return q, k, v

@@ -9,16 +9,22 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fusedattn.layers import common
+from fusedattn.layers import common, stock
 from fusedattn.ops.enums import SoftmaxType
 
 Array = jax.Array
 
-__all__ = ["MultiHeadAttention"]
+__all__ = ["MultiHeadAttention", "MultiHeadDotProductAttention"]
 
 
-class MultiHeadAttention(nn.Module):
+class MultiHeadDotProductAttention(nn.Module):
     """Multi-head attention, a drop-in for `flax.linen.MultiHeadDotProductAttention`.
+
+    The stock module's fields in the stock order (positional too), then ours (keyword
+    only); its call signature, and its default name: unnamed inside a compact module
+    this one is scoped `MultiHeadDotProductAttention_{i}` and `MultiHeadAttention`
+    (below) `MultiHeadAttention_{i}`, as the stock classes of those names, so a stock
+    checkpoint loads unchanged.
 
     Parameters (names and shapes as the stock module, with F = inputs_q features,
     Fkv = key/value input features, d = qkv_features // num_heads, h_kv = num_kv_heads):
@@ -39,86 +45,116 @@ class MultiHeadAttention(nn.Module):
     cache_index + new tokens), so step-by-step decoding equals full-sequence
     causal attention. Under jit, writing past max_len is not checked.
 
-    Attributes:
+    Attributes (the stock module's, in its order):
       num_heads: query heads h; qkv_features must be divisible by it.
+      dtype: computation dtype (e.g. jnp.bfloat16), default inferred.
+      param_dtype: parameter dtype (float32).
+      qkv_features: total q/k/v features h * d (default: inputs_q features).
+      out_features: output features (default: inputs_q features).
+      broadcast_dropout: accepted for the stock signature; the fused op draws one
+        dropout mask element per (batch, head, query, key) either way (as the
+        stock broadcast_dropout=False does).
+      dropout_rate: when given, the dropout rate of the call (replacing
+        config.dropout_rate); None keeps the config's.
+      deterministic: construction-time default merged with the call's (only
+        needed with dropout), as in the stock module.
+      precision, kernel_init, out_kernel_init, bias_init, out_bias_init, use_bias:
+        as in the stock module (for the projections).
+      attention_fn: must stay None: this layer is the attention (an error says so).
+      decode: use the autoregressive KV cache.
+      normalize_qk: LayerNorm on q and k per head (query_ln, key_ln).
+      force_fp32_for_softmax: accepted; the fused op's softmax is float32 always.
+      qkv_dot_general, out_dot_general, qkv_dot_general_cls, out_dot_general_cls:
+        the projections' dot_general, as in the stock module.
+      qk_attn_weights_einsum_cls, attn_weights_value_einsum_cls: must stay None
+        (the fused op forms no weights to einsum; an error says so).
+
+    Attributes of ours (keyword only):
       config: the attention ConfigDict (fusedattn.configs.attention_config()):
         backend, qkv_layout (its bshd/sbhd/thd family), mask, bias, softmax,
         dropout_rate, scale, window_size, sequence bounds, small_seq opt-in.
-      qkv_features: total q/k/v features h * d (default: inputs_q features).
-      out_features: output features (default: inputs_q features).
+        None: the stock module's semantics (`fusedattn.layers.stock.stock_config()`:
+        mask "no_mask", the call's `mask` being the only one).
       num_kv_heads: key/value heads h_kv (GQA/MQA), default num_heads.
-      use_bias, kernel_init, bias_init, out_kernel_init, out_bias_init,
-        precision: as in the stock module (for the projections).
-      dtype: computation dtype (e.g. jnp.bfloat16), default inferred.
-      param_dtype: parameter dtype (float32).
-      normalize_qk: LayerNorm on q and k per head (query_ln, key_ln).
       fused_qkv: one `qkv` projection for self-attention (selects the packed
         layout of the config's family: bs3hd, or bshd_bs2hd under GQA).
       rope: rotary embeddings on q and k (positions: 0..s-1, the descriptor's
         segment positions when `sequence` is given, + cache_index when decoding).
       rope_theta: RoPE base.
-      decode: use the autoregressive KV cache.
-      deterministic: construction-time default merged with the call's (only
-        needed when config.dropout_rate > 0), as in the stock module.
     """
 
     num_heads: int
-    _: dataclasses.KW_ONLY
-    config: Any
-    qkv_features: int | None = None
-    out_features: int | None = None
-    num_kv_heads: int | None = None
-    use_bias: bool = True
     dtype: Any = None
     param_dtype: Any = jnp.float32
+    qkv_features: int | None = None
+    out_features: int | None = None
+    broadcast_dropout: bool = True
+    dropout_rate: float | None = None
+    deterministic: bool | None = None
     precision: Any = None
     kernel_init: Callable = nn.linear.default_kernel_init
-    bias_init: Callable = nn.initializers.zeros_init()
     out_kernel_init: Callable | None = None
+    bias_init: Callable = nn.initializers.zeros_init()
     out_bias_init: Callable | None = None
+    use_bias: bool = True
+    attention_fn: Callable | None = None
+    decode: bool = False
     normalize_qk: bool = False
+    force_fp32_for_softmax: bool = False
+    qkv_dot_general: Any = None
+    out_dot_general: Any = None
+    qkv_dot_general_cls: Any = None
+    out_dot_general_cls: Any = None
+    qk_attn_weights_einsum_cls: Callable | None = None
+    attn_weights_value_einsum_cls: Callable | None = None
+    _: dataclasses.KW_ONLY
+    config: Any = None
+    num_kv_heads: int | None = None
     fused_qkv: bool = False
     rope: bool = False
     rope_theta: float = 10000.0
-    decode: bool = False
-    deterministic: bool | None = None
 
     @nn.compact
-    def __call__(self, inputs_q: Array, inputs_kv: Array | None = None, *,
-                 inputs_k: Array | None = None, inputs_v: Array | None = None,
+    def __call__(self, inputs_q: Array, inputs_k: Array | None = None,
+                 inputs_v: Array | None = None, *, inputs_kv: Array | None = None,
                  mask: Array | None = None, bias: Array | None = None, sequence=None,
-                 deterministic: bool | None = None, dropout_rng=None) -> Array:
-        """Attention of inputs_q over inputs_kv (self-attention when None).
+                 deterministic: bool | None = None, dropout_rng=None,
+                 sow_weights: bool = False) -> Array:
+        """Attention of inputs_q over inputs_k / inputs_v (self-attention when None).
 
-        Args:
+        Args (the stock call's, then ours):
           inputs_q: [batch..., sq, F].
-          inputs_kv: [batch..., skv, Fkv] keys and values (default inputs_q).
-          inputs_k, inputs_v: separate key and value inputs instead of inputs_kv
-            (inputs_v defaults to inputs_k), as the stock module's keywords.
+          inputs_k: [batch..., skv, Fkv] keys (default inputs_q).
+          inputs_v: [batch..., skv, Fkv] values (default inputs_k).
+          inputs_kv: keys and values in one (instead of inputs_k / inputs_v), as the
+            stock keyword.
           mask: broadcastable to [batch..., h, sq, skv], True = attend (bool; 0/1
             numeric masks as made by flax.linen.make_attention_mask also work),
             ANDed with config.mask (passed to the op as a bias array: see
             fusedattn.layers.common on backend eligibility).
+          deterministic: False applies dropout (when the dropout rate is > 0) with
+            the "dropout" RNG stream.
+          dropout_rng: an explicit dropout key instead of the "dropout" stream.
+          sow_weights: must be False: the fused op never forms the weights.
           bias: per config.bias: [batch..., h|1, sq, skv] for pre/post-scale
             bias, optional [h] slopes for "alibi".
           sequence: fusedattn.ops.SequenceDescriptor (one batch axis) for padding
             masks, packing (segment ids) and THD layouts.
-          deterministic: False applies dropout (config.dropout_rate > 0) with the
-            "dropout" RNG stream.
-          dropout_rng: an explicit dropout key instead of the "dropout" stream.
 
         Returns:
           [batch..., sq, out_features].
         """
-        spec = common.spec_of(self.config)
-        if inputs_kv is not None and (inputs_k is not None or inputs_v is not None):
-            raise ValueError("inputs_kv: pass either inputs_kv or inputs_k/inputs_v, not both.")
-        if inputs_k is None:
-            if inputs_v is not None:
-                raise ValueError("inputs_k: must be given when inputs_v is given.")
-            inputs_k = inputs_q if inputs_kv is None else inputs_kv
-        if inputs_v is None:
-            inputs_v = inputs_k
+        stock.check_attention_fn(self.attention_fn)
+        stock.check_weight_einsums(qk_attn_weights_einsum_cls=self.qk_attn_weights_einsum_cls,
+                                   attn_weights_value_einsum_cls=self.attn_weights_value_einsum_cls)
+        stock.check_sow_weights(sow_weights)
+        spec = stock.layer_spec(self.config, self.dropout_rate)
+        if inputs_kv is not None:
+            if inputs_k is not None or inputs_v is not None:
+                raise ValueError("inputs_kv: pass either inputs_kv or inputs_k/inputs_v, not both.")
+            inputs_k = inputs_kv
+        inputs_k, inputs_v = common.default_key_value(inputs_q, inputs_k, inputs_v, "inputs_k",
+                                                      "inputs_v")
         features = self.out_features or inputs_q.shape[-1]
         qkv_features = self.qkv_features or inputs_q.shape[-1]
         if qkv_features % self.num_heads:
@@ -135,13 +171,14 @@ class MultiHeadAttention(nn.Module):
             return nn.DenseGeneral(features=(heads, head_dim), axis=-1, dtype=self.dtype,
                                    param_dtype=self.param_dtype, kernel_init=self.kernel_init,
                                    bias_init=self.bias_init, use_bias=self.use_bias,
-                                   precision=self.precision, name=name)
+                                   precision=self.precision, dot_general=self.qkv_dot_general,
+                                   dot_general_cls=self.qkv_dot_general_cls, name=name)
 
         if self.fused_qkv:
             if not (inputs_k is inputs_q and inputs_v is inputs_q):
                 raise ValueError(
                     "fused_qkv: the fused projection serves self-attention only; call with "
-                    "inputs_kv=None (or build the layer with fused_qkv=False)."
+                    "inputs_k=None and inputs_v=None (or build the layer with fused_qkv=False)."
                 )
             query, key, value = common.split_fused_qkv(
                 dense(h + 2 * h_kv, "qkv")(inputs_q), h, h_kv)
@@ -195,4 +232,12 @@ class MultiHeadAttention(nn.Module):
                                bias_init=self.out_bias_init or self.bias_init,
                                use_bias=self.use_bias, dtype=self.dtype,
                                param_dtype=self.param_dtype, precision=self.precision,
-                               name="out")(x)
+                               dot_general=self.out_dot_general,
+                               dot_general_cls=self.out_dot_general_cls, name="out")(x)
+
+
+class MultiHeadAttention(MultiHeadDotProductAttention):
+    """The same module, a drop-in for `flax.linen.MultiHeadAttention`: unnamed inside a
+    compact module it is scoped `MultiHeadAttention_{i}`, as that stock class is (while
+    `MultiHeadDotProductAttention` is scoped `MultiHeadDotProductAttention_{i}`)."""
+

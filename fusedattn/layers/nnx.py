@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx.nn import dtypes
 
-from fusedattn.layers import common
+from fusedattn.layers import common, stock
 from fusedattn.ops.enums import SoftmaxType
 
 Array = jax.Array
@@ -38,36 +41,64 @@ class MultiHeadAttention(nnx.Module):
     causally to the filled cache, so step-by-step decoding equals the
     full-sequence causal attention. Under jit, writing past max_len is not checked.
 
-    Args:
+    Args (the stock module's, in its order; the first six may be positional):
       num_heads: query heads h.
       in_features: features F of inputs_q.
-      config: the attention ConfigDict (fusedattn.configs.attention_config()).
       qkv_features: h * d (default in_features). out_features: default in_features.
       num_kv_heads: key/value heads h_kv (GQA/MQA), default num_heads.
       in_kv_features: features of inputs_k/inputs_v (default in_features).
-      use_bias, kernel_init, bias_init, out_kernel_init, out_bias_init, precision:
-        as the stock module, for the projections.
       dtype: computation dtype (e.g. jnp.bfloat16); param_dtype: parameter dtype.
-      normalize_qk, fused_qkv, rope, rope_theta: see fusedattn.layers.linen.
+      broadcast_dropout: accepted for the stock signature; the fused op draws one
+        dropout mask element per (batch, head, query, key) either way.
+      dropout_rate: when given, the dropout rate of the call (replacing
+        config.dropout_rate); None keeps the config's.
+      deterministic: default for the call's deterministic flag (needed only with dropout).
+      precision, kernel_init, out_kernel_init, bias_init, out_bias_init, use_bias:
+        as the stock module, for the projections.
+      attention_fn: must stay None: this layer is the attention (an error says so).
       decode: default for the call's decode flag.
-      deterministic: default for the call's deterministic flag (needed only when
-        config.dropout_rate > 0).
-      rngs: nnx.Rngs for parameter init; its "dropout" stream is kept (forked) for
-        dropout when config.dropout_rate > 0 and keep_rngs is True.
+      normalize_qk: LayerNorm on q and k per head (query_ln, key_ln).
+      qkv_promote_dtype, out_promote_dtype, ln_promote_dtype, qkv_dot_general,
+        out_dot_general, qkv_dot_general_cls, out_dot_general_cls, kernel_metadata,
+        out_kernel_metadata, bias_metadata, out_bias_metadata, query_ln_scale_metadata,
+        key_ln_scale_metadata: given to the projections and norms as the stock module does.
+      rngs, keep_rngs: nnx.Rngs for parameter init; its "dropout" stream is kept
+        (forked) for dropout when the dropout rate is > 0 and keep_rngs is True.
+      config: the attention ConfigDict (fusedattn.configs.attention_config()); None:
+        the stock module's semantics (`fusedattn.layers.stock.stock_config()`: mask
+        "no_mask", the call's `mask` being the only one).
+      fused_qkv, rope, rope_theta: see fusedattn.layers.linen.
     """
 
-    def __init__(self, num_heads: int, in_features: int, *, config: Any,
-                 qkv_features: int | None = None, out_features: int | None = None,
-                 num_kv_heads: int | None = None, in_kv_features: int | None = None,
-                 use_bias: bool = True, dtype: Any = None, param_dtype: Any = jnp.float32,
+    def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
+                 out_features: int | None = None, num_kv_heads: int | None = None,
+                 in_kv_features: int | None = None, *, dtype: Any = None,
+                 param_dtype: Any = jnp.float32, broadcast_dropout: bool = True,
+                 dropout_rate: float | None = None, deterministic: bool | None = None,
                  precision: Any = None,
                  kernel_init: Callable = nnx.nn.linear.default_kernel_init,
+                 out_kernel_init: Callable | None = None,
                  bias_init: Callable = nnx.initializers.zeros_init(),
-                 out_kernel_init: Callable | None = None, out_bias_init: Callable | None = None,
-                 normalize_qk: bool = False, fused_qkv: bool = False, rope: bool = False,
-                 rope_theta: float = 10000.0, decode: bool | None = None,
-                 deterministic: bool | None = None, keep_rngs: bool = True, rngs: nnx.Rngs):
-        self.spec = common.spec_of(config)
+                 out_bias_init: Callable | None = None, use_bias: bool = True,
+                 attention_fn: Callable | None = None, decode: bool | None = None,
+                 normalize_qk: bool = False,
+                 qkv_promote_dtype: Callable = dtypes.promote_dtype,
+                 out_promote_dtype: Callable = dtypes.promote_dtype,
+                 ln_promote_dtype: Callable = dtypes.promote_dtype,
+                 qkv_dot_general: Any = None, out_dot_general: Any = None,
+                 qkv_dot_general_cls: Any = None, out_dot_general_cls: Any = None,
+                 rngs: nnx.Rngs, keep_rngs: bool = True,
+                 kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+                 out_kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+                 bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+                 out_bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+                 query_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+                 key_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+                 config: Any = None, fused_qkv: bool = False, rope: bool = False,
+                 rope_theta: float = 10000.0):
+        del broadcast_dropout  # the op's dropout masks are per element either way
+        stock.check_attention_fn(attention_fn)
+        self.spec = stock.layer_spec(config, dropout_rate)
         self.num_heads = num_heads
         self.in_features = in_features
         self.qkv_features = qkv_features if qkv_features is not None else in_features
@@ -91,7 +122,16 @@ class MultiHeadAttention(nnx.Module):
             return nnx.LinearGeneral(in_features, (heads, d), dtype=dtype,
                                      param_dtype=param_dtype, kernel_init=kernel_init,
                                      bias_init=bias_init, use_bias=use_bias,
-                                     precision=precision, rngs=rngs)
+                                     precision=precision, promote_dtype=qkv_promote_dtype,
+                                     dot_general=qkv_dot_general,
+                                     dot_general_cls=qkv_dot_general_cls,
+                                     kernel_metadata=kernel_metadata,
+                                     bias_metadata=bias_metadata, rngs=rngs)
+
+        def layer_norm(scale_metadata):
+            return nnx.LayerNorm(d, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                                 promote_dtype=ln_promote_dtype, scale_metadata=scale_metadata,
+                                 rngs=rngs)
 
         if fused_qkv:
             self.qkv = linear(in_features, h + 2 * h_kv)
@@ -102,10 +142,8 @@ class MultiHeadAttention(nnx.Module):
             self.key = linear(self.in_kv_features, h_kv)
             self.value = linear(self.in_kv_features, h_kv)
         if normalize_qk:
-            self.query_ln = nnx.LayerNorm(d, use_bias=False, dtype=dtype,
-                                          param_dtype=param_dtype, rngs=rngs)
-            self.key_ln = nnx.LayerNorm(d, use_bias=False, dtype=dtype,
-                                        param_dtype=param_dtype, rngs=rngs)
+            self.query_ln = layer_norm(query_ln_scale_metadata)
+            self.key_ln = layer_norm(key_ln_scale_metadata)
         else:
             self.query_ln = self.key_ln = nnx.data(None)
         self.softmax_offset = (nnx.Param(jnp.zeros((h,), jnp.float32))
@@ -114,19 +152,23 @@ class MultiHeadAttention(nnx.Module):
                                      kernel_init=out_kernel_init or kernel_init,
                                      bias_init=out_bias_init or bias_init, use_bias=use_bias,
                                      dtype=dtype, param_dtype=param_dtype, precision=precision,
-                                     rngs=rngs)
+                                     promote_dtype=out_promote_dtype, dot_general=out_dot_general,
+                                     dot_general_cls=out_dot_general_cls,
+                                     kernel_metadata=out_kernel_metadata or kernel_metadata,
+                                     bias_metadata=out_bias_metadata or bias_metadata, rngs=rngs)
         self.rngs = (rngs.dropout.fork() if keep_rngs and self.spec.dropout_rate > 0
                      else nnx.data(None))
         self.cached_key = self.cached_value = self.cache_index = nnx.data(None)
 
     def __call__(self, inputs_q: Array, inputs_k: Array | None = None,
                  inputs_v: Array | None = None, *, mask: Array | None = None,
-                 bias: Array | None = None, sequence=None, deterministic: bool | None = None,
-                 rngs: nnx.Rngs | nnx.RngStream | None = None,
-                 decode: bool | None = None) -> Array:
+                 deterministic: bool | None = None,
+                 rngs: nnx.Rngs | nnx.RngStream | None = None, sow_weights: bool = False,
+                 decode: bool | None = None, is_causal: bool = False, out_sharding=None,
+                 qkv_sharding=None, bias: Array | None = None, sequence=None) -> Array:
         """Attention of inputs_q over inputs_k / inputs_v (self-attention when None).
 
-        Args:
+        Args (the stock call's, then ours):
           inputs_q: [batch..., sq, in_features].
           inputs_k: [batch..., skv, in_kv_features] (default inputs_q).
           inputs_v: [batch..., skv, in_kv_features] (default inputs_k).
@@ -134,16 +176,22 @@ class MultiHeadAttention(nnx.Module):
             numeric masks as made by flax.linen.make_attention_mask also work), ANDed
             with config.mask (given to the op as a bias array; see
             fusedattn.layers.common on backend eligibility).
-          bias: per config.bias: [batch..., h|1, sq, skv], or [h] ALiBi slopes.
-          sequence: fusedattn.ops.SequenceDescriptor (one batch axis).
           deterministic: False applies dropout (overrides the attribute).
           rngs: nnx.Rngs or RngStream for dropout (overrides the kept rngs).
+          sow_weights: must be False: the fused op never forms the weights.
           decode: use the KV cache (overrides the attribute).
+          is_causal: True adds a causal mask to config.mask (top-left; with padding,
+            "padding_causal"), as the stock call overlays one.
+          out_sharding, qkv_sharding: the sharding of the output / q, k, v projections'
+            results, given to them as the stock module does.
+          bias: per config.bias: [batch..., h|1, sq, skv], or [h] ALiBi slopes.
+          sequence: fusedattn.ops.SequenceDescriptor (one batch axis).
 
         Returns:
           [batch..., sq, out_features].
         """
-        spec = self.spec
+        stock.check_sow_weights(sow_weights)
+        spec = stock.with_causal_mask(self.spec) if is_causal else self.spec
         inputs_k, inputs_v = common.default_key_value(inputs_q, inputs_k, inputs_v, "inputs_k",
                                                       "inputs_v")
         if inputs_q.shape[-1] != self.in_features:
@@ -158,9 +206,12 @@ class MultiHeadAttention(nnx.Module):
                     "fused_qkv: the fused projection serves self-attention only; call with "
                     "inputs_k=None and inputs_v=None (or build the layer with fused_qkv=False)."
                 )
-            query, key, value = common.split_fused_qkv(self.qkv(inputs_q), h, h_kv)
+            query, key, value = common.split_fused_qkv(
+                self.qkv(inputs_q, out_sharding=qkv_sharding), h, h_kv)
         else:
-            query, key, value = self.query(inputs_q), self.key(inputs_k), self.value(inputs_v)
+            query, key, value = (self.query(inputs_q, out_sharding=qkv_sharding),
+                                 self.key(inputs_k, out_sharding=qkv_sharding),
+                                 self.value(inputs_v, out_sharding=qkv_sharding))
 
         decode = self.decode if decode is None else decode
         cache = None
@@ -202,7 +253,7 @@ class MultiHeadAttention(nnx.Module):
             self.cached_key[...] = new_cache.key
             self.cached_value[...] = new_cache.value
             self.cache_index[...] = new_cache.index
-        return self.out(x)
+        return self.out(x, out_sharding=out_sharding)
 
     def init_cache(self, input_shape: tuple[int, ...], dtype: Any = jnp.float32) -> None:
         """Creates the decode cache for inputs of shape [batch..., max_len, features].

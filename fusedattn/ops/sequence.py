@@ -50,17 +50,32 @@ class SequenceDescriptor:
     @classmethod
     def from_seqlens_and_offsets(cls, q_seqlens, kv_seqlens, q_offsets, kv_offsets
                                  ) -> "SequenceDescriptor":
-        """THD packing: lengths [b, m] and token offsets [b, m + 1]; unused slots -1."""
+        """THD packing: lengths [b, m] and token offsets [b, m + 1]; unused slots -1.
+
+        As in TransformerEngine, q and kv may have different slot counts (q lengths
+        [b, m_q] with offsets [b, m_q + 1], kv lengths [b, m_kv] with offsets
+        [b, m_kv + 1]): the narrower pair is padded with unused slots (-1) to the wider
+        one's width. Slot i of q pairs with slot i of kv. The width may exceed
+        config.sequence.max_segments_per_seq when the slots past it are unused.
+        """
         q, kv = _int_array(q_seqlens, "q_seqlens"), _int_array(kv_seqlens, "kv_seqlens")
         qo, kvo = _int_array(q_offsets, "q_offsets"), _int_array(kv_offsets, "kv_offsets")
         _expect_ndim(q, 2, "q_seqlens", "[b, max_segments]")
-        _expect_same_shape(q, kv, "q_seqlens", "kv_seqlens")
-        _expect_same_shape(qo, kvo, "q_offsets", "kv_offsets")
-        if qo.shape != (q.shape[0], q.shape[1] + 1):
+        _expect_ndim(kv, 2, "kv_seqlens", "[b, max_segments]")
+        if q.shape[0] != kv.shape[0]:
             raise ValueError(
-                f"q_offsets: expected shape [b, max_segments + 1] = {(q.shape[0], q.shape[1] + 1)} "
-                f"to match q_seqlens {tuple(q.shape)}, got {tuple(qo.shape)}."
+                f"kv_seqlens: batch {kv.shape[0]} differs from q_seqlens batch {q.shape[0]}."
             )
+        for lengths, offsets, name in ((q, qo, "q"), (kv, kvo, "kv")):
+            if offsets.shape != (lengths.shape[0], lengths.shape[1] + 1):
+                raise ValueError(
+                    f"{name}_offsets: expected shape [b, max_segments + 1] = "
+                    f"{(lengths.shape[0], lengths.shape[1] + 1)} to match {name}_seqlens "
+                    f"{tuple(lengths.shape)}, got {tuple(offsets.shape)}."
+                )
+        width = max(q.shape[1], kv.shape[1])
+        q, kv, qo, kvo = (_pad_slots(x, width + extra) for x, extra in
+                          ((q, 0), (kv, 0), (qo, 1), (kvo, 1)))
         return cls(q_seqlens=q, kv_seqlens=kv, q_offsets=qo, kv_offsets=kvo)
 
     @classmethod
@@ -111,14 +126,6 @@ class SequenceDescriptor:
                     f"sequence: segment ids cover {self.q_segment_ids.shape[1]} query and "
                     f"{self.kv_segment_ids.shape[1]} key tokens; the arrays have {seqlen_q} and "
                     f"{seqlen_kv}. Give one id per token."
-                )
-        if self.format == SequenceFormat.SEQLENS_OFFSETS:
-            segments = self.q_seqlens.shape[1]
-            if segments > spec.max_segments_per_seq:
-                raise ValueError(
-                    f"sequence: the descriptor has {segments} segment slots per row but "
-                    f"config.sequence.max_segments_per_seq is {spec.max_segments_per_seq}; "
-                    f"set it to at least {segments}."
                 )
 
     def token_info(self, spec: AttentionSpec, seqlen_q: int, seqlen_kv: int) -> TokenInfo:
@@ -252,6 +259,11 @@ def segment_runs(ids: jax.Array, positions: jax.Array, slots: int) -> SegmentRun
     return SegmentRuns(start=start, length=length, id=run_id,
                        first_pos=jnp.where(length > 0, first_pos, 0),
                        count=jnp.sum(starts, axis=1, dtype=jnp.int32), slot=slot)
+
+
+def _pad_slots(x: jax.Array, width: int) -> jax.Array:
+    """[b, n] -> [b, width]: the slots added are unused (-1)."""
+    return jnp.pad(x, ((0, 0), (0, width - x.shape[1])), constant_values=-1)
 
 
 def _int_array(value, name: str) -> jax.Array:

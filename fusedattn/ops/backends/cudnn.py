@@ -252,7 +252,9 @@ def _segments(static: _Static, args: CanonicalArgs) -> _Segments:
     sequence = args.sequence
     flags = []
     if sequence is not None and sequence.format != SequenceFormat.SEGMENT_IDS:
-        table = _declared_slots(static, sequence, sq, skv)
+        table, overflow = _declared_slots(static, sequence, sq, skv)
+        if overflow is not None:
+            flags.append(overflow)
     else:
         table, broken = _paired_runs(static, args.tokens)
         flags.append(broken)
@@ -266,8 +268,11 @@ def _segments(static: _Static, args: CanonicalArgs) -> _Segments:
     return _Segments(slots=table, q_keys=q_keys, kv_used=kv_used, broken=broken)
 
 
-def _declared_slots(static: _Static, sequence, seqlen_q: int, seqlen_kv: int) -> jax.Array:
-    """int32 [b, 4, M] straight from the seqlens [b] or seqlens [b, m] + offsets form.
+def _declared_slots(static: _Static, sequence, seqlen_q: int, seqlen_kv: int
+                    ) -> tuple[jax.Array, jax.Array | None]:
+    """int32 [b, 4, M] straight from the seqlens [b] or seqlens [b, m] + offsets form,
+    and bool [b], the rows that use a slot past the M that cuDNN serves (None when the
+    descriptor has no more than M slots).
 
     Slot i of q pairs with slot i of kv. Unused slots (-1) get length 0; a segment
     is cut at the end of its row, as the per-token reading of the descriptor does.
@@ -281,13 +286,18 @@ def _declared_slots(static: _Static, sequence, seqlen_q: int, seqlen_kv: int) ->
         used = (seqlens > 0) & (starts >= 0) & (starts < extent)
         starts = jnp.where(used, starts, 0)
         lengths = jnp.where(used, jnp.minimum(seqlens, extent - starts), 0)
-        missing = static.batch_per_row - lengths.shape[1]
-        return (jnp.pad(x, ((0, 0), (0, missing))) for x in (starts, lengths))
+        return starts, lengths
 
     q_start, q_len = slot_starts_and_lengths(sequence.q_seqlens, sequence.q_offsets, seqlen_q)
     kv_start, kv_len = slot_starts_and_lengths(sequence.kv_seqlens, sequence.kv_offsets,
                                                seqlen_kv)
-    return jnp.stack([q_start, q_len, kv_start, kv_len], axis=1).astype(jnp.int32)
+    table = jnp.stack([q_start, q_len, kv_start, kv_len], axis=1).astype(jnp.int32)
+    slots = static.batch_per_row
+    overflow = None
+    if table.shape[2] > slots:  # TransformerEngine's wider arrays: unused slots past M
+        overflow = jnp.any(table[:, (1, 3), slots:] > 0, axis=(1, 2))
+        table = table[:, :, :slots]
+    return jnp.pad(table, ((0, 0), (0, 0), (0, slots - table.shape[2]))), overflow
 
 
 def _paired_runs(static: _Static, tokens: TokenInfo) -> tuple[jax.Array, jax.Array]:
@@ -659,7 +669,7 @@ class CudnnBackend:
             segments = _segments(static, args)
             if segments.broken is not None:
                 guard(segments.broken, _guard_message(spec, static), spec)
-        return _cudnn(static, q, k, v, bias, rng, sink, segments)
+        return _cudnn(static, *partitioning.same_varying((q, k, v, bias, rng, sink, segments)))
 
 
 def _alibi_reason(spec: AttentionSpec, slopes_given: bool) -> str | None:

@@ -270,7 +270,7 @@ class FlashBackend:
             dropout_rate=float(spec.dropout_rate) if dropout else 0.0,
         )
         tokens = tuple(jnp.asarray(t, jnp.int32) for t in args.tokens)
-        return _flash(static, q, k, v, offset, seed, *tokens)
+        return _flash(static, *partitioning.same_varying((q, k, v, offset, seed, *tokens)))
 
 
 BACKEND = FlashBackend()

@@ -117,7 +117,51 @@ def op(fn, signature: Signature, batch_sum_rows=None):
     if signature.batch_sums and batch_sum_rows is None:
         raise ValueError("batch sums need batch_sum_rows: under vmap they are made per "
                          "example from their per-row terms")
-    return _folding(_partitioned(fn, signature), signature, fn, batch_sum_rows)
+    folded = _folding(_partitioned(fn, signature), signature, fn, batch_sum_rows)
+
+    def call(*operands):
+        return same_varying(folded(*operands), like=operands)
+
+    return call
+
+
+# ---- jax.shard_map: the manual axes a value varies over ------------------------------
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes (inside `jax.shard_map`) over which x varies; empty outside."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def same_varying(tree, like=None):
+    """Every array of `tree` marked as varying over the union of the manual axes of
+    `like`'s arrays (default: `tree`'s own).
+
+    Inside `jax.shard_map` each value carries the mesh axes it varies over, and a
+    `jax.custom_vjp` backward must return cotangents of exactly its primal inputs'
+    types. An FFI call's results carry no such axes (XLA cannot see inside it), and a
+    cotangent computed from a varying q is varying even where k was not. So the
+    compiled backends mark their inputs alike before their custom_vjp (outside it, so
+    JAX's own transpose of the cast sums the cotangent over the axes it added) and the
+    results of every FFI call like their inputs (`op`). A no-op outside shard_map.
+    """
+    leaves = jax.tree.leaves(tree if like is None else like)
+    axes = frozenset().union(*(varying_axes(x) for x in leaves))
+    if not axes:
+        return tree
+
+    def vary(x):
+        missing = tuple(sorted(axes - varying_axes(x)))
+        if not missing:
+            return x
+        if hasattr(jax.lax, "pcast"):
+            return jax.lax.pcast(x, missing, to="varying")
+        return jax.lax.pvary(x, missing)
+
+    return jax.tree.map(vary, tree)
 
 
 def _tuple_fn(fn):

@@ -119,8 +119,8 @@ class SmallSeqBackend:
         rate = spec.dropout_rate if args.dropout_seed is not None else 0.0
         seed = (jnp.zeros((2,), jnp.uint32) if args.dropout_seed is None
                 else args.dropout_seed.astype(jnp.uint32))
-        return _small_seq(args.q, args.k, args.v, kv_start, kv_len, seed,
-                          float(scale), float(rate), int(max_keys))
+        arrays = partitioning.same_varying((args.q, args.k, args.v, kv_start, kv_len, seed))
+        return _small_seq(*arrays, float(scale), float(rate), int(max_keys))
 
 
 def can_break_bounds(args: CanonicalArgs, max_keys: int) -> bool:

@@ -31,25 +31,44 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     return np.asarray(slopes, np.float32)
 
 
+_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _matmul_operands(*arrays: jax.Array) -> tuple[tuple[jax.Array, ...], object]:
+    """The einsums' operands and precision: float32 operands at HIGHEST precision, or the
+    half-precision ones (bfloat16, float16) with XLA's default, summed in float32.
+
+    On the CPU, half-precision operands are widened to float32 first: XLA:CPU has no
+    BF16 x BF16 = F32 dot for some operand layouts (a transposed view of v, under jit,
+    fails with "UNIMPLEMENTED: Unsupported element type for DotThunk::Execute"). The
+    numbers are the same: a product of two bfloat16 or float16 values is exact in
+    float32, and the sums are float32 either way. GPUs keep the half-precision operands.
+    """
+    if arrays[0].dtype in _HALF and jax.devices()[0].platform == "cpu":
+        arrays = tuple(a.astype(jnp.float32) for a in arrays)
+    precision = jax.lax.Precision.HIGHEST if arrays[0].dtype == jnp.float32 else None
+    return arrays, precision
+
+
 def _scores(q: jax.Array, k: jax.Array) -> jax.Array:
     """q [b, sq, h, d] . k [b, skv, h_kv, d] -> float32 [b, h, sq, skv] (GQA by grouping)."""
     b, sq, h, d = q.shape
     h_kv = k.shape[2]
-    grouped = q.reshape(b, sq, h_kv, h // h_kv, d)
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    (grouped, k), precision = _matmul_operands(q.reshape(b, sq, h_kv, h // h_kv, d), k)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", grouped, k, precision=precision,
                         preferred_element_type=jnp.float32)
     return scores.reshape(b, h, sq, k.shape[1])
 
 
 def _weighted_values(weights: jax.Array, v: jax.Array) -> jax.Array:
-    """weights float32 [b, h, sq, skv] . v [b, skv, h_kv, dv] -> [b, sq, h, dv] in v's dtype."""
+    """weights float32 [b, h, sq, skv] . v [b, skv, h_kv, dv] -> [b, sq, h, dv] in v's dtype.
+
+    The weights are rounded to v's dtype first (bfloat16 or float16 inputs)."""
     b, h, sq, skv = weights.shape
     h_kv = v.shape[2]
-    grouped = weights.reshape(b, h_kv, h // h_kv, sq, skv).astype(
-        jnp.float32 if v.dtype == jnp.float32 else v.dtype)
-    precision = jax.lax.Precision.HIGHEST if v.dtype == jnp.float32 else None
-    out = jnp.einsum("bkgqs,bskd->bqkgd", grouped, v, precision=precision,
+    grouped = weights.reshape(b, h_kv, h // h_kv, sq, skv).astype(v.dtype)
+    (grouped, values), precision = _matmul_operands(grouped, v)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", grouped, values, precision=precision,
                      preferred_element_type=jnp.float32)
     return out.reshape(b, sq, h, v.shape[-1]).astype(v.dtype)
 
