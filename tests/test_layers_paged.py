@@ -12,6 +12,8 @@ import pytest
 from conftest import assert_close, make_config, tolerance
 from flax import nnx
 
+from fusedattn.layers import equinox as fa_eqx
+from fusedattn.layers import linen as fa_linen
 from fusedattn.layers import nnx as fa_nnx
 from fusedattn.layers import paged
 
@@ -31,6 +33,60 @@ def _layer(rng, backend="auto", rope=True, softmax="vanilla"):
     if softmax == "learnable":
         layer.softmax_offset[...] = jnp.asarray(rng.standard_normal(H), jnp.float32)
     return layer
+
+
+class _Linen:
+    """The linen layer behind the nnx calling convention: layer(x), layer(x, pages=...)."""
+
+    def __init__(self, rng, num_pages, page_size):
+        config = make_config(mask="causal")
+        self.module = fa_linen.MultiHeadAttention(H, config=config, num_kv_heads=H_KV, rope=True,
+                                                  num_pages=num_pages, page_size=page_size)
+        x = jnp.zeros((1, 2, F), jnp.float32)
+        self.params = self.module.init(jax.random.key(int(rng.integers(1 << 30))), x)["params"]
+        self.cache = {}
+
+    def __call__(self, x, pages=None):
+        if pages is None:
+            return self.module.apply({"params": self.params}, x)
+        out, state = self.module.apply({"params": self.params, "cache": self.cache}, x,
+                                       pages=pages, mutable=["cache"])
+        self.cache = state["cache"]
+        return out
+
+
+class _Equinox:
+    """The Equinox layer behind the nnx calling convention (vmapped full calls)."""
+
+    def __init__(self, rng, num_pages, page_size):
+        config = make_config(mask="causal")
+        self.layer = fa_eqx.MultiheadAttention(H, F, config=config, num_kv_heads=H_KV, rope=True,
+                                               normalize_qk=True,
+                                               key=jax.random.key(int(rng.integers(1 << 30))))
+        self.cache = paged.kv_cache(num_pages, page_size, H_KV, F // H, jnp.float32)
+
+    def __call__(self, x, pages=None):
+        if pages is None:
+            return jax.vmap(lambda row: self.layer(row, row, row))(x)
+        out, self.cache = self.layer.paged_step(x, self.cache, pages)
+        return out
+
+
+@pytest.mark.parametrize("framework", [_Linen, _Equinox])
+def test_linen_and_equinox_paged_steps_equal_full_sequence_attention(rng, framework):
+    S, L, page_size, num_pages = 2, 11, 4, 8
+    layer = framework(rng, num_pages, page_size)
+    x = jnp.asarray(rng.standard_normal((S, L, F)), jnp.float32)
+    full = np.asarray(layer(x))
+    pages = paged.page_table(num_pages, S, max_pages_per_seq=3)
+    start = np.zeros(S, np.int64)
+    for counts in ([4, 7], [1, 1], [3, 0], [1, 2]):
+        out, pages = _run_step(layer, pages, x, counts, page_size)
+        for s in range(S):
+            assert_close(out[s, :counts[s]], full[s, start[s]:start[s] + counts[s]],
+                         tolerance(jnp.float32), f"step {counts} sequence {s}")
+        start += counts
+        pages = paged.advance(pages)
 
 
 def _tokens(x, pages, n):

@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fusedattn.layers import common
+from fusedattn.layers import common, paged
 from fusedattn.ops.enums import SoftmaxType
 
 Array = jax.Array
@@ -39,6 +39,12 @@ class MultiHeadAttention(nn.Module):
     cache_index + new tokens), so step-by-step decoding equals full-sequence
     causal attention. Under jit, writing past max_len is not checked.
 
+    Paged decoding (fusedattn.layers.paged): with num_pages and page_size set, a call
+    with pages=PageTable (inputs [max_seqs, n, F], self-attention) keeps key_pages /
+    value_pages [num_pages, page_size, h_kv, d] in the "cache" collection (apply with
+    mutable=["cache"]), writes the step's k/v there and attends to each sequence's
+    cached tokens.
+
     Attributes:
       num_heads: query heads h; qkv_features must be divisible by it.
       config: the attention ConfigDict (fusedattn.configs.attention_config()):
@@ -60,6 +66,7 @@ class MultiHeadAttention(nn.Module):
       decode: use the autoregressive KV cache.
       deterministic: construction-time default merged with the call's (only
         needed when config.dropout_rate > 0), as in the stock module.
+      num_pages, page_size: the paged cache's pool (needed by calls with pages=).
     """
 
     num_heads: int
@@ -82,12 +89,15 @@ class MultiHeadAttention(nn.Module):
     rope_theta: float = 10000.0
     decode: bool = False
     deterministic: bool | None = None
+    num_pages: int | None = None
+    page_size: int | None = None
 
     @nn.compact
     def __call__(self, inputs_q: Array, inputs_kv: Array | None = None, *,
                  inputs_k: Array | None = None, inputs_v: Array | None = None,
                  mask: Array | None = None, bias: Array | None = None, sequence=None,
-                 deterministic: bool | None = None, dropout_rng=None) -> Array:
+                 deterministic: bool | None = None, dropout_rng=None,
+                 pages: paged.PageTable | None = None) -> Array:
         """Attention of inputs_q over inputs_kv (self-attention when None).
 
         Args:
@@ -106,6 +116,8 @@ class MultiHeadAttention(nn.Module):
           deterministic: False applies dropout (config.dropout_rate > 0) with the
             "dropout" RNG stream.
           dropout_rng: an explicit dropout key instead of the "dropout" stream.
+          pages: a paged step (fusedattn.layers.paged.PageTable after `allocate`):
+            inputs_q [max_seqs, n, F]; uses the paged cache (see above).
 
         Returns:
           [batch..., sq, out_features].
@@ -161,6 +173,27 @@ class MultiHeadAttention(nn.Module):
             softmax_offset = self.param("softmax_offset", nn.initializers.zeros_init(), (h,),
                                         jnp.float32)
 
+        if pages is not None:
+            paged.check_step(pages, tuple(inputs_q.shape), "inputs_q", mask=mask, bias=bias,
+                             sequence=sequence)
+            if inputs_k is not inputs_q or inputs_v is not inputs_q or self.decode:
+                raise ValueError("pages: a paged step is self-attention over the cached "
+                                 "sequence; pass no inputs_kv/inputs_k/inputs_v, and leave "
+                                 "decode off (it selects the contiguous cache).")
+            if self.num_pages is None or self.page_size is None:
+                raise ValueError("num_pages, page_size: set both on the layer to give it a "
+                                 "paged cache before calling it with pages=.")
+            pools = [self.variable("cache", name, jnp.zeros,
+                                   (self.num_pages, self.page_size, h_kv, head_dim), key.dtype)
+                     for name in ("key_pages", "value_pages")]
+            x, new_pools = paged.step(spec, options, query, key, value, q_norm=q_norm,
+                                      k_norm=k_norm, cache=paged.PagedKVCache(
+                                          *(pool.value for pool in pools)),
+                                      pages=pages, softmax_offset=softmax_offset)
+            for pool, value_ in zip(pools, new_pools):
+                pool.value = value_
+            return self._out(x, features)
+
         cache = cache_vars = None
         if self.decode:
             initialized = self.has_variable("cache", "cached_key")
@@ -190,6 +223,9 @@ class MultiHeadAttention(nn.Module):
         if new_cache is not None:
             for variable, value_ in zip(cache_vars, new_cache):
                 variable.value = value_
+        return self._out(x, features)
+
+    def _out(self, x: Array, features: int) -> Array:
         return nn.DenseGeneral(features=features, axis=(-2, -1),
                                kernel_init=self.out_kernel_init or self.kernel_init,
                                bias_init=self.out_bias_init or self.bias_init,
