@@ -20,10 +20,11 @@ from fusedattn.ops import (
 
 # The table of API.md: key -> (default, every accepted choice or None for numeric keys).
 CHOICES = {
-    "backend": ("auto", ["auto", "xla", "cudnn", "small_seq", "flash"]),
+    "backend": ("auto", ["auto", "xla", "cudnn", "small_seq", "flash", "decode"]),
     "qkv_layout": ("bshd_bshd_bshd", ["bs3hd", "bshd_bs2hd", "bshd_bshd_bshd", "sb3hd",
                                       "sbhd_sb2hd", "sbhd_sbhd_sbhd", "t3hd", "thd_t2hd",
-                                      "thd_thd_thd"]),
+                                      "thd_thd_thd", "paged_kv_bshd_bshd_bshd",
+                                      "paged_kv_thd_bshd_bshd"]),
     "mask": ("causal", ["no_mask", "padding", "causal", "padding_causal", "causal_bottom_right",
                         "padding_causal_bottom_right"]),
     "bias": ("no_bias", ["no_bias", "pre_scale_bias", "post_scale_bias", "alibi"]),

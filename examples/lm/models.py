@@ -9,7 +9,8 @@ entirely by config.model.attention (backend, mask, sequence format...).
 `build(model_config, attention_config, seed)` returns a `Model`: the trainable
 parameters as a nested dict (examples.common.trainer.named_leaves) and
 `apply(params, inputs, positions, segment_ids, dropout_key) -> logits float32
-[b, s, vocab]`.
+[b, s, vocab]`; for the NNX model also `paged_decoder(params, num_pages, page_size)`,
+a decoding step over a paged KV cache (fusedattn.layers.paged; examples/lm/generate.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class Model:
     apply: Callable[..., jax.Array]
     num_params: int
     num_embedding_params: int
+    # (params, num_pages, page_size) -> step(tokens int [S, n], pages) -> logits [S, n, vocab]
+    paged_decoder: Callable | None = None
 
 
 def sequence_descriptor(attention, segment_ids, positions) -> SequenceDescriptor | None:
@@ -80,6 +83,7 @@ def build(model_config, attention, seed: int) -> Model:
 def _build_nnx(c, attention, seed: int) -> Model:
     from flax import nnx
     from fusedattn.layers import nnx as fa_nnx
+    from fusedattn.layers import paged as fa_paged
 
     dtype = trainer.compute_dtype(c.dtype)
 
@@ -94,10 +98,10 @@ def _build_nnx(c, attention, seed: int) -> Model:
             self.fc1 = nnx.Linear(d, c.mlp_dim, dtype=dtype, rngs=rngs)
             self.fc2 = nnx.Linear(c.mlp_dim, d, dtype=dtype, rngs=rngs)
 
-        def __call__(self, x, sequence, dropout_key):
+        def __call__(self, x, sequence, dropout_key, pages=None):
             rngs = None if dropout_key is None else nnx.Rngs(dropout=dropout_key)
             x = x + self.attn(self.ln1(x), sequence=sequence, deterministic=dropout_key is None,
-                              rngs=rngs)
+                              rngs=rngs, pages=pages)
             return x + self.fc2(nnx.gelu(self.fc1(self.ln2(x))))
 
     class Transformer(nnx.Module):
@@ -108,13 +112,13 @@ def _build_nnx(c, attention, seed: int) -> Model:
             self.ln_f = nnx.LayerNorm(c.d_model, dtype=dtype, rngs=rngs)
             self.head = nnx.Linear(c.d_model, c.vocab_size, dtype=dtype, rngs=rngs)
 
-        def __call__(self, inputs, positions, sequence, dropout_key):
+        def __call__(self, inputs, positions, sequence, dropout_key, pages=None):
             x = (lookup(self.embed.embedding[...], inputs, dtype)
                  + lookup(self.pos_embed.embedding[...], positions, dtype))
             for i, block in enumerate(self.blocks):
                 key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
-                call = (nnx.remat(lambda b, y: b(y, sequence, key)) if c.remat
-                        else lambda b, y: b(y, sequence, key))
+                call = (nnx.remat(lambda b, y: b(y, sequence, key)) if c.remat and pages is None
+                        else lambda b, y: b(y, sequence, key, pages))
                 x = call(block, x)
             return self.head(self.ln_f(x)).astype(jnp.float32)
 
@@ -128,8 +132,22 @@ def _build_nnx(c, attention, seed: int) -> Model:
         return m(inputs, positions, sequence_descriptor(attention, segment_ids, positions),
                  dropout_key if dropout else None)
 
+    def paged_decoder(named_params, num_pages: int, page_size: int):
+        """A model with a paged cache of num_pages pages per layer; returns
+        step(tokens int [S, n], pages: PageTable after allocate) -> logits [S, n, vocab],
+        writing the step's keys/values into the model's caches."""
+        m = nnx.merge(graphdef, rebuild(named_params), rest)
+        for block in m.blocks:
+            block.attn.init_paged_cache(num_pages, page_size)
+
+        @nnx.jit
+        def step(m, tokens, pages):
+            return m(tokens, fa_paged.positions(pages, tokens.shape[1]), None, None, pages)
+
+        return lambda tokens, pages: step(m, tokens, pages)
+
     embedding = trainer.count_params([named["embed"], named["pos_embed"]])
-    return Model(named, apply, trainer.count_params(named), embedding)
+    return Model(named, apply, trainer.count_params(named), embedding, paged_decoder)
 
 
 # ----------------------------------------------------------------------------- Equinox

@@ -9,7 +9,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from fusedattn.layers import common, stock
+from fusedattn.layers import common, paged, stock
 from fusedattn.ops.enums import SequenceFormat, SoftmaxType
 from fusedattn.ops.sequence import SequenceDescriptor
 from fusedattn.ops.spec import AttentionSpec
@@ -34,6 +34,11 @@ def _project(linear: eqx.nn.Linear, x: Array, heads: int, dtype) -> Array:
     if linear.bias is not None:
         y = y + linear.bias.astype(dtype)
     return y.reshape(x.shape[0], heads, -1)
+
+
+def _per_head(layer):
+    """A LayerNorm over the last axis as a function of [..., d] arrays (QK norm per head)."""
+    return lambda x: jax.vmap(layer)(x.reshape(-1, x.shape[-1])).reshape(x.shape).astype(x.dtype)
 
 
 def _batch_descriptor(sequence):
@@ -243,11 +248,7 @@ class MultiheadAttention(eqx.Module):
         if not deterministic and key is None:
             raise common.missing_dropout_rng(
                 spec, "pass key=jax.random.key(...) to the call, or inference=True.")
-        norm = None
-        if self.query_ln is not None:
-            def norm(layer):  # per head: [..., d] -> [..., d]
-                return lambda x: jax.vmap(layer)(x.reshape(-1, x.shape[-1])).reshape(
-                    x.shape).astype(x.dtype)
+        norm = None if self.query_ln is None else _per_head
         if bias is not None and jnp.ndim(bias) > 1:  # [h|1, sq, skv]: add the batch axis
             bias = jnp.asarray(bias)[None]
         x, _ = common.core(
@@ -258,7 +259,10 @@ class MultiheadAttention(eqx.Module):
             bias=bias,
             softmax_offset=self.softmax_offset, sequence=_batch_descriptor(sequence),
             dropout_rng=None if deterministic else key, deterministic=deterministic)
-        x = x[0].reshape(query.shape[0], -1)
+        return self._output(x[0].reshape(query.shape[0], -1), dtype)
+
+    def _output(self, x: Array, dtype) -> Array:
+        """[..., h * vo_size] -> [..., output_size] through output_proj, in `dtype`."""
         out = jnp.matmul(x, self.output_proj.weight.astype(dtype).T)
         if self.output_proj.bias is not None:
             out = out + self.output_proj.bias.astype(dtype)
@@ -275,6 +279,43 @@ class MultiheadAttention(eqx.Module):
                 f"config.dropout_rate, and static); build the layer with dropout_p={float(rate)}."
             )
         return self.spec
+
+
+    def paged_step(self, query: Array, cache: paged.PagedKVCache,
+                   pages: paged.PageTable) -> tuple[Array, paged.PagedKVCache]:
+        """A paged decoding step (fusedattn.layers.paged) for every sequence slot at once.
+
+        Args:
+          query: [max_seqs, n, query_size], each sequence's new tokens left-aligned
+            (self-attention; no vmap: the slots are the batch).
+          cache: this layer's PagedKVCache, e.g. paged.kv_cache(num_pages, page_size,
+            layer.num_kv_heads, layer.qk_size, dtype, head_dim_v=layer.vo_size).
+          pages: the model's PageTable after paged.allocate.
+
+        Returns:
+          (out [max_seqs, n, output_size], the updated cache).
+        """
+        paged.check_step(pages, tuple(query.shape), "query", mask=None, bias=None,
+                         sequence=None)
+        slots, n, _ = query.shape
+        h, h_kv = self.num_heads, self.num_kv_heads
+        params = [p for p in (self.qkv_proj, self.query_proj) if p is not None][0].weight
+        dtype = (self.compute_dtype if self.compute_dtype is not None
+                 else jnp.result_type(query.dtype, params.dtype))
+        flat = query.reshape(slots * n, -1)
+        if self.qkv_proj is not None:
+            q, k, v = common.split_fused_qkv(
+                _project(self.qkv_proj, flat, h + 2 * h_kv, dtype), h, h_kv)
+        else:
+            q, k, v = (_project(proj, flat, heads, dtype) for proj, heads in (
+                (self.query_proj, h), (self.key_proj, h_kv), (self.value_proj, h_kv)))
+        q, k, v = (x.reshape(slots, n, *x.shape[1:]) for x in (q, k, v))
+        norm = None if self.query_ln is None else _per_head
+        x, cache = paged.step(self.spec, self.options, q, k, v,
+                              q_norm=None if norm is None else norm(self.query_ln),
+                              k_norm=None if norm is None else norm(self.key_ln),
+                              cache=cache, pages=pages, softmax_offset=self.softmax_offset)
+        return self._output(x.reshape(slots, n, -1), dtype), cache
 
 
 def _processed_heads(process_heads: Callable, q: Array, k: Array, v: Array):

@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fusedattn.layers import common, stock
+from fusedattn.layers import common, paged, stock
 from fusedattn.ops.enums import SoftmaxType
 
 Array = jax.Array
@@ -44,6 +44,12 @@ class MultiHeadDotProductAttention(nn.Module):
     filled cache (config mask "padding_causal_bottom_right" with kv length
     cache_index + new tokens), so step-by-step decoding equals full-sequence
     causal attention. Under jit, writing past max_len is not checked.
+
+    Paged decoding (fusedattn.layers.paged): with num_pages and page_size set, a call
+    with pages=PageTable (inputs [max_seqs, n, F], self-attention) keeps key_pages /
+    value_pages [num_pages, page_size, h_kv, d] in the "cache" collection (apply with
+    mutable=["cache"]), writes the step's k/v there and attends to each sequence's
+    cached tokens.
 
     Attributes (the stock module's, in its order):
       num_heads: query heads h; qkv_features must be divisible by it.
@@ -81,6 +87,7 @@ class MultiHeadDotProductAttention(nn.Module):
       rope: rotary embeddings on q and k (positions: 0..s-1, the descriptor's
         segment positions when `sequence` is given, + cache_index when decoding).
       rope_theta: RoPE base.
+      num_pages, page_size: the paged cache's pool (needed by calls with pages=).
     """
 
     num_heads: int
@@ -113,13 +120,15 @@ class MultiHeadDotProductAttention(nn.Module):
     fused_qkv: bool = False
     rope: bool = False
     rope_theta: float = 10000.0
+    num_pages: int | None = None
+    page_size: int | None = None
 
     @nn.compact
     def __call__(self, inputs_q: Array, inputs_k: Array | None = None,
                  inputs_v: Array | None = None, *, inputs_kv: Array | None = None,
                  mask: Array | None = None, bias: Array | None = None, sequence=None,
                  deterministic: bool | None = None, dropout_rng=None,
-                 sow_weights: bool = False) -> Array:
+                 sow_weights: bool = False, pages: paged.PageTable | None = None) -> Array:
         """Attention of inputs_q over inputs_k / inputs_v (self-attention when None).
 
         Args (the stock call's, then ours):
@@ -140,6 +149,8 @@ class MultiHeadDotProductAttention(nn.Module):
             bias, optional [h] slopes for "alibi".
           sequence: fusedattn.ops.SequenceDescriptor (one batch axis) for padding
             masks, packing (segment ids) and THD layouts.
+          pages: a paged step (fusedattn.layers.paged.PageTable after `allocate`):
+            inputs_q [max_seqs, n, F]; uses the paged cache (see above).
 
         Returns:
           [batch..., sq, out_features].
@@ -198,6 +209,27 @@ class MultiHeadDotProductAttention(nn.Module):
             softmax_offset = self.param("softmax_offset", nn.initializers.zeros_init(), (h,),
                                         jnp.float32)
 
+        if pages is not None:
+            paged.check_step(pages, tuple(inputs_q.shape), "inputs_q", mask=mask, bias=bias,
+                             sequence=sequence)
+            if inputs_k is not inputs_q or inputs_v is not inputs_q or self.decode:
+                raise ValueError("pages: a paged step is self-attention over the cached "
+                                 "sequence; pass no inputs_kv/inputs_k/inputs_v, and leave "
+                                 "decode off (it selects the contiguous cache).")
+            if self.num_pages is None or self.page_size is None:
+                raise ValueError("num_pages, page_size: set both on the layer to give it a "
+                                 "paged cache before calling it with pages=.")
+            pools = [self.variable("cache", name, jnp.zeros,
+                                   (self.num_pages, self.page_size, h_kv, head_dim), key.dtype)
+                     for name in ("key_pages", "value_pages")]
+            x, new_pools = paged.step(spec, options, query, key, value, q_norm=q_norm,
+                                      k_norm=k_norm, cache=paged.PagedKVCache(
+                                          *(pool.value for pool in pools)),
+                                      pages=pages, softmax_offset=softmax_offset)
+            for pool, value_ in zip(pools, new_pools):
+                pool.value = value_
+            return self._out(x, features)
+
         cache = cache_vars = None
         if self.decode:
             initialized = self.has_variable("cache", "cached_key")
@@ -227,6 +259,9 @@ class MultiHeadDotProductAttention(nn.Module):
         if new_cache is not None:
             for variable, value_ in zip(cache_vars, new_cache):
                 variable.value = value_
+        return self._out(x, features)
+
+    def _out(self, x: Array, features: int) -> Array:
         return nn.DenseGeneral(features=features, axis=(-2, -1),
                                kernel_init=self.out_kernel_init or self.kernel_init,
                                bias_init=self.out_bias_init or self.bias_init,

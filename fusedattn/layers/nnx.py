@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
-from fusedattn.layers import common, stock
+from fusedattn.layers import common, paged, stock
 from fusedattn.ops.enums import SoftmaxType
 
 Array = jax.Array
@@ -40,6 +40,11 @@ class MultiHeadAttention(nnx.Module):
     attribute) write the new tokens at cache_index and attend bottom-right
     causally to the filled cache, so step-by-step decoding equals the
     full-sequence causal attention. Under jit, writing past max_len is not checked.
+
+    Paged decoding (fusedattn.layers.paged): `init_paged_cache(num_pages, page_size,
+    dtype)` creates nnx.Cache key_pages / value_pages [num_pages, page_size, h_kv, d];
+    a call with pages=PageTable (inputs [max_seqs, n, in_features], self-attention)
+    writes the step's k/v into them and attends to each sequence's cached tokens.
 
     Args (the stock module's, in its order; the first six may be positional):
       num_heads: query heads h.
@@ -159,13 +164,15 @@ class MultiHeadAttention(nnx.Module):
         self.rngs = (rngs.dropout.fork() if keep_rngs and self.spec.dropout_rate > 0
                      else nnx.data(None))
         self.cached_key = self.cached_value = self.cache_index = nnx.data(None)
+        self.key_pages = self.value_pages = nnx.data(None)
 
     def __call__(self, inputs_q: Array, inputs_k: Array | None = None,
                  inputs_v: Array | None = None, *, mask: Array | None = None,
                  deterministic: bool | None = None,
                  rngs: nnx.Rngs | nnx.RngStream | None = None, sow_weights: bool = False,
                  decode: bool | None = None, is_causal: bool = False, out_sharding=None,
-                 qkv_sharding=None, bias: Array | None = None, sequence=None) -> Array:
+                 qkv_sharding=None, bias: Array | None = None, sequence=None,
+                 pages: paged.PageTable | None = None) -> Array:
         """Attention of inputs_q over inputs_k / inputs_v (self-attention when None).
 
         Args (the stock call's, then ours):
@@ -186,6 +193,8 @@ class MultiHeadAttention(nnx.Module):
             results, given to them as the stock module does.
           bias: per config.bias: [batch..., h|1, sq, skv], or [h] ALiBi slopes.
           sequence: fusedattn.ops.SequenceDescriptor (one batch axis).
+          pages: a paged step (fusedattn.layers.paged.PageTable after `allocate`): use the
+            paged cache of init_paged_cache instead; inputs_q [max_seqs, n, in_features].
 
         Returns:
           [batch..., sq, out_features].
@@ -213,6 +222,10 @@ class MultiHeadAttention(nnx.Module):
                                  self.key(inputs_k, out_sharding=qkv_sharding),
                                  self.value(inputs_v, out_sharding=qkv_sharding))
 
+        if pages is not None:
+            return self._paged_step(query, key, value, pages, inputs_q.shape, mask=mask,
+                                    bias=bias, sequence=sequence,
+                                    separate_kv=not (inputs_k is inputs_q and inputs_v is inputs_q))
         decode = self.decode if decode is None else decode
         cache = None
         if decode:
@@ -254,6 +267,33 @@ class MultiHeadAttention(nnx.Module):
             self.cached_value[...] = new_cache.value
             self.cache_index[...] = new_cache.index
         return self.out(x, out_sharding=out_sharding)
+
+    def _paged_step(self, query, key, value, pages, input_shape, *, mask, bias, sequence,
+                    separate_kv: bool) -> Array:
+        paged.check_step(pages, input_shape, "inputs_q", mask=mask, bias=bias,
+                         sequence=sequence)
+        if separate_kv:
+            raise ValueError("inputs_k, inputs_v: a paged step is self-attention over the "
+                             "cached sequence; pass neither.")
+        if self.key_pages is None:
+            raise ValueError("pages: the paged cache is not initialised; call "
+                             "layer.init_paged_cache(num_pages, page_size) first.")
+        x, cache = paged.step(
+            self.spec, self.options, query, key, value, q_norm=self.query_ln,
+            k_norm=self.key_ln, cache=paged.PagedKVCache(self.key_pages[...],
+                                                         self.value_pages[...]),
+            pages=pages,
+            softmax_offset=None if self.softmax_offset is None else self.softmax_offset[...])
+        self.key_pages[...], self.value_pages[...] = cache
+        return self.out(x)
+
+    def init_paged_cache(self, num_pages: int, page_size: int, dtype: Any = None) -> None:
+        """Creates the paged cache: nnx.Cache key_pages / value_pages, zeros
+        [num_pages, page_size, h_kv, d] in `dtype` (default: the layer's dtype, else float32)."""
+        cache = paged.kv_cache(num_pages, page_size, self.num_kv_heads, self.head_dim,
+                               dtype or self.dtype or jnp.float32)
+        self.key_pages = nnx.Cache(cache.key_pages)
+        self.value_pages = nnx.Cache(cache.value_pages)
 
     def init_cache(self, input_shape: tuple[int, ...], dtype: Any = jnp.float32) -> None:
         """Creates the decode cache for inputs of shape [batch..., max_len, features].

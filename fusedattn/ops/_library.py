@@ -39,6 +39,7 @@ HOST_TARGETS = {
     "fusedattn_philox": "FusedattnPhiloxHost",
     "fusedattn_small_seq_fwd": "FusedattnSmallSeqFwdHost",
     "fusedattn_small_seq_bwd": "FusedattnSmallSeqBwdHost",
+    "fusedattn_paged_decode_fwd": "FusedattnPagedDecodeFwdHost",
 }
 GPU_TARGETS = {
     "fusedattn_dropout_mask": "FusedattnDropoutMaskGpu",

@@ -7,7 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fusedattn.ops import layouts, philox, registry
+from fusedattn.ops import layouts, paged, philox, registry
 from fusedattn.ops.backends.base import CallShapes, CanonicalArgs
 from fusedattn.ops.enums import BiasType, SoftmaxType
 from fusedattn.ops.sequence import SequenceDescriptor, dense_token_info
@@ -15,7 +15,7 @@ from fusedattn.ops.spec import AttentionSpec
 
 
 def fused_attn(qkv, *, config, bias=None, softmax_offset=None, sequence=None,
-               dropout_rng=None, is_training=False) -> jax.Array:
+               dropout_rng=None, is_training=False, page_table=None) -> jax.Array:
     """Multi-head attention over the layout named by config.qkv_layout.
 
     Args:
@@ -28,11 +28,18 @@ def fused_attn(qkv, *, config, bias=None, softmax_offset=None, sequence=None,
       sequence: SequenceDescriptor, required by padding masks and THD layouts.
       dropout_rng: JAX PRNG key, required when is_training and dropout_rate > 0.
       is_training: False turns dropout off.
+      page_table: paged layouts ("paged_kv_*") only: int32 [sequences, max_pages_per_seq],
+        page i of sequence s is entry page_table[s, i] of the k/v page pools
+        [num_pages, page_size, h_kv, d]; see fusedattn.ops.paged.
 
     Returns:
       The attention output in q's layout: [b, sq, h, dv] (SBHD: [sq, b, h, dv]).
     """
     spec = AttentionSpec.from_config(config)
+    if spec.qkv_layout.is_paged:
+        return _paged_attn(spec, _as_tuple(qkv), bias, softmax_offset, sequence, page_table,
+                           dropout=is_training and spec.dropout_rate > 0)
+    _check_no_page_table(spec, page_table)
     qkv = layouts.check_arrays(_as_tuple(qkv), spec.qkv_layout)
     q, k, v = layouts.to_bshd(tuple(jnp.asarray(a) for a in qkv), spec.qkv_layout)
     bias = None if bias is None else jnp.asarray(bias)
@@ -65,13 +72,23 @@ def fused_attn(qkv, *, config, bias=None, softmax_offset=None, sequence=None,
     return layouts.from_bshd(out, spec.qkv_layout)
 
 
-def explain(qkv, *, config, bias=None, sequence=None, platform=None) -> registry.Explanation:
+def explain(qkv, *, config, bias=None, sequence=None, platform=None,
+            page_table=None) -> registry.Explanation:
     """Which backend fused_attn would use for this call, and every backend's reason.
 
     qkv may hold arrays or jax.ShapeDtypeStruct; platform defaults to the
-    default device's ("cpu", "cuda" or "rocm"; "gpu" means "cuda").
+    default device's ("cpu", "cuda" or "rocm"; "gpu" means "cuda"); page_table
+    (an array or ShapeDtypeStruct) is needed by the paged layouts.
     """
     spec = AttentionSpec.from_config(config)
+    platform = {"gpu": "cuda"}.get(platform, platform) or registry.current_platform()
+    if spec.qkv_layout.is_paged:
+        q, k, v = paged.check_arrays(_as_tuple(qkv), spec.qkv_layout)
+        _check_softmax_offset(spec, jax.ShapeDtypeStruct((q.shape[2],), jnp.float32)
+                              if spec.softmax == SoftmaxType.LEARNABLE else None, q.shape[2])
+        shapes = paged.call_shapes(spec, q, k, v, bias, sequence, page_table, dropout=False)
+        return registry.explain_spec(spec, shapes, platform)
+    _check_no_page_table(spec, page_table)
     qkv = layouts.check_arrays(_as_tuple(qkv), spec.qkv_layout)
     structs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in qkv)
     q, k, v = jax.eval_shape(lambda arrays: layouts.to_bshd(arrays, spec.qkv_layout), structs)
@@ -79,8 +96,31 @@ def explain(qkv, *, config, bias=None, sequence=None, platform=None) -> registry
     shapes = _call_shapes(spec, q, k, v, bias,
                           offset if spec.softmax == SoftmaxType.LEARNABLE else None, sequence,
                           dropout=spec.dropout_rate > 0)
-    platform = {"gpu": "cuda"}.get(platform, platform) or registry.current_platform()
     return registry.explain_spec(spec, shapes, platform)
+
+
+def _paged_attn(spec: AttentionSpec, qkv: tuple, bias, softmax_offset, sequence, page_table,
+                dropout: bool) -> jax.Array:
+    """fused_attn for the paged layouts (fusedattn.ops.paged): q's layout in and out."""
+    q, k, v = (jnp.asarray(a) for a in paged.check_arrays(qkv, spec.qkv_layout))
+    softmax_offset = None if softmax_offset is None else jnp.asarray(softmax_offset)
+    _check_softmax_offset(spec, softmax_offset, q.shape[2])
+    page_table = None if page_table is None else jnp.asarray(page_table)
+    shapes = paged.call_shapes(spec, q, k, v, bias, sequence, page_table, dropout)
+    backend = registry.select(spec, shapes, registry.current_platform())
+    args = paged.canonical(spec, q, k, v, sequence, page_table,
+                           _softmax_offset(spec, softmax_offset, shapes.num_heads))
+    scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(shapes.head_dim_qk)
+    return backend.paged_attention(spec, args, scale)
+
+
+def _check_no_page_table(spec: AttentionSpec, page_table) -> None:
+    if page_table is not None:
+        raise ValueError(
+            f"page_table: only the paged layouts ('paged_kv_bshd_bshd_bshd', "
+            f"'paged_kv_thd_bshd_bshd') read a page table, but config.qkv_layout is "
+            f"{str(spec.qkv_layout)!r}; drop the argument or set a paged layout."
+        )
 
 
 def _as_tuple(qkv) -> tuple:

@@ -38,11 +38,20 @@ class QKVLayout(_Choice):
     T3HD = "t3hd"
     THD_T2HD = "thd_t2hd"
     THD_THD_THD = "thd_thd_thd"
+    # Paged KV cache: q as the first letters after "paged_kv_" say; k and v are page
+    # pools [num_pages, page_size, h_kv, d], read through fused_attn's page_table.
+    PAGED_KV_BSHD_BSHD_BSHD = "paged_kv_bshd_bshd_bshd"
+    PAGED_KV_THD_BSHD_BSHD = "paged_kv_thd_bshd_bshd"
+
+    @property
+    def is_paged(self) -> bool:
+        """Whether k and v are page pools read through a page table."""
+        return self.value.startswith("paged_kv_")
 
     @property
     def format(self) -> str:
         """"bshd", "sbhd" or "thd": how the q array orders its axes."""
-        return {"b": "bshd", "s": "sbhd", "t": "thd"}[self.value[0]]
+        return {"b": "bshd", "s": "sbhd", "t": "thd"}[self.value.removeprefix("paged_kv_")[0]]
 
     @property
     def num_arrays(self) -> int:
@@ -105,3 +114,4 @@ class BackendName(_Choice):
     CUDNN = "cudnn"
     SMALL_SEQ = "small_seq"
     FLASH = "flash"
+    DECODE = "decode"

@@ -42,18 +42,7 @@ def check_arrays(qkv, layout: QKVLayout) -> tuple:
             "Pass the arrays that match config.qkv_layout, or change config.qkv_layout."
         )
     for array, name, shape in zip(qkv, names, expected):
-        if not hasattr(array, "shape") or not hasattr(array, "dtype"):
-            raise TypeError(f"qkv: {name} must be an array, got {type(array).__name__}.")
-        if len(array.shape) != shape.count(",") + 1:
-            raise ValueError(
-                f"qkv: {name} must have shape {shape} for layout {str(layout)!r}, "
-                f"got {tuple(array.shape)}."
-            )
-        if jnp.dtype(array.dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
-            raise TypeError(
-                f"qkv: {name} has dtype {jnp.dtype(array.dtype)}; expected bfloat16, float16 or "
-                "float32. Cast the inputs with .astype(jnp.bfloat16) (or float16/float32)."
-            )
+        check_array(array, name, shape, layout)
     packed_axis = {1: 3, 2: 2}.get(layout.num_arrays)
     if packed_axis is not None:
         packed = qkv[-1]
@@ -62,13 +51,36 @@ def check_arrays(qkv, layout: QKVLayout) -> tuple:
                 f"qkv: {names[-1]} must have size {packed_axis} on axis 2 for layout "
                 f"{str(layout)!r} ({expected[-1]}), got shape {tuple(packed.shape)}."
             )
+    check_same_dtype(qkv, names)
+    return tuple(qkv)
+
+
+def check_array(array, name: str, shape: str, layout: QKVLayout) -> None:
+    """One array of the qkv tuple: an array of rank len(shape) and a supported dtype.
+
+    shape: the expected shape as text, e.g. "[b, s, h, d]" (its rank is what is checked).
+    """
+    if not hasattr(array, "shape") or not hasattr(array, "dtype"):
+        raise TypeError(f"qkv: {name} must be an array, got {type(array).__name__}.")
+    if len(array.shape) != shape.count(",") + 1:
+        raise ValueError(
+            f"qkv: {name} must have shape {shape} for layout {str(layout)!r}, "
+            f"got {tuple(array.shape)}."
+        )
+    if jnp.dtype(array.dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
+        raise TypeError(
+            f"qkv: {name} has dtype {jnp.dtype(array.dtype)}; expected bfloat16, float16 or "
+            "float32. Cast the inputs with .astype(jnp.bfloat16) (or float16/float32)."
+        )
+
+
+def check_same_dtype(qkv, names) -> None:
     dtypes = {jnp.dtype(a.dtype) for a in qkv}
     if len(dtypes) > 1:
         raise TypeError(
             f"qkv: {', '.join(names)} must share one dtype, got {', '.join(map(str, dtypes))}. "
             "Cast them to a common dtype."
         )
-    return tuple(qkv)
 
 
 def to_bshd(qkv: tuple, layout: QKVLayout) -> tuple[jax.Array, jax.Array, jax.Array]:

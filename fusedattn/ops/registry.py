@@ -6,19 +6,27 @@ import dataclasses
 
 import jax
 
-from fusedattn.ops.backends import cudnn, flash, small_seq, xla
+from fusedattn.ops.backends import cudnn, decode, flash, small_seq, xla
 from fusedattn.ops.backends.base import Backend, CallShapes, current_platform  # noqa: F401
 from fusedattn.ops.enums import BackendName
 from fusedattn.ops.spec import AttentionSpec
 
 # "auto" takes the first of these that supports the call.
 BACKENDS: dict[str, Backend] = {
-    b.name: b for b in (small_seq.BACKEND, cudnn.BACKEND, flash.BACKEND, xla.BACKEND)
+    b.name: b for b in (small_seq.BACKEND, decode.BACKEND, cudnn.BACKEND, flash.BACKEND,
+                        xla.BACKEND)
 }
 
 
 def verdict(name: str, spec: AttentionSpec, shapes: CallShapes, platform: str) -> str | None:
-    """None when backend `name` would serve the call under this config, else why not."""
+    """None when backend `name` would serve the call under this config, else why not.
+
+    Paged layouts go only to backends with a paged path (`serves_paged`, served by
+    their `paged_attention(spec, paged.PagedArgs, scale)`).
+    """
+    if spec.qkv_layout.is_paged and not getattr(BACKENDS[name], "serves_paged", False):
+        return (f"{name}: no paged KV cache path (layout {str(spec.qkv_layout)!r}); use "
+                "backend 'auto', 'decode' (decoding, up to 8 queries per sequence) or 'xla'")
     if (name == BackendName.SMALL_SEQ and spec.backend == BackendName.AUTO
             and not spec.small_seq_enabled):
         return ("small_seq: not opted in; set config.small_seq.enabled = True (with "

@@ -77,6 +77,11 @@ class CallShapes:
     bias_shape: tuple[int, ...] | None  # the bias array's [b|1, h|1, sq, skv]; None without one
     dropout: bool
     alibi_slopes: bool = False  # config.bias 'alibi' with slopes given (else the standard ones)
+    # Paged layouts only (None otherwise): the pools' [num_pages, page_size] and the page
+    # table's max_pages_per_seq; seqlen_kv is then one sequence's capacity, pages * page_size.
+    num_pages: int | None = None
+    page_size: int | None = None
+    pages_per_seq: int | None = None
 
     @property
     def has_bias_array(self) -> bool:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fusedattn.ops import philox
+from fusedattn.ops import paged, philox
 from fusedattn.ops.backends.base import CallShapes, CanonicalArgs, visible_mask
 from fusedattn.ops.enums import BiasType, SoftmaxType
 from fusedattn.ops.spec import AttentionSpec
@@ -130,6 +130,18 @@ class XlaBackend:
         real_key = (args.tokens.kv_seg != 0)[:, :, None, None]
         args = args._replace(k=jnp.where(real_key, args.k, 0), v=jnp.where(real_key, args.v, 0))
         return _weighted_values(attention_weights(spec, args, scale), args.v)
+
+    # Paged layouts: every sequence's pages gathered into contiguous K/V, then the
+    # contiguous path above. Differentiable like it (the gather's gradient scatter-adds
+    # into the page pools, summing over table entries that share a page).
+    serves_paged = True
+
+    def paged_attention(self, spec: AttentionSpec, args: paged.PagedArgs,
+                        scale: float) -> jax.Array:
+        """The [b, sq, h, dv] output of a paged call; NaN rows for broken sequences."""
+        dense, broken = paged.dense_view(spec, args)
+        out = self.attention(spec, dense, scale)
+        return jnp.where(broken[:, :, None, None], jnp.asarray(jnp.nan, out.dtype), out)
 
 
 BACKEND = XlaBackend()

@@ -1,0 +1,75 @@
+// Paged KV cache index math (fusedattn/ops/paged.py), shared by the host decode
+// kernel and device kernels.
+//
+//   q        [B, Sq, H, D]           o [B, Sq, H, Dv] (rows outside every sequence: 0)
+//   k_pages  [N, PS, Hkv, D]         v_pages [N, PS, Hkv, Dv]
+//   page_table S32 [S, P]            q_start, q_len, kv_len S32 [S]
+//
+// S = B * M sequences, M per q row: sequence s lives in q row s / M, its queries
+// are rows q_start[s] .. q_start[s] + q_len[s] - 1 of that row, and its key j
+// (0 <= j < kv_len[s]) is token j % PS of pool page page_table[s, j / PS].
+// Query i of a sequence sits at position i with mask diagonal
+// i + (bottom_right ? kv_len - q_len : 0); key j at position j (mask.h).
+// A sequence is broken (every output of its queries NaN) when kv_len < 0 (the
+// caller's mark) or its data would make a kernel read out of bounds.
+#ifndef FUSEDATTN_PAGED_H_
+#define FUSEDATTN_PAGED_H_
+
+#include <cstdint>
+
+#include "fusedattn/mask.h"
+#include "fusedattn/portability.h"
+
+namespace fusedattn {
+
+struct PagedParams {
+  int64_t batch;          // B (q rows)
+  int64_t seqlen_q;       // Sq (tokens per q row)
+  int64_t heads;          // H
+  int64_t kv_heads;       // Hkv (divides H)
+  int64_t head_dim;       // D
+  int64_t head_dim_v;     // Dv
+  int64_t num_pages;      // N
+  int64_t page_size;      // PS
+  int64_t sequences;      // S = B * M
+  int64_t pages_per_seq;  // P
+  float scale;
+  MaskParams mask;
+  bool bottom_right;
+  int32_t softmax_type;
+};
+
+// The q row (batch index) of sequence s.
+FA_HOST_DEVICE FA_INLINE int64_t paged_row_of(const PagedParams& p, int64_t s) {
+  return s / (p.sequences / p.batch);
+}
+
+// Offset of element (token j, head g, dim d) of sequence s in a [N, PS, Hkv, Dx] pool,
+// given the sequence's page-table row.
+FA_HOST_DEVICE FA_INLINE int64_t paged_kv_offset(const int32_t* table_row, int64_t j, int64_t g, int64_t d,
+                                                 int64_t PS, int64_t Hkv, int64_t Dx) {
+  const int64_t page = table_row[j / PS];
+  return ((page * PS + j % PS) * Hkv + g) * Dx + d;
+}
+
+// Whether sequence s can be served: the caller's mark, the q range in its row, the key
+// count within the table, and every page it uses inside the pool.
+FA_HOST_DEVICE FA_INLINE bool paged_sequence_ok(const PagedParams& p, const int32_t* table_row, int32_t q_start,
+                                                int32_t q_len, int32_t kv_len) {
+  if (kv_len < 0 || q_start < 0 || static_cast<int64_t>(q_start) + q_len > p.seqlen_q) return false;
+  if (kv_len > p.pages_per_seq * p.page_size) return false;
+  for (int64_t i = 0; i * p.page_size < kv_len; ++i) {
+    if (table_row[i] < 0 || table_row[i] >= p.num_pages) return false;
+  }
+  return true;
+}
+
+// The mask's view of query i of a sequence with q_len queries and kv_len keys.
+FA_HOST_DEVICE FA_INLINE QueryToken paged_query_token(const PagedParams& p, int32_t i, int32_t q_len,
+                                                      int32_t kv_len) {
+  return make_query_token(1, i, p.bottom_right ? kv_len - q_len : 0);
+}
+
+}  // namespace fusedattn
+
+#endif  // FUSEDATTN_PAGED_H_
