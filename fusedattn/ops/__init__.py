@@ -1,6 +1,10 @@
 """fusedattn.ops: the attention op, its sequence descriptor, enums and backend selection."""
 
 from fusedattn.ops.attention import explain, fused_attn
+from fusedattn.ops.context_parallel import (
+    inverse_reorder_causal_load_balancing,
+    reorder_causal_load_balancing,
+)
 from fusedattn.ops.enums import (
     BackendName,
     BiasType,
@@ -16,4 +20,5 @@ from fusedattn.ops.spec import AttentionSpec
 __all__ = [
     "AttentionSpec", "BackendName", "BiasType", "Explanation", "MaskType", "QKVLayout",
     "SequenceDescriptor", "SequenceFormat", "SoftmaxType", "explain", "fused_attn",
+    "inverse_reorder_causal_load_balancing", "reorder_causal_load_balancing",
 ]

@@ -105,3 +105,8 @@ class BackendName(_Choice):
     CUDNN = "cudnn"
     SMALL_SEQ = "small_seq"
     FLASH = "flash"
+
+
+class ContextParallelStrategy(_Choice):
+    RING = "ring"
+    ALL_GATHER = "all_gather"

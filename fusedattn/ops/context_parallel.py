@@ -1,0 +1,408 @@
+"""Context parallelism: exact attention with the sequence sharded over one device-mesh axis.
+
+`config.context_parallel.axis` names an axis of the mesh in context (`jax.set_mesh(mesh)`
+or `with jax.sharding.use_mesh(mesh):`) over which q, k and v are sharded along their
+sequence axis. fused_attn then runs inside `jax.shard_map` over that axis alone (the other
+mesh axes stay with the automatic partitioner, so batch and head shardings carry through):
+
+- "all_gather": each device gathers K/V (with their token vectors) and attends its query
+  shard to all of it; the backward reduce-scatters dK/dV back to their shards.
+- "ring": K/V blocks circulate around the axis with `jax.lax.ppermute` (the next block is
+  sent before the current one is used, so the transfer can overlap the block's compute);
+  each device merges its queries' partial results by log-sum-exp. The backward circulates
+  K/V again with float32 dK/dV accumulators that travel with their block and arrive home
+  after the last step. No device ever holds more than two K/V blocks.
+
+Layout. q, k, v and the output are in the *device layout*: with `load_balance`, the
+sequence is cut into 2N chunks and device i holds chunks i and 2N-1-i (so causal work is
+even); `reorder_causal_load_balancing` puts a batch into that order and
+`inverse_reorder_causal_load_balancing` takes it back. Without load balancing the device
+layout is the natural order. The SequenceDescriptor and a bias array [b|1, h|1, sq, skv]
+always describe the natural order; the op reorders their per-token vectors itself.
+
+Blocks. Each device's shard is cut into `pieces` (its two chunks under load balancing,
+else one); every (query piece, key piece) pair whose mask has no visible entry (causal
+future, outside the sliding window, other documents only) is skipped with
+`jax.lax.cond`, so under load-balanced causal masks an off-diagonal step does half the
+work. A pair runs the backend's log-sum-exp entry point: xla (every feature) or flash
+(host build: no bias arrays, and no dropout, its masks being keyed by block-local
+indices). Softmax sinks (off_by_one, learnable) join once per query after the merge;
+dropout masks are drawn at the global query and key indices, so every result equals the
+unsharded call's (up to float32 rounding of the merge).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from fusedattn.ops import philox
+from fusedattn.ops.backends import flash, xla
+from fusedattn.ops.backends.base import CallShapes, CanonicalArgs, TokenInfo, visible_mask
+from fusedattn.ops.enums import BiasType, ContextParallelStrategy, SoftmaxType
+from fusedattn.ops.spec import AttentionSpec
+
+# Backends with a log-sum-exp entry point (attention_with_lse, attention_backward_from_lse).
+_KERNELS = {"xla": xla, "flash": flash}
+
+
+# --------------------------------------------------------------------------- load balancing
+
+def load_balance_permutation(seqlen: int, cp_size: int) -> np.ndarray:
+    """int32 [seqlen]: entry i is the natural position of the token at device-layout slot i.
+
+    The sequence is cut into 2 * cp_size equal chunks; device i holds chunks i and
+    2 * cp_size - 1 - i, in that order.
+    """
+    _check_divisible(seqlen, 2 * cp_size, "seqlen")
+    chunk = seqlen // (2 * cp_size)
+    order = [c for i in range(cp_size) for c in (i, 2 * cp_size - 1 - i)]
+    return (np.asarray(order)[:, None] * chunk + np.arange(chunk)).reshape(-1).astype(np.int32)
+
+
+def reorder_causal_load_balancing(x, cp_size: int, seq_axis: int = 1) -> jax.Array:
+    """x in natural token order -> the device layout of load-balanced context parallelism
+    (x's axis `seq_axis`, of a length divisible by 2 * cp_size, is permuted)."""
+    x = jnp.asarray(x)
+    return jnp.take(x, load_balance_permutation(x.shape[seq_axis], cp_size), axis=seq_axis)
+
+
+def inverse_reorder_causal_load_balancing(x, cp_size: int, seq_axis: int = 1) -> jax.Array:
+    """The inverse of reorder_causal_load_balancing: device layout -> natural order."""
+    x = jnp.asarray(x)
+    inverse = np.argsort(load_balance_permutation(x.shape[seq_axis], cp_size))
+    return jnp.take(x, inverse, axis=seq_axis)
+
+
+def _check_divisible(length: int, by: int, name: str) -> None:
+    if length % by:
+        raise ValueError(
+            f"{name}: context parallelism cuts the sequence into {by} equal chunks (mesh axis "
+            f"size x 2 with config.context_parallel.load_balance, else x 1), but it has "
+            f"{length} tokens; pad it to a multiple of {by}."
+        )
+
+
+# --------------------------------------------------------------------------- selection
+
+def verdict(name: str, spec: AttentionSpec, shapes: CallShapes) -> str | None:
+    """Why backend `name` cannot serve this call under context parallelism (None: it can)."""
+    if name not in _KERNELS:
+        return (f"{name}: no log-sum-exp block entry point for context parallelism "
+                "(config.context_parallel.axis); use backend='xla' or 'flash'")
+    if name == "flash" and shapes.dropout:
+        return ("flash: its dropout masks are keyed by block-local indices, so under context "
+                "parallelism they would differ from the unsharded call's; use backend='xla'")
+    return None
+
+
+# --------------------------------------------------------------------------- the op
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything static about one context-parallel call (hashable)."""
+
+    spec: AttentionSpec
+    kernel: str
+    scale: float
+    mesh: jax.sharding.AbstractMesh
+    size: int      # devices along the axis
+    pieces: int    # pieces per device shard (2 under load balancing)
+
+    @property
+    def axis(self) -> str:
+        return self.spec.context_axis
+
+    @property
+    def ring(self) -> bool:
+        return self.spec.context_strategy == ContextParallelStrategy.RING
+
+    @property
+    def bias_array(self) -> bool:
+        return self.spec.bias in (BiasType.PRE_SCALE_BIAS, BiasType.POST_SCALE_BIAS)
+
+
+def attention(spec: AttentionSpec, backend_name: str, args: CanonicalArgs, scale: float
+              ) -> jax.Array:
+    """fused_attn's path under context parallelism: the [b, sq, h, dv] output, device layout.
+
+    args.q/k/v are in the device layout (see the module docstring); args.tokens and a
+    bias array in the natural order.
+    """
+    mesh = _mesh(spec.context_axis)
+    size = mesh.shape[spec.context_axis]
+    pieces = 2 if spec.context_load_balance else 1
+    sq, skv = args.q.shape[1], args.k.shape[1]
+    _check_divisible(sq, size * pieces, "q")
+    _check_divisible(skv, size * pieces, "k/v")
+    q_index, kv_index = np.arange(sq, dtype=np.int32), np.arange(skv, dtype=np.int32)
+    if spec.context_load_balance:
+        q_index, kv_index = load_balance_permutation(sq, size), load_balance_permutation(skv, size)
+    t = args.tokens
+    q_tok = tuple(jnp.take(x, q_index, axis=1) for x in (t.q_seg, t.q_pos, t.q_diag))
+    kv_tok = tuple(jnp.take(x, kv_index, axis=1) for x in (t.kv_seg, t.kv_pos))
+    bias = args.bias
+    plan = _Plan(spec=spec, kernel=backend_name, scale=float(scale), mesh=mesh, size=size,
+                 pieces=pieces)
+    if plan.bias_array:
+        bias = jnp.take(jnp.take(bias, q_index, axis=2), kv_index, axis=3)
+    operands = dict(q=args.q, k=args.k, v=args.v, bias=bias, offset=args.softmax_offset,
+                    seed=args.dropout_seed, q_tok=q_tok + (jnp.asarray(q_index),),
+                    kv_tok=kv_tok + (jnp.asarray(kv_index),))
+    return _attention(plan, {k: x for k, x in operands.items() if x is not None})
+
+
+def _mesh(axis: str) -> jax.sharding.AbstractMesh:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or axis not in mesh.axis_names:
+        have = "no mesh" if mesh.empty else f"a mesh with axes {tuple(mesh.axis_names)}"
+        raise ValueError(
+            f"config.context_parallel.axis: {axis!r} must name an axis of the device mesh in "
+            f"context, but there is {have}; call fused_attn under jax.set_mesh(mesh) (or "
+            "`with jax.sharding.use_mesh(mesh):`) with a mesh that has that axis, or set "
+            "config.context_parallel.axis = None."
+        )
+    return mesh
+
+
+def _specs(plan: _Plan, operands: dict) -> dict:
+    """The PartitionSpec of each operand over the context axis (others replicated)."""
+    a = plan.axis
+    specs = dict(q=P(None, a), k=P(None, a), v=P(None, a), offset=P(), seed=P(),
+                 bias=P(None, None, a) if plan.bias_array else P(),
+                 q_tok=(P(None, a),) * 3 + (P(a),), kv_tok=(P(None, a),) * 2 + (P(a),))
+    return {k: specs[k] for k in operands}
+
+
+def _shard_map(plan: _Plan, fn, operands: dict, out_specs, *extra, extra_specs=()):
+    return jax.shard_map(fn, mesh=plan.mesh, in_specs=(_specs(plan, operands), *extra_specs),
+                         out_specs=out_specs, axis_names={plan.axis}, check_vma=False
+                         )(operands, *extra)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(plan: _Plan, operands: dict) -> jax.Array:
+    return _attention_fwd(plan, operands)[0]
+
+
+def _attention_fwd(plan: _Plan, operands: dict):
+    a = plan.axis
+    out, lse = _shard_map(plan, functools.partial(_forward_local, plan), operands,
+                          (P(None, a), P(None, None, a)))
+    return out, (operands, out, lse)
+
+
+def _attention_bwd(plan: _Plan, residuals, d_out):
+    operands, out, lse = residuals
+    a = plan.axis
+    grad_specs = dict(q=P(None, a), k=P(None, a), v=P(None, a),
+                      bias=P(None, None, a) if plan.bias_array else P(), offset=P())
+    grads = _shard_map(plan, functools.partial(_backward_local, plan), operands,
+                       {k: grad_specs[k] for k in operands if k in grad_specs},
+                       out, lse, d_out, extra_specs=(P(None, a), P(None, None, a), P(None, a)))
+    return ({k: grads.get(k) for k in operands},)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# --------------------------------------------------------------------------- per device
+
+class _Queries:
+    """A device's query shard cut into pieces: q [b, sq_l, h, d], tokens [b, sq_l], index [sq_l]."""
+
+    def __init__(self, plan: _Plan, operands: dict):
+        self.q = operands["q"]
+        self.tokens = operands["q_tok"]
+        self.width = self.q.shape[1] // plan.pieces
+        self.count = plan.pieces
+
+    def piece(self, i: int):
+        lo, hi = i * self.width, (i + 1) * self.width
+        return self.q[:, lo:hi], tuple(x[..., lo:hi] for x in self.tokens)
+
+
+def _kv_of(operands: dict) -> tuple:
+    return (operands["k"], operands["v"], *operands["kv_tok"])
+
+
+def _kv_pieces(kv: tuple, count: int) -> list[tuple]:
+    width = kv[0].shape[1] // count
+    return [tuple(x[..., j * width:(j + 1) * width] if x.ndim < 4
+                  else x[:, j * width:(j + 1) * width] for x in kv) for j in range(count)]
+
+
+def _block_args(plan: _Plan, operands: dict, q_piece, kv_piece, row: int, rows: int,
+                column) -> tuple[CanonicalArgs, jax.Array | None]:
+    """The canonical call of one (query piece, key piece) pair and its dropout mask.
+
+    row: the query piece's first local row (static); column: the key piece's first
+    column in the device layout (traced under the ring)."""
+    q, (q_seg, q_pos, q_diag, q_index) = q_piece
+    k, v, kv_seg, kv_pos, kv_index = kv_piece
+    bias = operands.get("bias")
+    if plan.bias_array:
+        bias = jax.lax.dynamic_slice_in_dim(bias[:, :, row:row + rows], column, k.shape[1], 3)
+    args = CanonicalArgs(q=q, k=k, v=v, tokens=TokenInfo(q_seg, q_pos, q_diag, kv_seg, kv_pos),
+                         bias=bias)
+    keep = None
+    if "seed" in operands and plan.spec.dropout_rate > 0:
+        b, h = q.shape[0], q.shape[2]
+        keep = philox.dropout_keep_mask(operands["seed"], plan.spec.dropout_rate,
+                                        (b, h, q.shape[1], k.shape[1]), q_index, kv_index)
+    return args, keep
+
+
+def _steps(plan: _Plan, operands: dict):
+    """(step, source device or None, K/V of the step) for the strategy: the ring's N steps
+    (K/V sent on before use), or one step over the gathered K/V."""
+    kv = _kv_of(operands)
+    if not plan.ring:
+        gathered = tuple(jax.lax.all_gather(x, plan.axis, axis=x.ndim - 1 if x.ndim == 1 else 1,
+                                            tiled=True) for x in kv)
+        yield 0, None, gathered
+        return
+    me = jax.lax.axis_index(plan.axis)
+    for step in range(plan.size):
+        following = _rotate(plan, kv) if step + 1 < plan.size else None
+        yield step, (me - step) % plan.size, kv
+        kv = following
+
+
+def _rotate(plan: _Plan, tree):
+    """Sends every device's arrays to the next device along the axis."""
+    perm = [(i, (i + 1) % plan.size) for i in range(plan.size)]
+    return jax.tree.map(lambda x: jax.lax.ppermute(x, plan.axis, perm), tree)
+
+
+def _pairs(plan: _Plan, queries: _Queries, source, kv: tuple):
+    """Every (query piece index, key piece index, first device-layout column, key piece)."""
+    count = plan.pieces if plan.ring else plan.pieces * plan.size
+    width = kv[0].shape[1] // count
+    start = 0 if source is None else source * kv[0].shape[1]
+    for j, piece in enumerate(_kv_pieces(kv, count)):
+        for i in range(queries.count):
+            yield i, j, start + j * width, piece
+
+
+def _visible_anywhere(plan: _Plan, args: CanonicalArgs) -> jax.Array:
+    return jnp.any(visible_mask(plan.spec, args.tokens))
+
+
+def _forward_local(plan: _Plan, operands: dict):
+    queries = _Queries(plan, operands)
+    q = queries.q
+    b, sq, h = q.shape[:3]
+    dv = operands["v"].shape[-1]
+    width = queries.width
+    outs = [jnp.zeros((b, width, h, dv), jnp.float32) for _ in range(queries.count)]
+    lses = [jnp.full((b, h, width), -jnp.inf, jnp.float32) for _ in range(queries.count)]
+    kernel = _KERNELS[plan.kernel]
+    for _, source, kv in _steps(plan, operands):
+        for i, _, column, kv_piece in _pairs(plan, queries, source, kv):
+            args, keep = _block_args(plan, operands, queries.piece(i), kv_piece, i * width,
+                                     width, column)
+
+            def run(args=args, keep=keep):
+                extra = (keep,) if plan.kernel == "xla" else ()
+                o, lse = kernel.attention_with_lse(plan.spec, args, plan.scale, *extra)
+                return o.astype(jnp.float32), lse
+
+            def skip(b=b, h=h):
+                return (jnp.zeros((b, width, h, dv), jnp.float32),
+                        jnp.full((b, h, width), -jnp.inf, jnp.float32))
+
+            o, lse = jax.lax.cond(_visible_anywhere(plan, args), run, skip)
+            outs[i], lses[i] = _merge(outs[i], lses[i], o, lse)
+    out, lse = jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=2)
+    if plan.spec.softmax != SoftmaxType.VANILLA:
+        total = jnp.logaddexp(lse, operands["offset"].astype(jnp.float32)[None, :, None])
+        out = out * _weight(lse, total)
+        lse = total
+    return out.astype(q.dtype), lse
+
+
+def _weight(lse: jax.Array, total: jax.Array) -> jax.Array:
+    """exp(lse - total) as [b, sq, h, 1] for outputs; 0 where lse is -inf."""
+    safe = jnp.where(jnp.isfinite(total), total, 0.0)
+    return jnp.where(jnp.isfinite(lse), jnp.exp(lse - safe), 0.0).transpose(0, 2, 1)[..., None]
+
+
+def _merge(out_a, lse_a, out_b, lse_b):
+    """Two partial attentions over disjoint keys -> the attention over both (float32)."""
+    total = jnp.logaddexp(lse_a, lse_b)
+    return out_a * _weight(lse_a, total) + out_b * _weight(lse_b, total), total
+
+
+def _backward_local(plan: _Plan, operands: dict, out, lse, d_out):
+    queries = _Queries(plan, operands)
+    q, k, v = operands["q"], operands["k"], operands["v"]
+    width = queries.width
+    kernel = _KERNELS[plan.kernel]
+    rows = [slice(i * width, (i + 1) * width) for i in range(queries.count)]
+    dq = [jnp.zeros(q[:, r].shape, jnp.float32) for r in rows]
+    bias = operands.get("bias")
+    d_bias = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
+    if plan.ring:
+        home = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    for _, source, kv in _steps(plan, operands):
+        d_kv = home if plan.ring else (jnp.zeros(kv[0].shape, jnp.float32),
+                                       jnp.zeros(kv[1].shape, jnp.float32))
+        d_kv = list(d_kv)
+        for i, j, column, kv_piece in _pairs(plan, queries, source, kv):
+            args, keep = _block_args(plan, operands, queries.piece(i), kv_piece, i * width,
+                                     width, column)
+            r = rows[i]
+
+            def run(args=args, keep=keep, r=r):
+                if plan.kernel == "xla":
+                    grads = kernel.attention_backward_from_lse(
+                        plan.spec, args, plan.scale, keep, out[:, r], lse[..., r], d_out[:, r])
+                else:
+                    grads = (*kernel.attention_backward_from_lse(
+                        plan.spec, args, plan.scale, out[:, r], lse[..., r], d_out[:, r]), None)
+                return jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+
+            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),
+                                 (args.q, args.k, args.v, args.bias))
+            g_q, g_k, g_v, g_bias = jax.lax.cond(_visible_anywhere(plan, args), run,
+                                                 lambda zeros=zeros: zeros)
+            dq[i] = dq[i] + g_q
+            kw = args.k.shape[1]
+            d_kv[0] = d_kv[0].at[:, j * kw:(j + 1) * kw].add(g_k)
+            d_kv[1] = d_kv[1].at[:, j * kw:(j + 1) * kw].add(g_v)
+            if plan.bias_array:
+                d_bias = jax.lax.dynamic_update_slice_in_dim(
+                    d_bias, jax.lax.dynamic_update_slice_in_dim(
+                        d_bias[:, :, r], g_bias.astype(jnp.float32), column, 3), r.start, 2)
+            elif g_bias is not None:
+                d_bias = d_bias + g_bias
+        if plan.ring:
+            home = _rotate(plan, tuple(d_kv))
+    if plan.ring:
+        d_k, d_v = home
+    else:
+        d_k, d_v = (jax.lax.psum_scatter(g, plan.axis, scatter_dimension=1, tiled=True)
+                    for g in d_kv)
+    grads = dict(q=jnp.concatenate(dq, axis=1).astype(q.dtype), k=d_k.astype(k.dtype),
+                 v=d_v.astype(v.dtype))
+    if bias is not None:
+        grads["bias"] = (d_bias if plan.bias_array
+                         else jax.lax.psum(d_bias, plan.axis)).astype(bias.dtype)
+    if "offset" in operands:
+        grads["offset"] = _offset_gradient(plan, operands["offset"], out, lse, d_out)
+    return grads
+
+
+def _offset_gradient(plan: _Plan, offset, out, lse, d_out):
+    """d/d offset[h] = -sum over queries of exp(offset[h] - lse) <d_out, out>, over the axis."""
+    if plan.spec.softmax != SoftmaxType.LEARNABLE:
+        return jnp.zeros_like(offset)
+    dot = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [b, sq, h]
+    share = jnp.exp(offset.astype(jnp.float32)[None, :, None] - lse).transpose(0, 2, 1)
+    return jax.lax.psum(-jnp.sum(share * dot, axis=(0, 1)), plan.axis).astype(offset.dtype)
