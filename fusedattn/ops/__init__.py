@@ -8,6 +8,7 @@ from fusedattn.ops.context_parallel import (
 from fusedattn.ops.enums import (
     BackendName,
     BiasType,
+    ContextParallelStrategy,
     MaskType,
     QKVLayout,
     SequenceFormat,
@@ -18,7 +19,7 @@ from fusedattn.ops.sequence import SequenceDescriptor
 from fusedattn.ops.spec import AttentionSpec
 
 __all__ = [
-    "AttentionSpec", "BackendName", "BiasType", "Explanation", "MaskType", "QKVLayout",
+    "AttentionSpec", "BackendName", "BiasType", "ContextParallelStrategy", "Explanation", "MaskType", "QKVLayout",
     "SequenceDescriptor", "SequenceFormat", "SoftmaxType", "explain", "fused_attn",
     "inverse_reorder_causal_load_balancing", "reorder_causal_load_balancing",
 ]

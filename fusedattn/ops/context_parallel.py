@@ -222,32 +222,96 @@ class _Queries:
         self.width = self.q.shape[1] // plan.pieces
         self.count = plan.pieces
 
+    def rows(self, i: int) -> slice:
+        return slice(i * self.width, (i + 1) * self.width)
+
     def piece(self, i: int):
-        lo, hi = i * self.width, (i + 1) * self.width
-        return self.q[:, lo:hi], tuple(x[..., lo:hi] for x in self.tokens)
+        rows = self.rows(i)
+        return self.q[:, rows], tuple(x[..., rows] for x in self.tokens)
 
 
-def _kv_of(operands: dict) -> tuple:
-    return (operands["k"], operands["v"], *operands["kv_tok"])
+def _seq_slice(x: jax.Array, start, width: int) -> jax.Array:
+    """x[:, start:start + width] along the sequence axis (axis 0 of a 1-D index vector)."""
+    return jax.lax.dynamic_slice_in_dim(x, start, width, 0 if x.ndim == 1 else 1)
 
 
-def _kv_pieces(kv: tuple, count: int) -> list[tuple]:
-    width = kv[0].shape[1] // count
-    return [tuple(x[..., j * width:(j + 1) * width] if x.ndim < 4
-                  else x[:, j * width:(j + 1) * width] for x in kv) for j in range(count)]
+def _seq_update(x: jax.Array, part: jax.Array, start) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(x, part, start, 0 if x.ndim == 1 else 1)
 
 
-def _block_args(plan: _Plan, operands: dict, q_piece, kv_piece, row: int, rows: int,
-                column) -> tuple[CanonicalArgs, jax.Array | None]:
-    """The canonical call of one (query piece, key piece) pair and its dropout mask.
+def _rotate(plan: _Plan, tree):
+    """Sends every device's arrays to the next device along the axis."""
+    perm = [(i, (i + 1) % plan.size) for i in range(plan.size)]
+    return jax.tree.map(lambda x: jax.lax.ppermute(x, plan.axis, perm), tree)
 
-    row: the query piece's first local row (static); column: the key piece's first
-    column in the device layout (traced under the ring)."""
-    q, (q_seg, q_pos, q_diag, q_index) = q_piece
+
+def _over_blocks(plan: _Plan, operands: dict, travel, state, visit):
+    """Runs visit(source, kv, travel, state) -> (travel, state) over every device's K/V block.
+
+    kv = (k, v, kv_seg, kv_pos, kv_index) of the block of device `source` (traced).
+    travel: accumulators shaped like a K/V block (the backward's dK/dV; () in the
+    forward). Under the ring the blocks circulate with jax.lax.ppermute (the next one is
+    sent before the current one is used) and each accumulator travels with its block,
+    arriving home after the last step; under all_gather the blocks are sliced from the
+    gathered K/V and the accumulators are reduce-scattered. Returns (travel, state), travel
+    for this device's own block.
+    """
+    kv = (operands["k"], operands["v"], *operands["kv_tok"])
+    width = kv[0].shape[1]
+    if not plan.ring:
+        gathered = tuple(jax.lax.all_gather(x, plan.axis, axis=0 if x.ndim == 1 else 1,
+                                            tiled=True) for x in kv)
+        full = jax.tree.map(lambda x: jnp.zeros(x.shape[:1] + (width * plan.size,) + x.shape[2:],
+                                                x.dtype), travel)
+
+        def gathered_step(carry, source):
+            full, state = carry
+            start = source * width
+            part, state = visit(source, tuple(_seq_slice(x, start, width) for x in gathered),
+                                jax.tree.map(lambda x: _seq_slice(x, start, width), full), state)
+            full = jax.tree.map(lambda x, p: _seq_update(x, p, start), full, part)
+            return (full, state), None
+
+        (full, state), _ = jax.lax.scan(gathered_step, (full, state), jnp.arange(plan.size))
+        travel = jax.tree.map(
+            lambda x: jax.lax.psum_scatter(x, plan.axis, scatter_dimension=1, tiled=True), full)
+        return travel, state
+
+    me = jax.lax.axis_index(plan.axis)
+
+    def ring_step(kv, travel, state, step, last: bool):
+        following = None if last else _rotate(plan, kv)
+        travel, state = visit((me - step) % plan.size, kv, travel, state)
+        return following, _rotate(plan, travel), state
+
+    def scanned(carry, step):
+        return ring_step(*carry, step, last=False), None
+
+    (kv, travel, state), _ = jax.lax.scan(scanned, (kv, travel, state),
+                                          jnp.arange(plan.size - 1))
+    _, travel, state = ring_step(kv, travel, state, plan.size - 1, last=True)
+    return travel, state
+
+
+def _pairs(plan: _Plan, queries: _Queries, source, kv: tuple):
+    """Every (query piece i, key piece j, first device-layout column, key piece) of a block."""
+    width = kv[0].shape[1] // plan.pieces
+    for j in range(plan.pieces):
+        piece = tuple(_seq_slice(x, j * width, width) for x in kv)
+        for i in range(queries.count):
+            yield i, j, source * kv[0].shape[1] + j * width, piece
+
+
+def _block_args(plan: _Plan, operands: dict, queries: _Queries, i: int, kv_piece, column
+                ) -> tuple[CanonicalArgs, jax.Array | None]:
+    """The canonical call of query piece i against one key piece, and its dropout mask.
+
+    column: the key piece's first column in the device layout (traced)."""
+    q, (q_seg, q_pos, q_diag, q_index) = queries.piece(i)
     k, v, kv_seg, kv_pos, kv_index = kv_piece
     bias = operands.get("bias")
     if plan.bias_array:
-        bias = jax.lax.dynamic_slice_in_dim(bias[:, :, row:row + rows], column, k.shape[1], 3)
+        bias = jax.lax.dynamic_slice_in_dim(bias[:, :, queries.rows(i)], column, k.shape[1], 3)
     args = CanonicalArgs(q=q, k=k, v=v, tokens=TokenInfo(q_seg, q_pos, q_diag, kv_seg, kv_pos),
                          bias=bias)
     keep = None
@@ -258,38 +322,6 @@ def _block_args(plan: _Plan, operands: dict, q_piece, kv_piece, row: int, rows: 
     return args, keep
 
 
-def _steps(plan: _Plan, operands: dict):
-    """(step, source device or None, K/V of the step) for the strategy: the ring's N steps
-    (K/V sent on before use), or one step over the gathered K/V."""
-    kv = _kv_of(operands)
-    if not plan.ring:
-        gathered = tuple(jax.lax.all_gather(x, plan.axis, axis=x.ndim - 1 if x.ndim == 1 else 1,
-                                            tiled=True) for x in kv)
-        yield 0, None, gathered
-        return
-    me = jax.lax.axis_index(plan.axis)
-    for step in range(plan.size):
-        following = _rotate(plan, kv) if step + 1 < plan.size else None
-        yield step, (me - step) % plan.size, kv
-        kv = following
-
-
-def _rotate(plan: _Plan, tree):
-    """Sends every device's arrays to the next device along the axis."""
-    perm = [(i, (i + 1) % plan.size) for i in range(plan.size)]
-    return jax.tree.map(lambda x: jax.lax.ppermute(x, plan.axis, perm), tree)
-
-
-def _pairs(plan: _Plan, queries: _Queries, source, kv: tuple):
-    """Every (query piece index, key piece index, first device-layout column, key piece)."""
-    count = plan.pieces if plan.ring else plan.pieces * plan.size
-    width = kv[0].shape[1] // count
-    start = 0 if source is None else source * kv[0].shape[1]
-    for j, piece in enumerate(_kv_pieces(kv, count)):
-        for i in range(queries.count):
-            yield i, j, start + j * width, piece
-
-
 def _visible_anywhere(plan: _Plan, args: CanonicalArgs) -> jax.Array:
     return jnp.any(visible_mask(plan.spec, args.tokens))
 
@@ -297,29 +329,29 @@ def _visible_anywhere(plan: _Plan, args: CanonicalArgs) -> jax.Array:
 def _forward_local(plan: _Plan, operands: dict):
     queries = _Queries(plan, operands)
     q = queries.q
-    b, sq, h = q.shape[:3]
+    b, _, h = q.shape[:3]
     dv = operands["v"].shape[-1]
-    width = queries.width
-    outs = [jnp.zeros((b, width, h, dv), jnp.float32) for _ in range(queries.count)]
-    lses = [jnp.full((b, h, width), -jnp.inf, jnp.float32) for _ in range(queries.count)]
     kernel = _KERNELS[plan.kernel]
-    for _, source, kv in _steps(plan, operands):
+    empty = (jnp.zeros((b, queries.width, h, dv), jnp.float32),
+             jnp.full((b, h, queries.width), -jnp.inf, jnp.float32))
+
+    def visit(source, kv, travel, state):
+        state = list(state)
         for i, _, column, kv_piece in _pairs(plan, queries, source, kv):
-            args, keep = _block_args(plan, operands, queries.piece(i), kv_piece, i * width,
-                                     width, column)
+            args, keep = _block_args(plan, operands, queries, i, kv_piece, column)
 
             def run(args=args, keep=keep):
                 extra = (keep,) if plan.kernel == "xla" else ()
                 o, lse = kernel.attention_with_lse(plan.spec, args, plan.scale, *extra)
                 return o.astype(jnp.float32), lse
 
-            def skip(b=b, h=h):
-                return (jnp.zeros((b, width, h, dv), jnp.float32),
-                        jnp.full((b, h, width), -jnp.inf, jnp.float32))
+            o, lse = jax.lax.cond(_visible_anywhere(plan, args), run, lambda: empty)
+            state[i] = _merge(*state[i], o, lse)
+        return travel, tuple(state)
 
-            o, lse = jax.lax.cond(_visible_anywhere(plan, args), run, skip)
-            outs[i], lses[i] = _merge(outs[i], lses[i], o, lse)
-    out, lse = jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=2)
+    _, state = _over_blocks(plan, operands, (), (empty,) * queries.count, visit)
+    out = jnp.concatenate([o for o, _ in state], axis=1)
+    lse = jnp.concatenate([lse for _, lse in state], axis=2)
     if plan.spec.softmax != SoftmaxType.VANILLA:
         total = jnp.logaddexp(lse, operands["offset"].astype(jnp.float32)[None, :, None])
         out = out * _weight(lse, total)
@@ -336,60 +368,51 @@ def _weight(lse: jax.Array, total: jax.Array) -> jax.Array:
 def _merge(out_a, lse_a, out_b, lse_b):
     """Two partial attentions over disjoint keys -> the attention over both (float32)."""
     total = jnp.logaddexp(lse_a, lse_b)
-    return out_a * _weight(lse_a, total) + out_b * _weight(lse_b, total), total
+    return (out_a * _weight(lse_a, total) + out_b * _weight(lse_b, total), total)
 
 
 def _backward_local(plan: _Plan, operands: dict, out, lse, d_out):
     queries = _Queries(plan, operands)
     q, k, v = operands["q"], operands["k"], operands["v"]
-    width = queries.width
     kernel = _KERNELS[plan.kernel]
-    rows = [slice(i * width, (i + 1) * width) for i in range(queries.count)]
-    dq = [jnp.zeros(q[:, r].shape, jnp.float32) for r in rows]
     bias = operands.get("bias")
-    d_bias = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
-    if plan.ring:
-        home = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    for _, source, kv in _steps(plan, operands):
-        d_kv = home if plan.ring else (jnp.zeros(kv[0].shape, jnp.float32),
-                                       jnp.zeros(kv[1].shape, jnp.float32))
-        d_kv = list(d_kv)
-        for i, j, column, kv_piece in _pairs(plan, queries, source, kv):
-            args, keep = _block_args(plan, operands, queries.piece(i), kv_piece, i * width,
-                                     width, column)
-            r = rows[i]
+    zeros = functools.partial(jax.tree.map, lambda x: jnp.zeros(x.shape, jnp.float32))
 
-            def run(args=args, keep=keep, r=r):
+    def visit(source, kv, travel, state):
+        d_k, d_v = travel
+        d_q, d_bias = list(state[0]), state[1]
+        for i, j, column, kv_piece in _pairs(plan, queries, source, kv):
+            args, keep = _block_args(plan, operands, queries, i, kv_piece, column)
+            rows = queries.rows(i)
+            whole = (out[:, rows], lse[..., rows], d_out[:, rows])
+
+            def run(args=args, keep=keep, whole=whole):
                 if plan.kernel == "xla":
-                    grads = kernel.attention_backward_from_lse(
-                        plan.spec, args, plan.scale, keep, out[:, r], lse[..., r], d_out[:, r])
+                    grads = kernel.attention_backward_from_lse(plan.spec, args, plan.scale, keep,
+                                                               *whole)
                 else:
-                    grads = (*kernel.attention_backward_from_lse(
-                        plan.spec, args, plan.scale, out[:, r], lse[..., r], d_out[:, r]), None)
+                    grads = (*kernel.attention_backward_from_lse(plan.spec, args, plan.scale,
+                                                                 *whole), None)
                 return jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
-            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),
-                                 (args.q, args.k, args.v, args.bias))
-            g_q, g_k, g_v, g_bias = jax.lax.cond(_visible_anywhere(plan, args), run,
-                                                 lambda zeros=zeros: zeros)
-            dq[i] = dq[i] + g_q
-            kw = args.k.shape[1]
-            d_kv[0] = d_kv[0].at[:, j * kw:(j + 1) * kw].add(g_k)
-            d_kv[1] = d_kv[1].at[:, j * kw:(j + 1) * kw].add(g_v)
-            if plan.bias_array:
+            g_q, g_k, g_v, g_bias = jax.lax.cond(
+                _visible_anywhere(plan, args), run,
+                lambda args=args: zeros((args.q, args.k, args.v, args.bias)))
+            d_q[i] = d_q[i] + g_q
+            start = j * args.k.shape[1]
+            d_k = _seq_update(d_k, _seq_slice(d_k, start, args.k.shape[1]) + g_k, start)
+            d_v = _seq_update(d_v, _seq_slice(d_v, start, args.k.shape[1]) + g_v, start)
+            if plan.bias_array:  # every (rows, columns) block is visited once
                 d_bias = jax.lax.dynamic_update_slice_in_dim(
-                    d_bias, jax.lax.dynamic_update_slice_in_dim(
-                        d_bias[:, :, r], g_bias.astype(jnp.float32), column, 3), r.start, 2)
+                    d_bias, jax.lax.dynamic_update_slice_in_dim(d_bias[:, :, rows], g_bias,
+                                                                column, 3), rows.start, 2)
             elif g_bias is not None:
                 d_bias = d_bias + g_bias
-        if plan.ring:
-            home = _rotate(plan, tuple(d_kv))
-    if plan.ring:
-        d_k, d_v = home
-    else:
-        d_k, d_v = (jax.lax.psum_scatter(g, plan.axis, scatter_dimension=1, tiled=True)
-                    for g in d_kv)
-    grads = dict(q=jnp.concatenate(dq, axis=1).astype(q.dtype), k=d_k.astype(k.dtype),
+        return (d_k, d_v), (tuple(d_q), d_bias)
+
+    state = (tuple(zeros(queries.piece(i)[0]) for i in range(queries.count)), zeros(bias))
+    (d_k, d_v), (d_q, d_bias) = _over_blocks(plan, operands, zeros((k, v)), state, visit)
+    grads = dict(q=jnp.concatenate(d_q, axis=1).astype(q.dtype), k=d_k.astype(k.dtype),
                  v=d_v.astype(v.dtype))
     if bias is not None:
         grads["bias"] = (d_bias if plan.bias_array
