@@ -79,6 +79,15 @@ def inverse_reorder_causal_load_balancing(x, cp_size: int, seq_axis: int = 1) ->
     return jnp.take(x, inverse, axis=seq_axis)
 
 
+def to_device_layout(spec: AttentionSpec, x, seq_axis: int = 1) -> jax.Array:
+    """A natural-order array (positions, row masks) in the device layout of `spec`'s context
+    parallelism: reordered for load balancing over the mesh axis in context, else x itself."""
+    if spec.context_axis is None or not spec.context_load_balance:
+        return x
+    return reorder_causal_load_balancing(x, _mesh(spec.context_axis).shape[spec.context_axis],
+                                         seq_axis)
+
+
 def _check_divisible(length: int, by: int, name: str) -> None:
     if length % by:
         raise ValueError(
@@ -213,23 +222,6 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 # --------------------------------------------------------------------------- per device
 
-class _Queries:
-    """A device's query shard cut into pieces: q [b, sq_l, h, d], tokens [b, sq_l], index [sq_l]."""
-
-    def __init__(self, plan: _Plan, operands: dict):
-        self.q = operands["q"]
-        self.tokens = operands["q_tok"]
-        self.width = self.q.shape[1] // plan.pieces
-        self.count = plan.pieces
-
-    def rows(self, i: int) -> slice:
-        return slice(i * self.width, (i + 1) * self.width)
-
-    def piece(self, i: int):
-        rows = self.rows(i)
-        return self.q[:, rows], tuple(x[..., rows] for x in self.tokens)
-
-
 def _seq_slice(x: jax.Array, start, width: int) -> jax.Array:
     """x[:, start:start + width] along the sequence axis (axis 0 of a 1-D index vector)."""
     return jax.lax.dynamic_slice_in_dim(x, start, width, 0 if x.ndim == 1 else 1)
@@ -293,33 +285,41 @@ def _over_blocks(plan: _Plan, operands: dict, travel, state, visit):
     return travel, state
 
 
-def _pairs(plan: _Plan, queries: _Queries, source, kv: tuple):
-    """Every (query piece i, key piece j, first device-layout column, key piece) of a block."""
-    width = kv[0].shape[1] // plan.pieces
-    for j in range(plan.pieces):
-        piece = tuple(_seq_slice(x, j * width, width) for x in kv)
-        for i in range(queries.count):
-            yield i, j, source * kv[0].shape[1] + j * width, piece
+def _over_pairs(plan: _Plan, operands: dict, source, kv: tuple, carry, visit):
+    """Runs visit(args, keep, rows, column, j, carry) -> carry over every (query piece, key
+    piece) pair of one block (a lax.scan: one copy of the pair's computation), where
+    rows is the query piece's first local row and j the key piece within the block
+    (both traced), column its first device-layout column; args is the pair's canonical
+    call and keep its dropout mask (None without dropout)."""
+    pieces = plan.pieces
+    q_width, kv_width = operands["q"].shape[1] // pieces, kv[0].shape[1] // pieces
+
+    def step(carry, pair):
+        i, j = pair // pieces, pair % pieces
+        rows, start = i * q_width, j * kv_width
+        q, q_seg, q_pos, q_diag, q_index = (_seq_slice(x, rows, q_width) for x in
+                                            (operands["q"], *operands["q_tok"]))
+        k, v, kv_seg, kv_pos, kv_index = (_seq_slice(x, start, kv_width) for x in kv)
+        column = source * kv[0].shape[1] + start
+        bias = operands.get("bias")
+        if plan.bias_array:
+            bias = jax.lax.dynamic_slice_in_dim(_rows(bias, rows, q_width), column, kv_width, 3)
+        args = CanonicalArgs(q=q, k=k, v=v, bias=bias,
+                             tokens=TokenInfo(q_seg, q_pos, q_diag, kv_seg, kv_pos))
+        keep = None
+        if "seed" in operands and plan.spec.dropout_rate > 0:
+            keep = philox.dropout_keep_mask(operands["seed"], plan.spec.dropout_rate,
+                                            (q.shape[0], q.shape[2], q_width, kv_width),
+                                            q_index, kv_index)
+        return visit(args, keep, rows, column, start, carry), None
+
+    carry, _ = jax.lax.scan(step, carry, jnp.arange(pieces * pieces))
+    return carry
 
 
-def _block_args(plan: _Plan, operands: dict, queries: _Queries, i: int, kv_piece, column
-                ) -> tuple[CanonicalArgs, jax.Array | None]:
-    """The canonical call of query piece i against one key piece, and its dropout mask.
-
-    column: the key piece's first column in the device layout (traced)."""
-    q, (q_seg, q_pos, q_diag, q_index) = queries.piece(i)
-    k, v, kv_seg, kv_pos, kv_index = kv_piece
-    bias = operands.get("bias")
-    if plan.bias_array:
-        bias = jax.lax.dynamic_slice_in_dim(bias[:, :, queries.rows(i)], column, k.shape[1], 3)
-    args = CanonicalArgs(q=q, k=k, v=v, tokens=TokenInfo(q_seg, q_pos, q_diag, kv_seg, kv_pos),
-                         bias=bias)
-    keep = None
-    if "seed" in operands and plan.spec.dropout_rate > 0:
-        b, h = q.shape[0], q.shape[2]
-        keep = philox.dropout_keep_mask(operands["seed"], plan.spec.dropout_rate,
-                                        (b, h, q.shape[1], k.shape[1]), q_index, kv_index)
-    return args, keep
+def _rows(x: jax.Array, start, width: int) -> jax.Array:
+    """Rows [start, start + width) of a bias-shaped [b, h, sq, skv] array."""
+    return jax.lax.dynamic_slice_in_dim(x, start, width, 2)
 
 
 def _visible_anywhere(plan: _Plan, args: CanonicalArgs) -> jax.Array:
@@ -327,31 +327,34 @@ def _visible_anywhere(plan: _Plan, args: CanonicalArgs) -> jax.Array:
 
 
 def _forward_local(plan: _Plan, operands: dict):
-    queries = _Queries(plan, operands)
-    q = queries.q
-    b, _, h = q.shape[:3]
+    """One device's output [b, sq_l, h, dv] (q's dtype) and log-sum-exp [b, h, sq_l]."""
+    q = operands["q"]
+    b, sq, h = q.shape[:3]
     dv = operands["v"].shape[-1]
+    width = sq // plan.pieces
     kernel = _KERNELS[plan.kernel]
-    empty = (jnp.zeros((b, queries.width, h, dv), jnp.float32),
-             jnp.full((b, h, queries.width), -jnp.inf, jnp.float32))
+    empty = (jnp.zeros((b, width, h, dv), jnp.float32),
+             jnp.full((b, h, width), -jnp.inf, jnp.float32))
+
+    def visit_pair(args, keep, rows, column, j, state):
+        def run():
+            extra = (keep,) if plan.kernel == "xla" else ()
+            o, lse = kernel.attention_with_lse(plan.spec, args, plan.scale, *extra)
+            return o.astype(jnp.float32), lse
+
+        o, lse = jax.lax.cond(_visible_anywhere(plan, args), run, lambda: empty)
+        out, lse_all = state
+        merged_out, merged_lse = _merge(_seq_slice(out, rows, width),
+                                        jax.lax.dynamic_slice_in_dim(lse_all, rows, width, 2),
+                                        o, lse)
+        return (_seq_update(out, merged_out, rows),
+                jax.lax.dynamic_update_slice_in_dim(lse_all, merged_lse, rows, 2))
 
     def visit(source, kv, travel, state):
-        state = list(state)
-        for i, _, column, kv_piece in _pairs(plan, queries, source, kv):
-            args, keep = _block_args(plan, operands, queries, i, kv_piece, column)
+        return travel, _over_pairs(plan, operands, source, kv, state, visit_pair)
 
-            def run(args=args, keep=keep):
-                extra = (keep,) if plan.kernel == "xla" else ()
-                o, lse = kernel.attention_with_lse(plan.spec, args, plan.scale, *extra)
-                return o.astype(jnp.float32), lse
-
-            o, lse = jax.lax.cond(_visible_anywhere(plan, args), run, lambda: empty)
-            state[i] = _merge(*state[i], o, lse)
-        return travel, tuple(state)
-
-    _, state = _over_blocks(plan, operands, (), (empty,) * queries.count, visit)
-    out = jnp.concatenate([o for o, _ in state], axis=1)
-    lse = jnp.concatenate([lse for _, lse in state], axis=2)
+    state = (jnp.zeros((b, sq, h, dv), jnp.float32), jnp.full((b, h, sq), -jnp.inf, jnp.float32))
+    _, (out, lse) = _over_blocks(plan, operands, (), state, visit)
     if plan.spec.softmax != SoftmaxType.VANILLA:
         total = jnp.logaddexp(lse, operands["offset"].astype(jnp.float32)[None, :, None])
         out = out * _weight(lse, total)
@@ -371,49 +374,50 @@ def _merge(out_a, lse_a, out_b, lse_b):
     return (out_a * _weight(lse_a, total) + out_b * _weight(lse_b, total), total)
 
 
+def _add_at(x: jax.Array, part: jax.Array, start) -> jax.Array:
+    """x with part added along the sequence axis at start."""
+    return _seq_update(x, _seq_slice(x, start, part.shape[1]) + part, start)
+
+
 def _backward_local(plan: _Plan, operands: dict, out, lse, d_out):
-    queries = _Queries(plan, operands)
+    """One device's gradients: q, k, v (its shards), bias (its rows), slopes, offset."""
     q, k, v = operands["q"], operands["k"], operands["v"]
+    width = q.shape[1] // plan.pieces
     kernel = _KERNELS[plan.kernel]
     bias = operands.get("bias")
     zeros = functools.partial(jax.tree.map, lambda x: jnp.zeros(x.shape, jnp.float32))
 
+    def visit_pair(args, keep, rows, column, j, carry):
+        (d_k, d_v), (d_q, d_bias) = carry
+        whole = (_seq_slice(out, rows, width), jax.lax.dynamic_slice_in_dim(lse, rows, width, 2),
+                 _seq_slice(d_out, rows, width))
+
+        def run():
+            if plan.kernel == "xla":
+                grads = kernel.attention_backward_from_lse(plan.spec, args, plan.scale, keep,
+                                                           *whole)
+            else:
+                grads = (*kernel.attention_backward_from_lse(plan.spec, args, plan.scale,
+                                                             *whole), None)
+            return jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+
+        g_q, g_k, g_v, g_bias = jax.lax.cond(
+            _visible_anywhere(plan, args), run,
+            lambda: zeros((args.q, args.k, args.v, args.bias)))
+        if plan.bias_array:  # every (rows, columns) block is visited once
+            d_bias = jax.lax.dynamic_update_slice_in_dim(
+                d_bias, jax.lax.dynamic_update_slice_in_dim(_rows(d_bias, rows, width), g_bias,
+                                                            column, 3), rows, 2)
+        elif g_bias is not None:
+            d_bias = d_bias + g_bias
+        return ((_add_at(d_k, g_k, j), _add_at(d_v, g_v, j)), (_add_at(d_q, g_q, rows), d_bias))
+
     def visit(source, kv, travel, state):
-        d_k, d_v = travel
-        d_q, d_bias = list(state[0]), state[1]
-        for i, j, column, kv_piece in _pairs(plan, queries, source, kv):
-            args, keep = _block_args(plan, operands, queries, i, kv_piece, column)
-            rows = queries.rows(i)
-            whole = (out[:, rows], lse[..., rows], d_out[:, rows])
+        return _over_pairs(plan, operands, source, kv, (travel, state), visit_pair)
 
-            def run(args=args, keep=keep, whole=whole):
-                if plan.kernel == "xla":
-                    grads = kernel.attention_backward_from_lse(plan.spec, args, plan.scale, keep,
-                                                               *whole)
-                else:
-                    grads = (*kernel.attention_backward_from_lse(plan.spec, args, plan.scale,
-                                                                 *whole), None)
-                return jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-
-            g_q, g_k, g_v, g_bias = jax.lax.cond(
-                _visible_anywhere(plan, args), run,
-                lambda args=args: zeros((args.q, args.k, args.v, args.bias)))
-            d_q[i] = d_q[i] + g_q
-            start = j * args.k.shape[1]
-            d_k = _seq_update(d_k, _seq_slice(d_k, start, args.k.shape[1]) + g_k, start)
-            d_v = _seq_update(d_v, _seq_slice(d_v, start, args.k.shape[1]) + g_v, start)
-            if plan.bias_array:  # every (rows, columns) block is visited once
-                d_bias = jax.lax.dynamic_update_slice_in_dim(
-                    d_bias, jax.lax.dynamic_update_slice_in_dim(d_bias[:, :, rows], g_bias,
-                                                                column, 3), rows.start, 2)
-            elif g_bias is not None:
-                d_bias = d_bias + g_bias
-        return (d_k, d_v), (tuple(d_q), d_bias)
-
-    state = (tuple(zeros(queries.piece(i)[0]) for i in range(queries.count)), zeros(bias))
-    (d_k, d_v), (d_q, d_bias) = _over_blocks(plan, operands, zeros((k, v)), state, visit)
-    grads = dict(q=jnp.concatenate(d_q, axis=1).astype(q.dtype), k=d_k.astype(k.dtype),
-                 v=d_v.astype(v.dtype))
+    (d_k, d_v), (d_q, d_bias) = _over_blocks(plan, operands, zeros((k, v)),
+                                             (zeros(q), zeros(bias)), visit)
+    grads = dict(q=d_q.astype(q.dtype), k=d_k.astype(k.dtype), v=d_v.astype(v.dtype))
     if bias is not None:
         grads["bias"] = (d_bias if plan.bias_array
                          else jax.lax.psum(d_bias, plan.axis)).astype(bias.dtype)
