@@ -351,3 +351,46 @@ def test_backends_without_a_block_entry_point_say_why(rng):
     config.backend = "flash"
     with jax.set_mesh(make_mesh()), pytest.raises(ValueError, match="block-local"):
         fused_attn(qkv, config=config, dropout_rng=jax.random.key(0), is_training=True)
+
+
+# --------------------------------------------------------------------------- layers
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_nnx_layer_with_rope_mask_and_packing(rng, strategy):
+    """The layer passes the config through: inputs and output in the device layout, RoPE
+    positions and explicit-mask rows reordered to match; gradients of the parameters and
+    inputs equal the unsharded layer's."""
+    from flax import nnx as fnnx
+    from fusedattn.layers import nnx
+
+    b, s, features, heads = 2, 32, 16, 4
+    sequence, seq_overrides = descriptor(rng, "segment_ids", b, s, s)
+    config = make_config(backend="xla", mask="padding_causal", sequence=seq_overrides)
+    layer = nnx.MultiHeadAttention(heads, features, config=config, num_kv_heads=2, rope=True,
+                                   rngs=fnnx.Rngs(int(rng.integers(1 << 30))))
+    x = random_array(rng, (b, s, features))
+    w = random_array(rng, (b, s, features))
+    mask = jnp.asarray(rng.random((b, 1, s, s)) < 0.8)
+
+    def loss(layer, x, w, mask):
+        return jnp.sum(layer(x, mask=mask, sequence=sequence) * w)
+
+    grads = fnnx.jit(fnnx.grad(loss, argnums=(0, 1)))
+    expected_layer, expected_x = grads(layer, x, w, mask)
+    mesh = make_mesh()
+    n = mesh.shape["cp"]
+    config.context_parallel.axis = "cp"
+    config.context_parallel.strategy = strategy
+    sharded = nnx.MultiHeadAttention(heads, features, config=config, num_kv_heads=2, rope=True,
+                                     rngs=fnnx.Rngs(0))
+    fnnx.update(sharded, fnnx.state(layer, fnnx.Param))
+    spec = NamedSharding(mesh, P(None, "cp"))
+    x_cp, w_cp = (jax.device_put(reorder_causal_load_balancing(a, n), spec) for a in (x, w))
+    with jax.set_mesh(mesh):
+        got_layer, got_x = grads(sharded, x_cp, w_cp, mask)
+        out = fnnx.jit(lambda m, x: m(x, mask=mask, sequence=sequence))(sharded, x_cp)
+    assert_close(inverse_reorder_causal_load_balancing(out, n),
+                 layer(x, mask=mask, sequence=sequence), TOL, "output")
+    assert_close(inverse_reorder_causal_load_balancing(got_x, n), expected_x, TOL, "dx")
+    jax.tree.map(lambda a, e: assert_close(a, e, TOL, "dparams"),
+                 fnnx.state(got_layer, fnnx.Param), fnnx.state(expected_layer, fnnx.Param))
