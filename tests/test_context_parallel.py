@@ -38,8 +38,8 @@ pytestmark = pytest.mark.skipif(
 TOL = 5e-6  # float32: the merge by log-sum-exp reorders sums
 
 
-def make_mesh(shape=(4,), names=("cp",)):
-    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names),
+def make_mesh(shape=(4,), names=("cp",), axis_type=AxisType.Auto):
+    return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names),
                          devices=jax.devices()[:int(np.prod(shape))])
 
 
@@ -157,8 +157,8 @@ def check_matches_unsharded(overrides, inputs, strategy, load_balance, mesh, axi
     seq_arrays = ("q", "k", "v", "w")
     to_device = ((lambda x: reorder_causal_load_balancing(x, n)) if load_balance
                  else (lambda x: x))
-    to_natural = ((lambda x: inverse_reorder_causal_load_balancing(x, n)) if load_balance
-                  else (lambda x: x))
+    to_natural = ((lambda x: inverse_reorder_causal_load_balancing(np.asarray(x), n))
+                  if load_balance else (lambda x: x))
     sharded = dict(inputs)
     spec = NamedSharding(mesh, P(batch_axis, axis))
     for name in seq_arrays:
@@ -207,6 +207,15 @@ def test_batch_sharded_over_another_axis(rng, backend):
     overrides, inputs = build(rng, backend, CASES["packed"])
     check_matches_unsharded(overrides, inputs, "ring", True,
                             make_mesh((2, 2), ("data", "cp")), batch_axis="data")
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_explicit_context_axis(rng, strategy):
+    """A context axis of explicit sharding (jax.make_mesh's default): the op reshards its
+    operands over it itself."""
+    overrides, inputs = build(rng, "xla", CASES["packed"])
+    check_matches_unsharded(overrides, inputs, strategy, True,
+                            make_mesh(axis_type=AxisType.Explicit))
 
 
 @pytest.mark.parametrize("strategy", ["ring", "all_gather"])
@@ -339,6 +348,9 @@ def test_errors_name_the_setting(rng):
         fused_attn(qkv, config=config)
     with jax.set_mesh(make_mesh((4,), ("seq",))):
         with pytest.raises(ValueError, match=r"'cp'.*axes \('seq',\)"):
+            jax.jit(lambda *a: fused_attn(a, config=config))(*qkv)
+    with jax.set_mesh(make_mesh((2, 2), ("data", "cp"), AxisType.Explicit)):
+        with pytest.raises(ValueError, match=r"other axes \('data',\) are of explicit"):
             jax.jit(lambda *a: fused_attn(a, config=config))(*qkv)
     with jax.set_mesh(make_mesh()):
         with pytest.raises(ValueError, match=r"q: .*8 equal chunks.*28 tokens"):

@@ -176,6 +176,15 @@ def _mesh(axis: str) -> jax.sharding.AbstractMesh:
             "`with jax.sharding.use_mesh(mesh):`) with a mesh that has that axis, or set "
             "config.context_parallel.axis = None."
         )
+    explicit = [name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+                if kind == jax.sharding.AxisType.Explicit and name != axis]
+    if explicit:
+        raise ValueError(
+            f"config.context_parallel.axis: the mesh's other axes {tuple(explicit)} are of "
+            "explicit sharding, which context parallelism does not handle yet; make the mesh "
+            "with axis_types=jax.sharding.AxisType.Auto for them (jax.make_mesh(..., "
+            "axis_types=...)), or shard the sequence alone."
+        )
     return mesh
 
 
@@ -189,9 +198,23 @@ def _specs(plan: _Plan, operands: dict) -> dict:
 
 
 def _shard_map(plan: _Plan, fn, operands: dict, out_specs, *extra, extra_specs=()):
-    return jax.shard_map(fn, mesh=plan.mesh, in_specs=(_specs(plan, operands), *extra_specs),
-                         out_specs=out_specs, axis_names={plan.axis}, check_vma=False
-                         )(operands, *extra)
+    in_specs = (_specs(plan, operands), *extra_specs)
+    args = (operands, *extra)
+    if jax.sharding.AxisType.Explicit in plan.mesh.axis_types:
+        args = jax.tree.map(functools.partial(_explicitly_split, plan), args, in_specs)
+    return jax.shard_map(fn, mesh=plan.mesh, in_specs=in_specs, out_specs=out_specs,
+                         axis_names={plan.axis}, check_vma=False)(*args)
+
+
+def _explicitly_split(plan: _Plan, x: jax.Array, spec: P) -> jax.Array:
+    """Under explicit sharding: x resharded so that the dim `spec` splits over the context
+    axis does, and no other; its other dims keep their shardings."""
+    current = list(jax.typeof(x).sharding.spec) + [None] * x.ndim
+    entries = [None if entry == plan.axis else entry for entry in current[:x.ndim]]
+    for dim, entry in enumerate(spec):
+        if entry is not None:
+            entries[dim] = entry
+    return jax.sharding.reshard(x, P(*entries))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
