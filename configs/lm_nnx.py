@@ -73,6 +73,12 @@ def get_config(arg: str = ""):
     attention.sequence.format = "seqlens_offsets"
     config.model.attention = attention
 
+    # Device mesh of the training step: devices along the batch ("data") and along the
+    # sequence ("context": context parallelism, ring strategy, load-balanced token order).
+    config.mesh = ml_collections.ConfigDict()
+    config.mesh.data = 1
+    config.mesh.context = 1
+
     config.optim = config_lib.optim_config(weight_decay=0.05)
     config.trainer = config_lib.trainer_config(num_steps=400, log_every=10, eval_every=100,
                                                checkpoint_every=200)

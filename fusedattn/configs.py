@@ -34,5 +34,10 @@ def attention_config() -> ml_collections.ConfigDict:
     config.small_seq = ml_collections.ConfigDict()
     config.small_seq.enabled = False
 
+    config.context_parallel = ml_collections.ConfigDict()
+    config.context_parallel.axis = config_dict.placeholder(str)
+    config.context_parallel.strategy = "ring"
+    config.context_parallel.load_balance = True
+
     config.lock()
     return config

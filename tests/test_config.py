@@ -12,6 +12,7 @@ from fusedattn.ops import (
     AttentionSpec,
     BackendName,
     BiasType,
+    ContextParallelStrategy,
     MaskType,
     QKVLayout,
     SequenceFormat,
@@ -30,6 +31,7 @@ CHOICES = {
     "bias": ("no_bias", ["no_bias", "pre_scale_bias", "post_scale_bias", "alibi"]),
     "softmax": ("vanilla", ["vanilla", "off_by_one", "learnable"]),
     "sequence.format": ("none", ["none", "seqlens", "seqlens_offsets", "segment_ids"]),
+    "context_parallel.strategy": ("ring", ["ring", "all_gather"]),
 }
 DEFAULTS = {
     **{key: default for key, (default, _) in CHOICES.items()},
@@ -42,6 +44,8 @@ DEFAULTS = {
     "sequence.max_seqlen_kv": None,
     "sequence.check_bounds": True,
     "small_seq.enabled": False,
+    "context_parallel.axis": None,
+    "context_parallel.load_balance": True,
 }
 
 # key -> bad values (each must raise ValueError naming the key and the value).
@@ -61,6 +65,9 @@ BAD_VALUES = {
     "sequence.max_seqlen_kv": [0, -3, 1.0, "16", False],
     "sequence.check_bounds": ["no", 2, None, 0.5],
     "small_seq.enabled": ["yes", 2, None, 0.5],
+    "context_parallel.strategy": ["p2p", "allgather", None],
+    "context_parallel.axis": ["", 3],
+    "context_parallel.load_balance": ["yes", 2, None],
 }
 # What each key's message must mention as the accepted values.
 EXPECTED_HINT = {
@@ -73,6 +80,8 @@ EXPECTED_HINT = {
     "sequence.max_segments_per_seq": ">= 1",
     "sequence.max_seqlen_q": ">= 1",
     "sequence.max_seqlen_kv": ">= 1",
+    "context_parallel.axis": "mesh axis",
+    "context_parallel.load_balance": "True or False",
 }
 
 
@@ -179,7 +188,8 @@ def test_every_documented_choice_is_accepted(key, value):
     *parents, leaf = key.split(".")
     setattr(_get(config, ".".join(parents)) if parents else config, leaf, value)
     spec = AttentionSpec.from_config(config)
-    field = {"sequence.format": "sequence_format"}.get(key, key)
+    field = {"sequence.format": "sequence_format",
+             "context_parallel.strategy": "context_strategy"}.get(key, key)
     assert str(getattr(spec, field)) == value
 
 
@@ -188,13 +198,16 @@ def test_every_documented_choice_is_accepted(key, value):
     ("window_size", (0, 0)), ("window_size", (-1, 5)), ("window_size", (7, -1)),
     ("deterministic_backward", True), ("sequence.max_segments_per_seq", 8),
     ("sequence.max_seqlen_q", 1), ("sequence.max_seqlen_kv", 4096), ("sequence.check_bounds", False),
-    ("small_seq.enabled", True),
+    ("small_seq.enabled", True), ("context_parallel.axis", "context"),
+    ("context_parallel.load_balance", False),
 ])
 def test_numeric_values_in_range_are_accepted(key, value):
     spec = AttentionSpec.from_config(_with(key, value))
     field = {"sequence.max_segments_per_seq": "max_segments_per_seq",
              "sequence.max_seqlen_q": "max_seqlen_q", "sequence.max_seqlen_kv": "max_seqlen_kv",
-             "sequence.check_bounds": "check_bounds", "small_seq.enabled": "small_seq_enabled"}.get(key, key)
+             "sequence.check_bounds": "check_bounds", "small_seq.enabled": "small_seq_enabled",
+             "context_parallel.axis": "context_axis",
+             "context_parallel.load_balance": "context_load_balance"}.get(key, key)
     assert getattr(spec, field) == value
 
 
@@ -215,9 +228,10 @@ def test_bad_value_raises_naming_key_value_and_choices(key, value):
 
 @pytest.mark.parametrize("section,valid", [
     ("", ["backend", "qkv_layout", "mask", "bias", "softmax", "dropout_rate", "scale",
-          "window_size", "deterministic_backward", "sequence", "small_seq"]),
+          "window_size", "deterministic_backward", "sequence", "small_seq", "context_parallel"]),
     ("sequence", ["format", "max_segments_per_seq", "max_seqlen_q", "max_seqlen_kv"]),
     ("small_seq", ["enabled"]),
+    ("context_parallel", ["axis", "strategy", "load_balance"]),
 ])
 def test_unknown_key_in_a_mapping_lists_valid_keys(section, valid):
     config = attention_config().to_dict()
@@ -254,7 +268,8 @@ def test_frozen_config_dict_accepted():
 @pytest.mark.parametrize("enum,key", [(BackendName, "backend"), (QKVLayout, "qkv_layout"),
                                       (MaskType, "mask"), (BiasType, "bias"),
                                       (SoftmaxType, "softmax"),
-                                      (SequenceFormat, "sequence.format")])
+                                      (SequenceFormat, "sequence.format"),
+                                      (ContextParallelStrategy, "context_parallel.strategy")])
 def test_enums_are_exactly_the_documented_strings(enum, key):
     assert sorted(m.value for m in enum) == sorted(CHOICES[key][1])
     for member in enum:

@@ -19,6 +19,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -408,3 +409,19 @@ def test_recommender_thd_rows_match_their_descriptor():
     np.testing.assert_array_equal(batch["history_valid"].sum(1), batch["kv_seqlens"].sum(1))
     assert batch["context"].shape == (b, p) and batch["history"].shape == (b, 16 * p)
     assert np.all(batch["best_nll"] > 0) and np.all(batch["best_expected_accuracy"] <= 1)
+
+
+# ----------------------------------------------------------------------------- meshes
+
+
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs four (host) devices")
+@pytest.mark.parametrize("data,context", [(1, 4)])
+def test_lm_context_parallel_matches_one_device(tmp_path, data, context):
+    """config.mesh: the sequence split over "context" (ring, load-balanced tokens), the batch
+    over "data"; the losses of every step equal the one-device run's."""
+    run_lm(tiny_lm("nnx", steps=4, backend="xla"), tmp_path / "one")
+    config = tiny_lm("nnx", steps=4, backend="xla")
+    config.mesh.data, config.mesh.context = data, context
+    run_lm(config, tmp_path / "mesh")
+    np.testing.assert_allclose(_curve(tmp_path / "mesh"), _curve(tmp_path / "one"),
+                               rtol=2e-5, atol=2e-5)

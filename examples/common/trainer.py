@@ -50,6 +50,8 @@ class Task:
     flops_per_step: model FLOPs of one training step (forward and backward).
     reference: known-best numbers for the summary, e.g. {"eval_best_loss": 1.1}.
     unit: what tokens_per_step counts ("tokens", "examples").
+    mesh: None, or the jax.sharding.Mesh the steps run under (jax.set_mesh); the
+      batches then come laid out over it.
     """
 
     params: Any
@@ -61,6 +63,7 @@ class Task:
     flops_per_step: float
     reference: dict[str, float] = dataclasses.field(default_factory=dict)
     unit: str = "tokens"
+    mesh: Any = None
 
 
 # ----------------------------------------------------------------------------- params
@@ -336,8 +339,8 @@ def train_and_evaluate(config, workdir: str | pathlib.Path, task: Task,
         metrics = dict(aux, loss=loss, grad_norm=optax.tree.norm(grads), lr=schedule(step))
         return params, opt_state, metrics
 
-    train_step = jax.jit(train_step, donate_argnums=(0, 1))
-    eval_step = jax.jit(task.eval_fn)
+    train_step = _under_mesh(task.mesh, jax.jit(train_step, donate_argnums=(0, 1)))
+    eval_step = _under_mesh(task.mesh, jax.jit(task.eval_fn))
 
     def evaluate(params) -> dict[str, float]:
         totals: dict[str, list[float]] = {}
@@ -419,6 +422,17 @@ def train_and_evaluate(config, workdir: str | pathlib.Path, task: Task,
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _print(_summary_line(summary, task.unit))
     return summary
+
+
+def _under_mesh(mesh, fn: Callable) -> Callable:
+    """fn, called under jax.set_mesh(mesh) when a mesh is given."""
+    if mesh is None:
+        return fn
+
+    def call(*args):
+        with jax.set_mesh(mesh):
+            return fn(*args)
+    return call
 
 
 def _summary(records, last, seconds, steps, task: Task, tc, platform) -> dict:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from examples.common import trainer
 from examples.lm import data as lm_data
@@ -40,8 +43,50 @@ def attention_for_data(config) -> ml_collections.ConfigDict:
                           "padding_causal_bottom_right": "causal"}.get(attention.mask,
                                                                        attention.mask)
         attention.sequence.format = "none"
+    if _mesh_shape(config)[1] > 1:
+        if attention.sequence.format == "segment_ids":
+            raise ValueError(
+                "config.mesh.context: context parallelism reorders the tokens, and the "
+                "'segment_ids' descriptor would read the reordered positions; use "
+                "config.model.attention.sequence.format='seqlens_offsets' (the default).")
+        attention.context_parallel.axis = "context"
     attention.lock()
     return attention
+
+
+def _mesh_shape(config) -> tuple[int, int]:
+    """(data, context) devices of config.mesh ((1, 1) without the section)."""
+    mesh = config.get("mesh")
+    return (1, 1) if mesh is None else (int(mesh.data), int(mesh.context))
+
+
+def make_mesh(config) -> jax.sharding.Mesh | None:
+    """The ("data", "context") mesh of config.mesh, or None for one device."""
+    data, context = _mesh_shape(config)
+    if data * context == 1:
+        return None
+    if data * context > jax.device_count() or data < 1 or context < 1:
+        raise ValueError(
+            f"config.mesh: data x context = {data} x {context} devices, but there are "
+            f"{jax.device_count()}; choose sizes whose product is at most that.")
+    return jax.make_mesh((data, context), ("data", "context"),
+                         axis_types=(AxisType.Auto, AxisType.Auto),
+                         devices=jax.devices()[:data * context])
+
+
+def lay_out(batch: dict, mesh, context: int) -> dict:
+    """A batch on the mesh: rows over "data", tokens over "context" in the load-balanced
+    order of context parallelism; segment_ids (the descriptor's source) stay in the
+    natural order, split over "data" only, as the attention op expects."""
+    out = {}
+    for name, x in batch.items():
+        if name == "segment_ids":
+            out[name] = jax.device_put(x, NamedSharding(mesh, P("data")))
+            continue
+        if context > 1:
+            x = np.asarray(ops.reorder_causal_load_balancing(x, context))
+        out[name] = jax.device_put(x, NamedSharding(mesh, P("data", "context")))
+    return out
 
 
 def _metrics(logits, batch):
@@ -59,6 +104,11 @@ def make_task(config, verbose: bool = True) -> trainer.Task:
     batches = lm_data.Batches(c.data, c.data.batch_size, c.data.seq_len)
     model = models.build(c.model, attention, c.seed)
     eval_batches = [batches.eval(i) for i in range(c.trainer.eval_batches)]
+    mesh, train_batch = make_mesh(c), batches.train
+    if mesh is not None:
+        context = _mesh_shape(c)[1]
+        eval_batches = [lay_out(b, mesh, context) for b in eval_batches]
+        train_batch = lambda step: lay_out(batches.train(step), mesh, context)  # noqa: E731
 
     def loss_fn(params, batch, dropout_key):
         logits = model.apply(params, batch["inputs"], batch["positions"], batch["segment_ids"],
@@ -102,8 +152,9 @@ def make_task(config, verbose: bool = True) -> trainer.Task:
                           config=attention, sequence=sequence))
     return trainer.Task(
         params=model.params, loss_fn=loss_fn, eval_fn=eval_fn,
-        train_batch=batches.train, eval_batch=lambda i: eval_batches[i],
-        tokens_per_step=tokens, flops_per_step=flops, reference=reference, unit="tokens")
+        train_batch=train_batch, eval_batch=lambda i: eval_batches[i],
+        tokens_per_step=tokens, flops_per_step=flops, reference=reference, unit="tokens",
+        mesh=mesh)
 
 
 def train_and_evaluate(config, workdir) -> dict:

@@ -17,6 +17,11 @@ call; `fusedattn.ops.explain(qkv, config=..., bias=jax.ShapeDtypeStruct(...))`
 shows every backend's verdict for it. Query rows that the explicit mask and the
 config's mask together leave without any visible key output zeros (and get
 zero gradients), as the op does for its own masks.
+
+Context parallelism (config.context_parallel): the layer's inputs and output are in
+the op's device layout (load-balanced token order when asked); RoPE positions and
+the rows of an explicit mask are reordered to match, while the mask, bias and
+SequenceDescriptor themselves describe the natural order, as in the op.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import numpy as np
 
 from fusedattn import ops as _ops
 from fusedattn.layers import stock
+from fusedattn.ops import context_parallel
 from fusedattn.ops.backends.base import visible_mask
 from fusedattn.ops.enums import BiasType, MaskType, QKVLayout, SequenceFormat, SoftmaxType
 from fusedattn.ops.sequence import SequenceDescriptor, dense_token_info
@@ -398,7 +404,8 @@ def attend(spec: AttentionSpec, q: Array, k: Array, v: Array, *, mask=None, bias
     if layout.format == "sbhd":
         out = jnp.swapaxes(out, 0, 1)
     if mask is not None:
-        out = out * _row_visible(call_spec, mask, sequence, batch, sq, skv).astype(out.dtype)
+        visible = _row_visible(call_spec, mask, sequence, batch, sq, skv)
+        out = out * context_parallel.to_device_layout(spec, visible).astype(out.dtype)
     return out
 
 
@@ -436,6 +443,12 @@ def core(spec: AttentionSpec, options: LayerOptions, q: Array, k: Array, v: Arra
     q, batch_shape = _flatten_batch(q)
     k, _ = _flatten_batch(k)
     v, _ = _flatten_batch(v)
+    if cache is not None and spec.context_axis is not None:
+        raise ValueError(
+            "decode: the KV cache is not sharded over a sequence axis, but "
+            f"config.context_parallel.axis is {spec.context_axis!r}; decode with a config "
+            "whose context_parallel.axis is None."
+        )
     if cache is not None:
         index = jnp.asarray(cache.index, jnp.int32)
         positions_q = index + jnp.arange(q.shape[1], dtype=jnp.int32)
@@ -451,8 +464,10 @@ def core(spec: AttentionSpec, options: LayerOptions, q: Array, k: Array, v: Arra
         positions_q = jnp.arange(q.shape[1], dtype=jnp.int32)
         positions_kv = jnp.arange(k.shape[1], dtype=jnp.int32)
     if options.rope_theta is not None:
-        q = apply_rope(q, positions_q, options.rope_theta)
-        k = apply_rope(k, positions_kv, options.rope_theta)
+        q = apply_rope(q, context_parallel.to_device_layout(spec, positions_q, -1),
+                       options.rope_theta)
+        k = apply_rope(k, context_parallel.to_device_layout(spec, positions_kv, -1),
+                       options.rope_theta)
     new_cache = None
     fused = options.fused_qkv
     if cache is not None:

@@ -7,7 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fusedattn.ops import layouts, paged, philox, registry
+from fusedattn.ops import context_parallel, layouts, paged, philox, registry
 from fusedattn.ops.backends.base import CallShapes, CanonicalArgs
 from fusedattn.ops.enums import BiasType, SoftmaxType
 from fusedattn.ops.sequence import SequenceDescriptor, dense_token_info
@@ -68,7 +68,10 @@ def fused_attn(qkv, *, config, bias=None, softmax_offset=None, sequence=None,
         sequence=sequence if spec.uses_segments else None,
     )
     scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(shapes.head_dim_qk)
-    out = backend.attention(spec, args, scale)
+    if spec.context_axis is not None:
+        out = context_parallel.attention(spec, backend.name, args, scale)
+    else:
+        out = backend.attention(spec, args, scale)
     return layouts.from_bshd(out, spec.qkv_layout)
 
 

@@ -115,3 +115,8 @@ class BackendName(_Choice):
     SMALL_SEQ = "small_seq"
     FLASH = "flash"
     DECODE = "decode"
+
+
+class ContextParallelStrategy(_Choice):
+    RING = "ring"
+    ALL_GATHER = "all_gather"

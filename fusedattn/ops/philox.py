@@ -54,13 +54,22 @@ def keep_threshold(rate: float) -> int:
     return min(int(np.floor(rate * 2.0**32)), 2**32 - 1)
 
 
-def dropout_keep_mask(seed: jax.Array, rate: float, shape: tuple[int, int, int, int]) -> jax.Array:
-    """Boolean [b, h, sq, skv] mask of kept attention weights for Philox key `seed` (uint32 [2])."""
+def dropout_keep_mask(seed: jax.Array, rate: float, shape: tuple[int, int, int, int],
+                      q_index: jax.Array | None = None, kv_index: jax.Array | None = None
+                      ) -> jax.Array:
+    """Boolean [b, h, sq, skv] mask of kept attention weights for Philox key `seed` (uint32 [2]).
+
+    q_index [sq] / kv_index [skv]: the query and key coordinates of the mask's rows and
+    columns in the whole call (default 0..sq-1, 0..skv-1), so a block of a larger call
+    (context parallelism) draws exactly that call's bits for its tokens.
+    """
     b, h, sq, skv = shape
+    q_index = jnp.arange(sq) if q_index is None else q_index
+    kv_index = jnp.arange(skv) if kv_index is None else kv_index
     bi = jnp.arange(b, dtype=jnp.uint32)[:, None, None, None]
     hi = jnp.arange(h, dtype=jnp.uint32)[None, :, None, None]
-    qi = jnp.arange(sq, dtype=jnp.uint32)[None, None, :, None]
-    kj = jnp.arange(skv, dtype=jnp.uint32)[None, None, None, :]
+    qi = jnp.asarray(q_index).astype(jnp.uint32)[None, None, :, None]
+    kj = jnp.asarray(kv_index).astype(jnp.uint32)[None, None, None, :]
     words = philox4x32((kj >> 2, qi, hi, bi), (seed[0], seed[1]))
     lane = kj & np.uint32(3)
     draw = jnp.select([lane == 0, lane == 1, lane == 2], list(words[:3]), words[3])

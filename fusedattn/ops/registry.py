@@ -6,6 +6,7 @@ import dataclasses
 
 import jax
 
+from fusedattn.ops import context_parallel
 from fusedattn.ops.backends import cudnn, decode, flash, small_seq, xla
 from fusedattn.ops.backends.base import Backend, CallShapes, current_platform  # noqa: F401
 from fusedattn.ops.enums import BackendName
@@ -31,6 +32,10 @@ def verdict(name: str, spec: AttentionSpec, shapes: CallShapes, platform: str) -
             and not spec.small_seq_enabled):
         return ("small_seq: not opted in; set config.small_seq.enabled = True (with "
                 "config.sequence.max_seqlen_q = 1 and max_seqlen_kv <= 16) to use it under 'auto'")
+    if spec.context_axis is not None:
+        reason = context_parallel.verdict(name, spec, shapes)
+        if reason is not None:
+            return reason
     return BACKENDS[name].supports(spec, shapes, platform)
 
 

@@ -9,6 +9,7 @@ from typing import Any, Mapping
 from fusedattn.ops.enums import (
     BackendName,
     BiasType,
+    ContextParallelStrategy,
     MaskType,
     QKVLayout,
     SequenceFormat,
@@ -17,11 +18,12 @@ from fusedattn.ops.enums import (
 
 _TOP_KEYS = (
     "backend", "qkv_layout", "mask", "bias", "softmax", "dropout_rate", "scale",
-    "window_size", "deterministic_backward", "sequence", "small_seq",
+    "window_size", "deterministic_backward", "sequence", "small_seq", "context_parallel",
 )
 _SEQUENCE_KEYS = ("format", "max_segments_per_seq", "max_seqlen_q", "max_seqlen_kv",
                   "check_bounds")
 _SMALL_SEQ_KEYS = ("enabled",)
+_CONTEXT_PARALLEL_KEYS = ("axis", "strategy", "load_balance")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +47,11 @@ class AttentionSpec:
     # (base.guard); the kernels' NaN marks and the eager error stay either way.
     check_bounds: bool = True
     small_seq_enabled: bool = False
+    # Context parallelism (ops/context_parallel.py): the mesh axis the sequence is
+    # sharded over (None: off), how K/V reach the queries, and the causal reordering.
+    context_axis: str | None = None
+    context_strategy: ContextParallelStrategy = ContextParallelStrategy.RING
+    context_load_balance: bool = True
 
     @classmethod
     def from_config(cls, config: Any) -> "AttentionSpec":
@@ -60,6 +67,8 @@ class AttentionSpec:
         _check_keys(sequence, _SEQUENCE_KEYS, "config.sequence")
         small_seq = _as_mapping(top.get("small_seq", {}), "config.small_seq")
         _check_keys(small_seq, _SMALL_SEQ_KEYS, "config.small_seq")
+        context = _as_mapping(top.get("context_parallel", {}), "config.context_parallel")
+        _check_keys(context, _CONTEXT_PARALLEL_KEYS, "config.context_parallel")
 
         defaults = cls()
         spec = cls(
@@ -81,6 +90,11 @@ class AttentionSpec:
                                                  "sequence.max_seqlen_kv"),
             check_bounds=_bool(sequence.get("check_bounds", True), "sequence.check_bounds"),
             small_seq_enabled=_bool(small_seq.get("enabled", False), "small_seq.enabled"),
+            context_axis=_axis_name(context.get("axis")),
+            context_strategy=ContextParallelStrategy.parse(
+                context.get("strategy", defaults.context_strategy), "context_parallel.strategy"),
+            context_load_balance=_bool(context.get("load_balance", True),
+                                       "context_parallel.load_balance"),
         )
         return spec
 
@@ -151,6 +165,18 @@ def _window(value: Any) -> tuple[int, int]:
                 "each >= 0 or -1 for unbounded, e.g. (-1, -1) for no window."
             )
     return int(left), int(right)
+
+
+def _axis_name(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ValueError(
+            f"config.context_parallel.axis: got {value!r}; expected None (no context "
+            "parallelism) or the name of the device-mesh axis the sequence is sharded over, "
+            "e.g. 'context'."
+        )
+    return value
 
 
 def _positive_int(value: Any, key: str) -> int:

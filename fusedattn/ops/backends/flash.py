@@ -261,16 +261,44 @@ class FlashBackend:
         dropout = args.dropout_seed is not None and spec.dropout_rate > 0
         seed = (jnp.asarray(args.dropout_seed).astype(jnp.uint32) if dropout
                 else jnp.zeros((2,), jnp.uint32))
-        static = _Static(
-            scale=float(scale),
-            causal=spec.mask.is_causal,
-            window_left=int(spec.window_size[0]),
-            window_right=int(spec.window_size[1]),
-            softmax_type=_SOFTMAX_TYPES[spec.softmax],
-            dropout_rate=float(spec.dropout_rate) if dropout else 0.0,
-        )
+        static = _static(spec, scale, spec.softmax, dropout)
         tokens = tuple(jnp.asarray(t, jnp.int32) for t in args.tokens)
         return _flash(static, *partitioning.same_varying((q, k, v, offset, seed, *tokens)))
 
 
 BACKEND = FlashBackend()
+
+
+def _static(spec: AttentionSpec, scale: float, softmax: SoftmaxType, dropout: bool) -> _Static:
+    return _Static(
+        scale=float(scale),
+        causal=spec.mask.is_causal,
+        window_left=int(spec.window_size[0]),
+        window_right=int(spec.window_size[1]),
+        softmax_type=_SOFTMAX_TYPES[softmax],
+        dropout_rate=float(spec.dropout_rate) if dropout else 0.0,
+    )
+
+
+def attention_with_lse(spec: AttentionSpec, args: CanonicalArgs, scale: float):
+    """One block of a larger attention (context parallelism): vanilla softmax, no sink, no
+    dropout, no bias. Returns o [b, sq, h, dv] (q's dtype) and the float32 log-sum-exp
+    [b, h, sq], -inf for a query with no visible key (the kernels' +inf, flipped)."""
+    h = args.q.shape[2]
+    operands = (*args.tokens, jnp.zeros((1, h), jnp.float32), jnp.zeros((1, 2), jnp.uint32))
+    o, lse = _op(_static(spec, scale, SoftmaxType.VANILLA, False), False)(
+        args.q, args.k, args.v, *operands)
+    return o, jnp.where(lse == jnp.inf, -jnp.inf, lse)
+
+
+def attention_backward_from_lse(spec: AttentionSpec, args: CanonicalArgs, scale: float,
+                                out: jax.Array, lse: jax.Array, d_out: jax.Array):
+    """This block's share (dq, dk, dv) of the gradients of an attention spanning many
+    blocks, from the whole attention's output out [b, sq, h, dv], log-sum-exp lse
+    [b, h, sq] (sink included; -inf where a query sees nothing) and d_out."""
+    h = args.q.shape[2]
+    operands = (*args.tokens, jnp.zeros((1, h), jnp.float32), jnp.zeros((1, 2), jnp.uint32))
+    dq, dk, dv, _ = _op(_static(spec, scale, SoftmaxType.VANILLA, False), True)(
+        args.q, args.k, args.v, *operands, out.astype(args.q.dtype),
+        jnp.where(lse == -jnp.inf, jnp.inf, lse), d_out.astype(args.q.dtype))
+    return dq, dk, dv

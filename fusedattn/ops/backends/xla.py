@@ -60,8 +60,9 @@ def _scores(q: jax.Array, k: jax.Array) -> jax.Array:
     return scores.reshape(b, h, sq, k.shape[1])
 
 
-def _weighted_values(weights: jax.Array, v: jax.Array) -> jax.Array:
-    """weights float32 [b, h, sq, skv] . v [b, skv, h_kv, dv] -> [b, sq, h, dv] in v's dtype.
+def _weighted_values(weights: jax.Array, v: jax.Array, dtype=None) -> jax.Array:
+    """weights float32 [b, h, sq, skv] . v [b, skv, h_kv, dv] -> [b, sq, h, dv] in `dtype`
+    (default v's dtype).
 
     The weights are rounded to v's dtype first (bfloat16 or float16 inputs)."""
     b, h, sq, skv = weights.shape
@@ -70,7 +71,7 @@ def _weighted_values(weights: jax.Array, v: jax.Array) -> jax.Array:
     (grouped, values), precision = _matmul_operands(grouped, v)
     out = jnp.einsum("bkgqs,bskd->bqkgd", grouped, values, precision=precision,
                      preferred_element_type=jnp.float32)
-    return out.reshape(b, sq, h, v.shape[-1]).astype(v.dtype)
+    return out.reshape(b, sq, h, v.shape[-1]).astype(dtype or v.dtype)
 
 
 def _alibi_bias(spec: AttentionSpec, args: CanonicalArgs, num_heads: int) -> jax.Array:
@@ -81,8 +82,9 @@ def _alibi_bias(spec: AttentionSpec, args: CanonicalArgs, num_heads: int) -> jax
     return -jnp.asarray(slopes)[None, :, None, None] * distance
 
 
-def attention_weights(spec: AttentionSpec, args: CanonicalArgs, scale: float) -> jax.Array:
-    """Softmax weights float32 [b, h, sq, skv] after mask, bias, sink and dropout."""
+def scores_and_visible(spec: AttentionSpec, args: CanonicalArgs, scale: float
+                       ) -> tuple[jax.Array, jax.Array]:
+    """Scaled scores with the bias, float32 [b, h, sq, skv], and the mask [b, 1, sq, skv]."""
     h = args.q.shape[2]
     scores = _scores(args.q, args.k)
     if spec.bias == BiasType.PRE_SCALE_BIAS:
@@ -93,15 +95,16 @@ def attention_weights(spec: AttentionSpec, args: CanonicalArgs, scale: float) ->
         scores = scores + args.bias.astype(jnp.float32)
     elif spec.bias == BiasType.ALIBI:
         scores = scores + _alibi_bias(spec, args, h)
+    return scores, visible_mask(spec, args.tokens)
 
-    visible = visible_mask(spec, args.tokens)
+
+def _softmax(scores: jax.Array, visible: jax.Array, sink: jax.Array | None
+             ) -> tuple[jax.Array, jax.Array]:
+    """Masked softmax weights [b, h, sq, skv] and log-sum-exp [b, h, sq] (-inf: nothing
+    visible and no sink); `sink` [1, h, 1, 1] adds exp(sink) to the denominator."""
     row_max = jnp.max(jnp.where(visible, scores, -jnp.inf), axis=-1, keepdims=True,
                       initial=-jnp.inf)
-    sink = None
-    if spec.softmax != SoftmaxType.VANILLA:
-        offset = (jnp.zeros((h,), jnp.float32) if args.softmax_offset is None
-                  else args.softmax_offset.astype(jnp.float32))
-        sink = offset[None, :, None, None]
+    if sink is not None:
         row_max = jnp.maximum(row_max, sink)
     row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
     exps = jnp.exp(jnp.where(visible, scores - row_max, -jnp.inf))
@@ -109,11 +112,81 @@ def attention_weights(spec: AttentionSpec, args: CanonicalArgs, scale: float) ->
     if sink is not None:
         denominator = denominator + jnp.exp(sink - row_max)
     weights = exps / jnp.where(denominator > 0, denominator, 1.0)
+    lse = jnp.where(denominator > 0, row_max + jnp.log(jnp.where(denominator > 0, denominator,
+                                                                  1.0)), -jnp.inf)
+    return weights, lse[..., 0]
 
+
+def _dropped(spec: AttentionSpec, weights: jax.Array, keep: jax.Array | None) -> jax.Array:
+    if keep is None:
+        return weights
+    return jnp.where(keep, weights / (1.0 - spec.dropout_rate), 0.0)
+
+
+def attention_weights(spec: AttentionSpec, args: CanonicalArgs, scale: float) -> jax.Array:
+    """Softmax weights float32 [b, h, sq, skv] after mask, bias, sink and dropout."""
+    h = args.q.shape[2]
+    scores, visible = scores_and_visible(spec, args, scale)
+    sink = None
+    if spec.softmax != SoftmaxType.VANILLA:
+        offset = (jnp.zeros((h,), jnp.float32) if args.softmax_offset is None
+                  else args.softmax_offset.astype(jnp.float32))
+        sink = offset[None, :, None, None]
+    weights, _ = _softmax(scores, visible, sink)
+    keep = None
     if args.dropout_seed is not None and spec.dropout_rate > 0:
         keep = philox.dropout_keep_mask(args.dropout_seed, spec.dropout_rate, weights.shape)
-        weights = jnp.where(keep, weights / (1.0 - spec.dropout_rate), 0.0)
-    return weights
+    return _dropped(spec, weights, keep)
+
+
+def _real_keys_only(args: CanonicalArgs) -> CanonicalArgs:
+    """Zeroes padding keys and values: garbage there (even NaN) reaches no output or gradient,
+    as in kernels that never read them."""
+    real_key = (args.tokens.kv_seg != 0)[:, :, None, None]
+    return args._replace(k=jnp.where(real_key, args.k, 0), v=jnp.where(real_key, args.v, 0))
+
+
+def attention_with_lse(spec: AttentionSpec, args: CanonicalArgs, scale: float,
+                       keep: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """One block of a larger attention (context parallelism): vanilla softmax, no sink.
+
+    keep: None, or the boolean [b, h, sq, skv] dropout mask of this block.
+    Returns the float32 output [b, sq, h, dv] and log-sum-exp [b, h, sq] (-inf for a
+    query with no visible key, whose output is 0). Not differentiated: the gradient is
+    `attention_backward_from_lse`.
+    """
+    args = _real_keys_only(args)
+    scores, visible = scores_and_visible(spec, args, scale)
+    weights, lse = _softmax(scores, visible, None)
+    return _weighted_values(_dropped(spec, weights, keep), args.v, jnp.float32), lse
+
+
+def attention_backward_from_lse(spec: AttentionSpec, args: CanonicalArgs, scale: float,
+                                keep: jax.Array | None, out: jax.Array, lse: jax.Array,
+                                d_out: jax.Array):
+    """This block's share of the gradients of an attention whose softmax spans many blocks.
+
+    out [b, sq, h, dv] and lse [b, h, sq] are the whole attention's output and
+    log-sum-exp (sink included; -inf for a query that sees nothing), d_out its cotangent.
+    Returns (dq, dk, dv, dbias) for the block's q, k, v and bias (None without one), float32.
+
+    With the weights P = exp(s - lse) of the block's scores s, the block's terms are
+    dS = P * (dO . v_dropped - dO . out): the vector-Jacobian product of
+    sum_j P_ij (v_dropped_j - out_i), which autodiff gives through the score function
+    (bias, ALiBi slopes and GQA included).
+    """
+    args = _real_keys_only(args)
+    lse = jax.lax.stop_gradient(jnp.where(jnp.isfinite(lse), lse, 0.0))[..., None]
+    out = out.astype(jnp.float32)
+
+    def share(q, k, v, bias):
+        scores, visible = scores_and_visible(spec, args._replace(q=q, k=k, v=v, bias=bias), scale)
+        weights = jnp.exp(jnp.where(visible, scores - lse, -jnp.inf))
+        values = _weighted_values(_dropped(spec, weights, keep), v, jnp.float32)
+        return values - jnp.sum(weights, axis=-1).transpose(0, 2, 1)[..., None] * out
+
+    _, vjp = jax.vjp(share, args.q, args.k, args.v, args.bias)
+    return vjp(d_out.astype(jnp.float32))
 
 
 class XlaBackend:
@@ -125,10 +198,7 @@ class XlaBackend:
         return None
 
     def attention(self, spec: AttentionSpec, args: CanonicalArgs, scale: float) -> jax.Array:
-        # Padding tokens never take part: zeroing them keeps garbage there (even NaN)
-        # out of every output and gradient, as kernels that never read them behave.
-        real_key = (args.tokens.kv_seg != 0)[:, :, None, None]
-        args = args._replace(k=jnp.where(real_key, args.k, 0), v=jnp.where(real_key, args.v, 0))
+        args = _real_keys_only(args)
         return _weighted_values(attention_weights(spec, args, scale), args.v)
 
     # Paged layouts: every sequence's pages gathered into contiguous K/V, then the
