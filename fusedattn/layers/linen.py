@@ -37,7 +37,8 @@ class MultiHeadAttention(nn.Module):
     may feed one or more new tokens; they attend bottom-right causally to the
     filled cache (config mask "padding_causal_bottom_right" with kv length
     cache_index + new tokens), so step-by-step decoding equals full-sequence
-    causal attention. Under jit, writing past max_len is not checked.
+    causal attention. Writing past max_len raises ValueError eagerly; under jit the
+    outputs are NaN and checkify reports it (config.sequence.check_bounds).
 
     Attributes:
       num_heads: query heads h; qkv_features must be divisible by it.
@@ -121,6 +122,7 @@ class MultiHeadAttention(nn.Module):
             inputs_v = inputs_k
         features = self.out_features or inputs_q.shape[-1]
         qkv_features = self.qkv_features or inputs_q.shape[-1]
+        common.check_num_heads(self.num_heads)
         if qkv_features % self.num_heads:
             raise ValueError(
                 f"qkv_features: {qkv_features} is not divisible by num_heads {self.num_heads}."
