@@ -62,7 +62,7 @@ def get_config(arg: str = ""):
     config.model.num_heads = 4
     config.model.num_kv_heads = 2       # grouped-query attention
     config.model.mlp_dim = 512
-    config.model.max_len = config.data.get_ref("seq_len")
+    config.model.max_len = 128          # position table; must be >= data.seq_len (checked)
     config.model.dtype = "float32"      # compute dtype; parameters stay float32
     config.model.remat = False
     attention = attention_config()
@@ -86,6 +86,7 @@ def get_config(arg: str = ""):
     if gpu:
         config.data.batch_size = 16
         config.data.seq_len = 2048
+        config.model.max_len = 2048
         config.data.num_keys = 26
         config.data.max_pairs = 12
         config.data.max_docs_per_row = 32

@@ -51,7 +51,8 @@ def get_config(arg: str = ""):
     config.model.mlp_dim = 256
     config.model.dtype = "float32"
     config.model.attention = config_lib.attention_preset("small_seq")
-    config.model.attention.sequence.max_segments_per_seq = config.data.get_ref("users_per_row")
+    # THD: must be >= data.users_per_row (checked by the trainer)
+    config.model.attention.sequence.max_segments_per_seq = 4
 
     config.optim = config_lib.optim_config(weight_decay=0.01)
     config.trainer = config_lib.trainer_config(num_steps=800, log_every=20, eval_every=200,
@@ -60,6 +61,7 @@ def get_config(arg: str = ""):
     if arg == "gpu":
         config.data.batch_size = 256
         config.data.users_per_row = 16
+        config.model.attention.sequence.max_segments_per_seq = 16
         config.model.num_layers = 4
         config.model.d_model = 512
         config.model.num_heads = 8

@@ -412,3 +412,35 @@ def test_errors_raise_under_jit():
 
     with pytest.raises(ValueError, match=r"qkv: q head dim"):
         f(bshd(), bshd(d=4), bshd(d=4))
+
+
+# --------------------------------------------------------------------------- limits (issue 30)
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("window_size", (2**31, -1), r"config.window_size: got \(2147483648, -1\); .* each in "
+     r"\[0, 1073741823\]"),
+    ("window_size", (-1, 2**30), r"config.window_size: got \(-1, 1073741824\)"),
+    ("scale", float("inf"), r"config.scale: got inf; expected a positive finite number"),
+    ("scale", float("nan"), r"config.scale: got nan; expected a positive finite number"),
+])
+def test_values_a_backend_cannot_represent_are_config_errors(key, value, match):
+    with pytest.raises(ValueError, match=match):
+        fused_attn(QKV, config=make_config(**{key: value}))
+
+
+def test_head_dim_zero_is_an_error_not_a_division():
+    empty = zeros(B, S, H, 0)
+    with pytest.raises(ValueError, match=r"qkv: head dims must be >= 1, got q/k 0 and v 0"):
+        fused_attn((empty, empty, empty), config=make_config(backend="xla"))
+
+
+@pytest.mark.parametrize("key", [3, np.ones(2, np.float32), np.ones(3, np.uint32),
+                                 "split"])
+def test_a_bad_dropout_key_names_dropout_rng(key):
+    if isinstance(key, str):
+        key = jax.random.split(jax.random.key(0), 2)
+    with pytest.raises(TypeError, match=r"dropout_rng: expected one JAX PRNG key .* jax.vmap "
+                       r"the call over the keys.*'dropout' RNG stream"):
+        fused_attn(QKV, config=make_config(backend="xla", dropout_rate=0.1), dropout_rng=key,
+                   is_training=True)

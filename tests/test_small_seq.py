@@ -211,19 +211,28 @@ def test_check_bounds_off_drops_the_checkify_effect_and_keeps_the_nan_marks(rng)
 @pytest.mark.parametrize("declared_keys", [None, 8])
 def test_no_guard_where_no_data_can_break_the_bounds(rng, declared_keys):
     """One query token per row, the key bound at least the kv extent (8), lengths form: every
-    descriptor fits, so the call carries no checkify effect (JAX's fast dispatch), and its
-    lengths beyond the extent are cut at the row's end like the XLA backend's."""
+    valid descriptor fits, so the call carries no bound guard of its own; only the
+    descriptor's value checks (ops/validation.py: lengths in [0, extent], one check per
+    side), and none at all with config.sequence.check_bounds off (JAX's fast dispatch)."""
     qkv = bshd_inputs(rng, 3, 8, 2, 2, 64, jnp.float32)
-    sequence = SequenceDescriptor.from_seqlens(jnp.asarray([1, 5, 1], jnp.int32),
-                                               jnp.asarray([4, 99, 0], jnp.int32))
+    sequence = SequenceDescriptor.from_seqlens(jnp.asarray([1, 1, 0], jnp.int32),
+                                               jnp.asarray([4, 8, 0], jnp.int32))
+
+    def checks(config):
+        jaxpr = jax.make_jaxpr(lambda *a: fused_attn(a, config=config, sequence=sequence))(*qkv)
+        return [e.primitive.name for e in jaxpr.eqns].count("check")
+
     config = small_seq_config(max_kv=declared_keys, backend="small_seq")
-    attend = lambda *a: fused_attn(a, config=config, sequence=sequence)
-    assert not jax.make_jaxpr(attend)(*qkv).effects
+    assert checks(config) == 2
+    assert checks(small_seq_config(max_kv=declared_keys, backend="small_seq",
+                                   sequence={"check_bounds": False})) == 0
+    attend = jax.jit(lambda *a: fused_attn(a, config=config, sequence=sequence))
+    out = attend(*qkv)
     config.backend = "xla"
     expected = jax.jit(lambda *a: fused_attn(a, config=config, sequence=sequence))(*qkv)
-    assert_close(jax.jit(attend)(*qkv), expected, 1e-5, "out")
+    assert_close(out, expected, 1e-5, "out")
     broken = small_seq_config(max_kv=4, backend="small_seq")  # 8 keys can exceed 4
-    assert jax.make_jaxpr(lambda *a: fused_attn(a, config=broken, sequence=sequence))(*qkv).effects
+    assert checks(broken) == 3
 
 
 def test_guard_rejects_two_queries_in_one_segment(rng):

@@ -327,18 +327,6 @@ def test_descriptor_forms(rng, layout, mask, form):
     run_and_compare(rng, case)
 
 
-@pytest.mark.parametrize("mask", ["causal", "no_mask"])
-def test_descriptor_ignored_when_not_needed(rng, mask):
-    case = Case(mask=mask)
-    inputs = build(rng, case)
-    attend = jax.jit(lambda arrays, seq: fused_attn(arrays, config=inputs.config, sequence=seq))
-    plain = attend(inputs.arrays, None)
-    fields = seqlens_form(rng, case.b, case.sq, case.skv, q_lens=[1, 2], kv_lens=[1, 2])
-    with_descriptor = attend(inputs.arrays, descriptor(fields))
-    assert_finite(plain)
-    np.testing.assert_array_equal(np.asarray(plain), np.asarray(with_descriptor))
-
-
 @pytest.mark.parametrize("layout,bias,shape,mask", [
     ("bshd_bshd_bshd", "pre_scale_bias", "", "causal"),
     ("thd_t2hd", "pre_scale_bias", "bh", "padding_causal_bottom_right"),

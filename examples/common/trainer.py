@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 import pathlib
 import queue
 import sys
@@ -30,6 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import checkify
+
+from examples.common.checkpoints import Checkpoints
+from examples.common.workdir import MetricsLog, WorkdirLock
 
 Batch = dict[str, np.ndarray]
 # Evaluation returns, per metric name, a (numerator, denominator) pair of sums so that
@@ -133,6 +138,29 @@ def attention_train_flops(batch: int, seqlen_q: int, seqlen_kv: int, num_heads: 
     return 3.0 * forward * batch * num_layers * (0.5 if causal else 1.0)
 
 
+def explain_inputs(attention, batch: int, seqlen_q: int, seqlen_kv: int, num_heads: int,
+                   num_kv_heads: int, head_dim: int, dtype):
+    """(q, k, v ShapeDtypeStructs, config) as a layer calls fused_attn, for ops.explain.
+
+    Separate arrays in the layout family of attention.qkv_layout (SBHD: [s, b, h, d],
+    else [b, s, h, d]), and a copy of the config naming that family's separate layout
+    (a packed layout packs these same arrays, see fusedattn.layers.common).
+    """
+    import ml_collections
+    from fusedattn.ops.spec import AttentionSpec
+
+    family = AttentionSpec.from_config(attention).qkv_layout.format
+
+    def struct(seqlen, heads):
+        lead = (seqlen, batch) if family == "sbhd" else (batch, seqlen)
+        return jax.ShapeDtypeStruct((*lead, heads, head_dim), dtype)
+
+    separate = ml_collections.ConfigDict(attention.to_dict())
+    separate.qkv_layout = "_".join([family] * 3)
+    kv = struct(seqlen_kv, num_kv_heads)
+    return (struct(seqlen_q, num_heads), kv, kv), separate
+
+
 # ----------------------------------------------------------------------------- optimizer
 
 
@@ -154,56 +182,7 @@ def make_optimizer(optim, num_steps: int):
     ), schedule
 
 
-# ----------------------------------------------------------------------------- checkpoints
-
-
-class Checkpoints:
-    """orbax-checkpoint manager for {"params", "opt_state"}; the step is the directory name."""
-
-    def __init__(self, directory: pathlib.Path, keep: int):
-        import orbax.checkpoint as ocp
-
-        self._ocp = ocp
-        self.manager = ocp.CheckpointManager(
-            directory.absolute(),
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
-
-    def latest_step(self) -> int | None:
-        return self.manager.latest_step()
-
-    def restore(self, step: int, target):
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), target)
-        return self.manager.restore(step, args=self._ocp.args.StandardRestore(abstract))
-
-    def save(self, step: int, state) -> None:
-        self.manager.save(step, args=self._ocp.args.StandardSave(state), force=True)
-
-    def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
-
-
-# ----------------------------------------------------------------------------- metrics
-
-
-class MetricsLog:
-    """Appends JSON lines; on resume drops the lines past the restored step."""
-
-    def __init__(self, path: pathlib.Path, resume_step: int):
-        self.path = path
-        kept = []
-        if path.exists():
-            for line in path.read_text().splitlines():
-                if line.strip() and json.loads(line).get("step", 0) <= resume_step:
-                    kept.append(line)
-        path.write_text("".join(line + "\n" for line in kept))
-
-    def write(self, record: dict) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-
-    def read(self) -> list[dict]:
-        return [json.loads(l) for l in self.path.read_text().splitlines() if l.strip()]
+# ----------------------------------------------------------------------------- plots
 
 
 def plot_losses(records: list[dict], path: pathlib.Path, title: str,
@@ -302,45 +281,99 @@ class StepProfiler:
             self.active = False
 
 
+class TrainerError(RuntimeError):
+    """A run that stops for a reason the user can act on (the message says which)."""
+
+
+def check_positive(config, *keys: str) -> None:
+    """ValueError naming the key unless each dotted `key` of config is an int >= 1
+    (counts, sizes and cadences that the loop, the data or the model divide by)."""
+    for key in keys:
+        value = config
+        for part in key.split("."):
+            value = value[part]
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            hint = (" (the final checkpoint is always kept)"
+                    if key == "trainer.keep_checkpoints" else "")
+            raise ValueError(f"config.{key}: got {value!r}; expected an int >= 1{hint}.")
+
+
+def check_trainer_config(config) -> None:
+    """Validates config.trainer's counts and cadences; ValueError naming the key."""
+    check_positive(config, *(f"trainer.{key}" for key in (
+        "num_steps", "log_every", "eval_every", "eval_batches", "checkpoint_every",
+        "keep_checkpoints")))
+
+
+def head_dim(config) -> int:
+    """config.model.d_model // num_heads, after checking both (ValueError naming the key)."""
+    check_positive(config, "model.d_model", "model.num_heads")
+    d_model, num_heads = config.model.d_model, config.model.num_heads
+    if d_model % num_heads:
+        raise ValueError(f"config.model.d_model ({d_model}) must be a multiple of "
+                         f"config.model.num_heads ({num_heads}): each head gets "
+                         "d_model / num_heads features.")
+    return d_model // num_heads
+
+
 def train_and_evaluate(config, workdir: str | pathlib.Path, task: Task,
                        title: str = "training") -> dict:
-    """Trains `task` per config.trainer / config.optim; returns the summary dict."""
+    """Trains `task` per config.trainer / config.optim; returns the summary dict.
+
+    Holds WORKDIR/.lock for the run (a second trainer on the workdir stops with
+    TrainerError). Each step's loss and gradient norm are checked on the device: the
+    first non-finite one freezes the parameters and, at the next logging point, stops
+    the run with TrainerError naming the step (and the broken bound, where the op's
+    checkify checks explain it); no checkpoint after that step is written.
+    """
     workdir = pathlib.Path(workdir)
+    check_trainer_config(config)
     workdir.mkdir(parents=True, exist_ok=True)
+    with WorkdirLock(workdir):
+        return _train(config, workdir, task, title)
+
+
+def _train(config, workdir: pathlib.Path, task: Task, title: str) -> dict:
     tc = config.trainer
     num_steps = tc.num_steps
     tx, schedule = make_optimizer(config.optim, num_steps)
     platform = jax.devices()[0].platform
 
-    params = task.params
-    opt_state = tx.init(params)
+    opt_state = tx.init(task.params)
     checkpoints = Checkpoints(workdir / "checkpoints", tc.keep_checkpoints)
-    start_step = checkpoints.latest_step() or 0
-    if start_step:
-        try:
-            state = checkpoints.restore(start_step, {"params": params, "opt_state": opt_state})
-        except (ValueError, KeyError, TypeError) as error:
-            raise ValueError(
-                f"workdir: the checkpoint at {workdir / 'checkpoints' / str(start_step)} does not "
-                "match this config's model (a different size or framework?); resume with the "
-                "config that wrote it, or use a fresh --workdir.") from error
-        params, opt_state = state["params"], state["opt_state"]
-        _print(f"resumed from {workdir / 'checkpoints'} at step {start_step}")
+    start_step, state = checkpoints.restore_latest({"params": task.params, "opt_state": opt_state},
+                                                   _print)
+    params, opt_state = state["params"], state["opt_state"]
     log = MetricsLog(workdir / "metrics.jsonl", start_step)
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
 
     dropout_root = jax.random.key(config.seed + 1)
 
-    def train_step(params, opt_state, batch, step):
+    def train_step(params, opt_state, batch, step, first_bad):
         key = jax.random.fold_in(dropout_root, step)
         (loss, aux), grads = jax.value_and_grad(task.loss_fn, has_aux=True)(params, batch, key)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        metrics = dict(aux, loss=loss, grad_norm=optax.tree.norm(grads), lr=schedule(step))
-        return params, opt_state, metrics
+        grad_norm = optax.tree.norm(grads)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        # From the first non-finite step on, nothing changes: the parameters stay those
+        # before it (so no checkpoint can hold NaN, and the step can be diagnosed).
+        apply = finite & (first_bad < 0)
+        keep = lambda new, old: jnp.where(apply, new, old)  # noqa: E731
+        params = jax.tree.map(keep, new_params, params)
+        opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+        first_bad = jnp.where((first_bad < 0) & ~finite, step, first_bad)
+        metrics = dict(aux, loss=loss, grad_norm=grad_norm, lr=schedule(step))
+        return params, opt_state, metrics, first_bad
 
     train_step = _under_mesh(task.mesh, jax.jit(train_step, donate_argnums=(0, 1)))
     eval_step = _under_mesh(task.mesh, jax.jit(task.eval_fn))
+    first_bad = jnp.asarray(-1, jnp.int32)   # 0-based index of the first non-finite step
+
+    def stop_if_broken(first_bad_step: int) -> None:
+        if first_bad_step >= 0:
+            raise TrainerError(_non_finite_message(task, params, first_bad_step, dropout_root,
+                                                   checkpoints.latest_step()))
 
     def evaluate(params) -> dict[str, float]:
         totals: dict[str, list[float]] = {}
@@ -369,14 +402,15 @@ def train_and_evaluate(config, workdir: str | pathlib.Path, task: Task,
         for step in range(start_step, stop):
             profiler.at_step(step)
             batch = data.next()
-            params, opt_state, metrics = train_step(params, opt_state, batch,
-                                                    jnp.asarray(step, jnp.int32))
+            params, opt_state, metrics, first_bad = train_step(
+                params, opt_state, batch, jnp.asarray(step, jnp.int32), first_bad)
             done = step + 1
             profiler.after_step(done)
             interval_steps += 1
             is_eval = done % tc.eval_every == 0 or done == num_steps
             if done % tc.log_every == 0 or done == 1 or is_eval:
-                metrics = jax.device_get(metrics)
+                metrics, bad = jax.device_get((metrics, first_bad))
+                stop_if_broken(int(bad))
                 elapsed = time.perf_counter() - interval_start - overhead
                 record = {"step": done, **{k: float(v) for k, v in metrics.items()}}
                 if not first_interval and elapsed > 0:
@@ -404,8 +438,10 @@ def train_and_evaluate(config, workdir: str | pathlib.Path, task: Task,
                 bar.update(1)
             if done % tc.checkpoint_every == 0 or done == num_steps:
                 t0 = time.perf_counter()
+                stop_if_broken(int(first_bad))
                 checkpoints.save(done, {"params": params, "opt_state": opt_state})
                 overhead += time.perf_counter() - t0
+        stop_if_broken(int(first_bad))
     finally:
         profiler.stop()
         data.close()
@@ -433,11 +469,37 @@ def _under_mesh(mesh, fn: Callable) -> Callable:
         with jax.set_mesh(mesh):
             return fn(*args)
     return call
+def _non_finite_message(task: Task, params, step: int, dropout_root, checkpoint: int | None
+                        ) -> str:
+    """Why step `step` (0-based) went non-finite: re-runs its loss under checkify.
+
+    The parameters are those before that step (the step and all after it were not
+    applied), and the batch and dropout key are functions of the step, so this is the
+    same computation; the op's checks (e.g. a declared sequence bound that the data
+    breaks) then name the cause.
+    """
+    checked = checkify.checkify(task.loss_fn, errors=checkify.user_checks)
+    error, _ = jax.jit(checked)(params, task.train_batch(step),
+                                jax.random.fold_in(dropout_root, step))
+    cause = error.get()
+    where = (f"the newest checkpoint is step {checkpoint}" if checkpoint
+             else "no checkpoint was written")
+    message = (f"training stopped: the loss or the gradients are non-finite (NaN/Inf) at step "
+               f"{step + 1}; nothing from that step on was applied or saved ({where}).")
+    if cause:
+        return (f"{message}\nCause, from the attention op's checks: {cause.strip()}\n(The "
+                "attention keys named there live under config.model.attention, e.g. "
+                "--config.model.attention.sequence.max_seqlen_kv=...)")
+    return (f"{message} No attention check explains it: lower config.optim.learning_rate, "
+            "or look at the data of that step.")
 
 
 def _summary(records, last, seconds, steps, task: Task, tc, platform) -> dict:
+    # The first loss only when the record starts at step 1 (metrics.jsonl may have been
+    # removed before a resume); otherwise it is unknown and the summary says so.
+    first = records[0]["loss"] if records and records[0]["step"] == 1 else None
     summary = {"step": last.get("step", 0), "final_loss": last.get("loss"),
-               "first_loss": records[0]["loss"] if records else None}
+               "first_loss": first}
     evals = [r for r in records if "eval_loss" in r]
     if evals:
         summary.update({k: v for k, v in evals[-1].items() if k.startswith("eval_")})
@@ -454,6 +516,9 @@ def _summary_line(s: dict, unit: str) -> str:
     parts = [f"summary: step {s['step']}"]
     if s.get("first_loss") is not None:
         parts.append(f"loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}")
+    elif s.get("final_loss") is not None:
+        parts.append(f"loss (first unknown: metrics.jsonl lacks step 1) -> "
+                     f"{s['final_loss']:.4f}")
     if "eval_loss" in s:
         parts.append(f"eval_loss {s['eval_loss']:.4f}")
     if "eval_best_loss" in s:

@@ -227,14 +227,3 @@ def _build_equinox(c, attention, seed: int) -> Model:
 
     embedding = trainer.count_params([named["embed"], named["pos_embed"]])
     return Model(named, apply, trainer.count_params(named), embedding)
-
-
-def attention_shapes(model_config, batch: int, seq_len: int) -> tuple:
-    """ShapeDtypeStructs of the q, k, v the attention layers pass to fused_attn (BSHD)."""
-    c = model_config
-    head_dim = c.d_model // c.num_heads
-    dtype = trainer.compute_dtype(c.dtype)
-    q = jax.ShapeDtypeStruct((batch, seq_len, c.num_heads, head_dim), dtype)
-    kv = jax.ShapeDtypeStruct((batch, seq_len, c.num_kv_heads or c.num_heads, head_dim), dtype)
-    return q, kv, kv
-

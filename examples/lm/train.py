@@ -18,7 +18,9 @@ from fusedattn import ops
 def attention_for_data(config) -> ml_collections.ConfigDict:
     """config.model.attention, made consistent with config.data.packing.
 
-    Packing needs a padding causal mask over segment ids, and declares the data's
+    Packing needs a padding causal mask over segment ids ("causal" becomes
+    "padding_causal"; a mask that would let documents or the future leak, such as
+    "no_mask", is an error), and declares the data's
     bounds (config.data.max_docs_per_row, max_doc_len) as the attention's static
     sequence bounds (max_segments_per_seq, max_seqlen_q/kv; cuDNN's packed path sizes
     its work by them); without packing the rows
@@ -27,7 +29,7 @@ def attention_for_data(config) -> ml_collections.ConfigDict:
     """
     attention = ml_collections.ConfigDict(config.model.attention.to_dict())
     if config.data.packing:
-        if attention.mask in ("causal", "no_mask"):
+        if attention.mask == "causal":
             attention.mask = "padding_causal"
         if attention.sequence.format == "none":
             attention.sequence.format = "seqlens_offsets"
@@ -97,6 +99,10 @@ def _metrics(logits, batch):
 
 def make_task(config, verbose: bool = True) -> trainer.Task:
     c = config
+    trainer.check_trainer_config(c)
+    trainer.check_positive(c, "data.batch_size", "data.seq_len", "model.num_layers",
+                           "model.mlp_dim", "model.vocab_size", "model.max_len")
+    head_dim = trainer.head_dim(c)
     attention = attention_for_data(c)
     if c.model.max_len < c.data.seq_len:
         raise ValueError(f"config.model.max_len ({c.model.max_len}) must be >= "
@@ -132,7 +138,6 @@ def make_task(config, verbose: bool = True) -> trainer.Task:
     reference = {"eval_best_loss": float(sum((b["best_nll"] * b["weights"]).sum()
                                              for b in eval_batches) / weights)}
     tokens = c.data.batch_size * c.data.seq_len
-    head_dim = c.model.d_model // c.model.num_heads
     flops = (6.0 * (model.num_params - model.num_embedding_params) * tokens
              + trainer.attention_train_flops(c.data.batch_size, c.data.seq_len, c.data.seq_len,
                                              c.model.num_heads, head_dim, c.model.num_layers,
@@ -148,8 +153,11 @@ def make_task(config, verbose: bool = True) -> trainer.Task:
         print("example: " + lm_data.decode(first["inputs"][0][first["segment_ids"][0] == 1]))
         sequence = models.sequence_descriptor(attention, first["segment_ids"],
                                               first["positions"])
-        print(ops.explain(models.attention_shapes(c.model, c.data.batch_size, c.data.seq_len),
-                          config=attention, sequence=sequence))
+        shapes, explained = trainer.explain_inputs(
+            attention, c.data.batch_size, c.data.seq_len, c.data.seq_len, c.model.num_heads,
+            c.model.num_kv_heads or c.model.num_heads, head_dim,
+            trainer.compute_dtype(c.model.dtype))
+        print(ops.explain(shapes, config=explained, sequence=sequence))
     return trainer.Task(
         params=model.params, loss_fn=loss_fn, eval_fn=eval_fn,
         train_batch=train_batch, eval_batch=lambda i: eval_batches[i],

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
@@ -18,14 +17,19 @@ def attention_for_data(config) -> ml_collections.ConfigDict:
     """config.model.attention, with the sequence form matching its layout family.
 
     THD rows pack config.data.users_per_row users (lengths + offsets, so
-    max_segments_per_seq must cover them); BSHD runs one user per row (lengths).
+    max_segments_per_seq must cover them: checked, never rewritten); BSHD runs one
+    user per row (lengths).
     """
     attention = ml_collections.ConfigDict(config.model.attention.to_dict())
     spec = AttentionSpec.from_config(attention)
     if spec.qkv_layout.is_thd:
         attention.sequence.format = "seqlens_offsets"
-        attention.sequence.max_segments_per_seq = max(attention.sequence.max_segments_per_seq,
-                                                      config.data.users_per_row)
+        if attention.sequence.max_segments_per_seq < config.data.users_per_row:
+            raise ValueError(
+                f"config.model.attention.sequence.max_segments_per_seq "
+                f"({attention.sequence.max_segments_per_seq}) must be >= config.data.users_per_row "
+                f"({config.data.users_per_row}): each THD row packs that many users; raise it or "
+                "lower users_per_row.")
     else:
         attention.sequence.format = "seqlens"
     if not spec.mask.is_padding:
@@ -35,19 +39,12 @@ def attention_for_data(config) -> ml_collections.ConfigDict:
     return attention
 
 
-def _shapes(c, attention, batch):
-    """q, k, v as the layer hands them to fused_attn, for explain()."""
-    head_dim = c.model.d_model // c.model.num_heads
-    dtype = trainer.compute_dtype(c.model.dtype)
-    b, sq = batch["context"].shape
-    skv = batch["history"].shape[1]
-    q = jax.ShapeDtypeStruct((b, sq, c.model.num_heads, head_dim), dtype)
-    kv = jax.ShapeDtypeStruct((b, skv, c.model.num_kv_heads or c.model.num_heads, head_dim), dtype)
-    return q, kv, kv
-
-
 def make_task(config, verbose: bool = True) -> trainer.Task:
     c = config
+    trainer.check_trainer_config(c)
+    trainer.check_positive(c, "data.batch_size", "data.users_per_row", "data.num_items",
+                           "model.num_layers", "model.mlp_dim")
+    head_dim = trainer.head_dim(c)
     attention = attention_for_data(c)
     family = "thd" if AttentionSpec.from_config(attention).qkv_layout.is_thd else "bshd"
     batches = ss_data.Batches(c.data, family)
@@ -76,7 +73,6 @@ def make_task(config, verbose: bool = True) -> trainer.Task:
     }
     users = c.data.batch_size * c.data.users_per_row
     d, L = c.model.d_model, c.model.num_layers
-    head_dim = d // c.model.num_heads
     kv_dim = (c.model.num_kv_heads or c.model.num_heads) * head_dim
     kv_tokens = users * ss_data.MAX_HISTORY if family == "bshd" else (
         c.data.batch_size * c.data.users_per_row * ss_data.MAX_HISTORY)
@@ -93,7 +89,11 @@ def make_task(config, verbose: bool = True) -> trainer.Task:
         print(f"data: {c.data.num_items} items in {c.data.num_categories} categories; best "
               f"possible eval loss {reference['eval_best_loss']:.4f}, accuracy "
               f"{reference['eval_best_accuracy']:.4f}")
-        print(ops.explain(_shapes(c, attention, first), config=attention,
+        (b, sq), skv = first["context"].shape, first["history"].shape[1]
+        shapes, explained = trainer.explain_inputs(
+            attention, b, sq, skv, c.model.num_heads, c.model.num_kv_heads or c.model.num_heads,
+            head_dim, trainer.compute_dtype(c.model.dtype))
+        print(ops.explain(shapes, config=explained,
                           sequence=models.sequence_descriptor(attention, first)))
     return trainer.Task(
         params=model.params, loss_fn=loss_fn, eval_fn=eval_fn, train_batch=batches.train,

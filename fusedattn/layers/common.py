@@ -11,8 +11,8 @@ layers flatten them into one for the op and restore them after), sq/skv the
 query/key lengths, h/h_kv the query/key-value heads, d/dv the q-k/v head dims.
 
 Explicit masks and backend choice: a boolean `mask` (True = attend) is given to
-the op as a large-negative bias array added to the config's bias (post-scale
-when the config has none). A bias array changes which backends can serve the
+the op as a bias array, -inf where masked (exact at any logit size and dtype),
+added to the config's bias (post-scale when the config has none). A bias array changes which backends can serve the
 call; `fusedattn.ops.explain(qkv, config=..., bias=jax.ShapeDtypeStruct(...))`
 shows every backend's verdict for it. Query rows that the explicit mask and the
 config's mask together leave without any visible key output zeros (and get
@@ -35,8 +35,9 @@ import numpy as np
 from fusedattn import ops as _ops
 from fusedattn.layers import stock
 from fusedattn.ops import context_parallel
-from fusedattn.ops.backends.base import visible_mask
-from fusedattn.ops.enums import BiasType, MaskType, QKVLayout, SequenceFormat, SoftmaxType
+from fusedattn.ops.backends.base import guard, visible_mask
+from fusedattn.ops.enums import (BackendName, BiasType, MaskType, QKVLayout, SequenceFormat,
+                                 SoftmaxType)
 from fusedattn.ops.sequence import SequenceDescriptor, dense_token_info
 from fusedattn.ops.spec import AttentionSpec
 
@@ -44,7 +45,7 @@ Array = jax.Array
 
 __all__ = [
     "KVCache", "LayerOptions", "apply_rope", "attend", "attention_fn", "broadcast_bias",
-    "broadcast_mask", "core", "mask_value", "rope_frequencies", "spec_of", "spec_with_mask",
+    "broadcast_mask", "core", "rope_frequencies", "spec_of", "spec_with_mask",
     "split_fused_qkv",
 ]
 
@@ -78,12 +79,24 @@ class LayerOptions(NamedTuple):
     rope_theta: float | None = None
 
 
+def check_num_heads(num_heads) -> None:
+    """ValueError unless num_heads is an int >= 1 (before anything divides by it)."""
+    if (isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer))
+            or num_heads < 1):
+        raise ValueError(f"num_heads: expected an int >= 1, got {num_heads!r}.")
+
+
 def check_options(num_heads: int, num_kv_heads: int | None, head_dim: int, *, rope: bool,
                   rope_theta: float, fused_qkv: bool, head_dim_v: int | None = None,
                   ) -> LayerOptions:
-    """Validates head counts and feature flags at construction; returns LayerOptions."""
-    if not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
-        raise ValueError(f"num_heads: expected an int >= 1, got {num_heads!r}.")
+    """Validates head counts, head dims and feature flags at construction; returns LayerOptions."""
+    check_num_heads(num_heads)
+    for name, dim in (("q/k", head_dim), ("v", head_dim_v)):
+        if dim is not None and dim < 1:
+            raise ValueError(
+                f"head dim: the {name} head dim is {dim}; each head needs at least one feature. "
+                "Use more features (qkv_features / qk_size / vo_size) or fewer num_heads."
+            )
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     if (not isinstance(num_kv_heads, (int, np.integer)) or num_kv_heads < 1
             or num_heads % num_kv_heads):
@@ -163,15 +176,6 @@ def apply_rope(x: Array, positions: Array, theta: float) -> Array:
 # --------------------------------------------------------------------------- masks and bias
 
 
-def mask_value(dtype) -> float:
-    """The large negative bias that stands for "masked" in `dtype`.
-
-    -1e9 (exp underflows to exactly 0 in float32 softmax), or half the dtype's
-    largest value when that is smaller (float16), so scaling cannot overflow.
-    """
-    return -min(1e9, float(jnp.finfo(dtype).max) / 2)
-
-
 def _broadcast_leading(array: Array, name: str, batch_shape: tuple[int, ...], num_heads: int,
                        seqlen_q: int, seqlen_kv: int, what: str) -> Array:
     """Array broadcastable to [batch..., h, sq, skv] -> [B or 1, h or 1, sq, skv]."""
@@ -242,18 +246,28 @@ class KVCache(NamedTuple):
     index: Array
 
 
-def _check_cache_room(index, new_tokens: int, max_length: int) -> None:
-    if isinstance(index, jax.core.Tracer):
-        return  # under jit the caller owns the bound (documented on the layers)
-    if int(index) + new_tokens > max_length:
-        raise ValueError(
-            f"decode: the KV cache holds {max_length} positions, {int(index)} are used and "
-            f"{new_tokens} new token(s) were given; initialise a longer cache."
-        )
+def _cache_overflow(spec: AttentionSpec, index: Array, new_tokens: int, max_length: int
+                    ) -> Array:
+    """bool []: whether writing new_tokens at index runs past the cache's max_length.
+
+    Raises ValueError at once with a concrete index (eager use); under jit the same
+    message goes through base.guard (checkify) and the caller marks the outputs NaN.
+    """
+    message = (f"decode: the KV cache holds {max_length} positions and {new_tokens} new "
+               "token(s) do not fit after the used ones; initialise a longer cache (max_len).")
+    if not isinstance(index, jax.core.Tracer) and int(index) + new_tokens > max_length:
+        raise ValueError(message.replace("positions and", f"positions, {int(index)} are used "
+                                                          "and"))
+    overflow = jnp.asarray(index, jnp.int32) + new_tokens > max_length
+    guard(overflow, message, spec)
+    return overflow
 
 
 def _decode(spec: AttentionSpec, cache: KVCache, k: Array, v: Array, sequence):
-    """Writes the new k/v [B, n, h_kv, d] at cache.index; returns what attention needs."""
+    """Writes the new k/v [B, n, h_kv, d] at cache.index; returns what attention needs.
+
+    (spec, cache k, cache v, descriptor, new cache, overflow: bool [] past max_len).
+    """
     if sequence is not None:
         raise ValueError(
             "sequence: decode mode builds its own descriptor from the cache index (padding + "
@@ -271,8 +285,8 @@ def _decode(spec: AttentionSpec, cache: KVCache, k: Array, v: Array, sequence):
             "flattening the batch axes; initialise the cache with this batch and head layout."
         )
     n = k.shape[1]
+    overflow = _cache_overflow(spec, cache.index, n, max_length)
     index = jnp.asarray(cache.index, jnp.int32)
-    _check_cache_room(cache.index, n, max_length)
     zero = jnp.zeros((), jnp.int32)
     flat_k = jax.lax.dynamic_update_slice(flat_k, k.astype(flat_k.dtype), (zero, index, zero, zero))
     flat_v = jax.lax.dynamic_update_slice(flat_v, v.astype(flat_v.dtype), (zero, index, zero, zero))
@@ -285,7 +299,7 @@ def _decode(spec: AttentionSpec, cache: KVCache, k: Array, v: Array, sequence):
     family = "sbhd" if spec.qkv_layout.format == "sbhd" else "bshd"
     decode_spec = spec.replace(mask=mask, sequence_format=SequenceFormat.NONE,
                                qkv_layout=_PACKED[family][0])
-    return decode_spec, flat_k, flat_v, descriptor, new_cache
+    return decode_spec, flat_k, flat_v, descriptor, new_cache, overflow
 
 
 # --------------------------------------------------------------------------- the op call
@@ -353,12 +367,19 @@ def spec_with_mask(config) -> AttentionSpec:
     return spec
 
 
-def _with_mask_bias(spec: AttentionSpec, mask: Array | None, bias: Array | None, dtype
-                    ) -> tuple[AttentionSpec, Array | None]:
-    """Folds an explicit boolean mask [B|1, h|1, sq, skv] into the bias argument of the op."""
+def _with_mask_bias(spec: AttentionSpec, mask: Array | None, bias: Array | None, dtype,
+                    rows: Array | None) -> tuple[AttentionSpec, Array | None]:
+    """Folds an explicit boolean mask [B|1, h|1, sq, skv] into the bias argument of the op.
+
+    Masked keys get -inf, so no logit, however large, outweighs them (a finite bias
+    such as float16's -32752 loses to a scaled score of 48000). A query row that sees
+    no key at all (`rows` False, see _row_visible) keeps a zero mask bias instead, so
+    no backend meets a row of -inf; `attend` zeroes that row's output.
+    """
     if mask is None:
         return spec, bias
-    mask_bias = jnp.where(mask, jnp.zeros((), dtype), jnp.asarray(mask_value(dtype), dtype))
+    keep = mask | ~rows[..., None]
+    mask_bias = jnp.where(keep, jnp.zeros((), dtype), jnp.asarray(-jnp.inf, dtype))
     if spec.bias == BiasType.NO_BIAS:
         return spec_with_mask(spec), mask_bias
     spec = spec_with_mask(spec)
@@ -367,13 +388,30 @@ def _with_mask_bias(spec: AttentionSpec, mask: Array | None, bias: Array | None,
     return spec, (bias + mask_bias).astype(jnp.result_type(bias.dtype, dtype))
 
 
+def _check_backend_serves_mask(spec: AttentionSpec, arrays: tuple, bias: Array | None,
+                               sequence) -> None:
+    """ValueError saying how an explicit mask travels when the named backend refuses it."""
+    if spec.backend == BackendName.AUTO or bias is None:
+        return
+    explanation = _ops.explain(arrays, config=spec, bias=bias, sequence=sequence)
+    if explanation.backend is not None:
+        return
+    serving = [name for name, reason in explanation.verdicts.items() if reason is None]
+    raise ValueError(
+        f"mask: an explicit mask travels to the op as a bias array (-inf where masked, "
+        f"config.bias {str(spec.bias)!r}), and config.backend {str(spec.backend)!r} cannot "
+        f"serve it: {explanation.verdicts[str(spec.backend)]}. Backends that serve this call: "
+        f"{', '.join(serving) or 'none'}; name one (or 'auto'), or express the mask through "
+        "config.mask and a SequenceDescriptor (sequence=...) instead."
+    )
+
+
 def _row_visible(spec: AttentionSpec, mask: Array, sequence, batch: int, sq: int, skv: int
                  ) -> Array:
-    """float [B, sq, h|1, 1]: 1 where a query row sees a key under mask AND config mask."""
+    """bool [B, h|1, sq]: whether a query row sees a key under mask AND the config mask."""
     tokens = (sequence.token_info(spec, sq, skv) if spec.uses_segments
               else dense_token_info(spec, batch, sq, skv))
-    visible = jnp.any(mask & visible_mask(spec, tokens), axis=-1)  # [B, h|1, sq]
-    return jnp.swapaxes(visible, 1, 2)[..., None]
+    return jnp.any(mask & visible_mask(spec, tokens), axis=-1)
 
 
 def attend(spec: AttentionSpec, q: Array, k: Array, v: Array, *, mask=None, bias=None,
@@ -397,15 +435,20 @@ def attend(spec: AttentionSpec, q: Array, k: Array, v: Array, *, mask=None, bias
     batch, sq, _, _ = q.shape
     skv = k.shape[1]
     layout = _choose_layout(spec, q, k, v, fused)
-    call_spec, call_bias = _with_mask_bias(spec.replace(qkv_layout=layout), mask, bias, q.dtype)
-    out = _ops.fused_attn(_arrange(q, k, v, layout), config=call_spec, bias=call_bias,
+    spec = spec.replace(qkv_layout=layout)
+    rows = None if mask is None else _row_visible(spec, mask, sequence, batch, sq, skv)
+    call_spec, call_bias = _with_mask_bias(spec, mask, bias, q.dtype, rows)
+    arrays = _arrange(q, k, v, layout)
+    if mask is not None:
+        _check_backend_serves_mask(call_spec, arrays, call_bias, sequence)
+    out = _ops.fused_attn(arrays, config=call_spec, bias=call_bias,
                           softmax_offset=softmax_offset, sequence=sequence,
                           dropout_rng=dropout_rng, is_training=not deterministic)
     if layout.format == "sbhd":
         out = jnp.swapaxes(out, 0, 1)
     if mask is not None:
-        visible = _row_visible(call_spec, mask, sequence, batch, sq, skv)
-        out = out * context_parallel.to_device_layout(spec, visible).astype(out.dtype)
+        rows = context_parallel.to_device_layout(spec, rows, -1)  # the output's row order
+        out = jnp.where(jnp.swapaxes(rows, 1, 2)[..., None], out, jnp.zeros((), out.dtype))
     return out
 
 
@@ -468,10 +511,10 @@ def core(spec: AttentionSpec, options: LayerOptions, q: Array, k: Array, v: Arra
                        options.rope_theta)
         k = apply_rope(k, context_parallel.to_device_layout(spec, positions_kv, -1),
                        options.rope_theta)
-    new_cache = None
+    new_cache, overflow = None, None
     fused = options.fused_qkv
     if cache is not None:
-        spec, k, v, sequence, new_cache = _decode(spec, cache, k, v, sequence)
+        spec, k, v, sequence, new_cache, overflow = _decode(spec, cache, k, v, sequence)
         k, v = k.astype(q.dtype), v.astype(q.dtype)
         fused = False
     sq, h, skv = q.shape[1], q.shape[2], k.shape[1]
@@ -482,6 +525,8 @@ def core(spec: AttentionSpec, options: LayerOptions, q: Array, k: Array, v: Arra
     out = attend(spec, q, k, v, mask=mask, bias=bias, softmax_offset=softmax_offset,
                  sequence=sequence, dropout_rng=dropout_rng, deterministic=deterministic,
                  fused=fused)
+    if overflow is not None:  # past max_len: the cache write was clamped, so no numbers
+        out = jnp.where(overflow, jnp.asarray(jnp.nan, out.dtype), out)
     return out.reshape(*batch_shape, *out.shape[1:]), new_cache
 
 

@@ -139,6 +139,7 @@ class MultiheadAttention(eqx.Module):
         key_size = query_size if key_size is None else key_size
         value_size = query_size if value_size is None else value_size
         output_size = query_size if output_size is None else output_size
+        common.check_num_heads(num_heads)
         qk_size = query_size // num_heads if qk_size is None else qk_size
         vo_size = query_size // num_heads if vo_size is None else vo_size
         self.options = common.check_options(num_heads, num_kv_heads, qk_size, rope=rope,

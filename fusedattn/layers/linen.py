@@ -43,7 +43,8 @@ class MultiHeadDotProductAttention(nn.Module):
     may feed one or more new tokens; they attend bottom-right causally to the
     filled cache (config mask "padding_causal_bottom_right" with kv length
     cache_index + new tokens), so step-by-step decoding equals full-sequence
-    causal attention. Under jit, writing past max_len is not checked.
+    causal attention. Writing past max_len raises ValueError eagerly; under jit the
+    outputs are NaN and checkify reports it (config.sequence.check_bounds).
 
     Paged decoding (fusedattn.layers.paged): with num_pages and page_size set, a call
     with pages=PageTable (inputs [max_seqs, n, F], self-attention) keeps key_pages /
@@ -168,6 +169,7 @@ class MultiHeadDotProductAttention(nn.Module):
                                                       "inputs_v")
         features = self.out_features or inputs_q.shape[-1]
         qkv_features = self.qkv_features or inputs_q.shape[-1]
+        common.check_num_heads(self.num_heads)
         if qkv_features % self.num_heads:
             raise ValueError(
                 f"qkv_features: {qkv_features} is not divisible by num_heads {self.num_heads}."

@@ -39,7 +39,8 @@ class MultiHeadAttention(nnx.Module):
     (int32 []), as in the stock module; calls with decode=True (argument or
     attribute) write the new tokens at cache_index and attend bottom-right
     causally to the filled cache, so step-by-step decoding equals the
-    full-sequence causal attention. Under jit, writing past max_len is not checked.
+    full-sequence causal attention. Writing past max_len raises ValueError eagerly;
+    under jit the outputs are NaN and checkify reports it (config.sequence.check_bounds).
 
     Paged decoding (fusedattn.layers.paged): `init_paged_cache(num_pages, page_size,
     dtype)` creates nnx.Cache key_pages / value_pages [num_pages, page_size, h_kv, d];
@@ -109,6 +110,7 @@ class MultiHeadAttention(nnx.Module):
         self.qkv_features = qkv_features if qkv_features is not None else in_features
         self.out_features = out_features if out_features is not None else in_features
         self.in_kv_features = in_kv_features if in_kv_features is not None else in_features
+        common.check_num_heads(num_heads)
         if self.qkv_features % num_heads:
             raise ValueError(
                 f"qkv_features: {self.qkv_features} is not divisible by num_heads {num_heads}."
@@ -248,11 +250,12 @@ class MultiHeadAttention(nnx.Module):
             if not deterministic:
                 stream = self.rngs if rngs is None else rngs
                 if isinstance(stream, nnx.Rngs):
-                    stream = stream.dropout
+                    stream = getattr(stream, "dropout", None)   # None: no "dropout" stream
                 if stream is None:
                     raise common.missing_dropout_rng(
                         spec, "pass rngs=nnx.Rngs(dropout=...) to the call (the layer keeps "
-                        "none when built with keep_rngs=False), or deterministic=True.")
+                        "none when built with keep_rngs=False; an Rngs without a 'dropout' "
+                        "stream does not count), or deterministic=True.")
                 dropout_rng = stream()
         else:
             deterministic = True

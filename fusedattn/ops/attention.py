@@ -7,7 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fusedattn.ops import context_parallel, layouts, paged, philox, registry
+from fusedattn.ops import context_parallel, layouts, paged, philox, registry, validation
 from fusedattn.ops.backends.base import CallShapes, CanonicalArgs
 from fusedattn.ops.enums import BiasType, SoftmaxType
 from fusedattn.ops.sequence import SequenceDescriptor, dense_token_info
@@ -55,7 +55,7 @@ def fused_attn(qkv, *, config, bias=None, softmax_offset=None, sequence=None,
                 "so a PRNG key is needed; pass dropout_rng=jax.random.key(...), or "
                 "is_training=False to turn dropout off."
             )
-        dropout_seed = philox.seed_from_key(dropout_rng)
+        dropout_seed = philox.seed_from_key(_checked_key(dropout_rng))
     else:
         dropout_seed = None
     args = CanonicalArgs(
@@ -72,6 +72,9 @@ def fused_attn(qkv, *, config, bias=None, softmax_offset=None, sequence=None,
         out = context_parallel.attention(spec, backend.name, args, scale)
     else:
         out = backend.attention(spec, args, scale)
+    if spec.uses_segments:
+        broken = validation.broken_rows(sequence, spec, shapes.seqlen_q, shapes.seqlen_kv)
+        out = jnp.where(broken[:, None, None, None], jnp.asarray(jnp.nan, out.dtype), out)
     return layouts.from_bshd(out, spec.qkv_layout)
 
 
@@ -124,6 +127,20 @@ def _check_no_page_table(spec: AttentionSpec, page_table) -> None:
             f"'paged_kv_thd_bshd_bshd') read a page table, but config.qkv_layout is "
             f"{str(spec.qkv_layout)!r}; drop the argument or set a paged layout."
         )
+def _checked_key(key):
+    """The dropout key if it is one JAX PRNG key (typed [], or raw uint32 [2]), else TypeError."""
+    shape, dtype = getattr(key, "shape", None), getattr(key, "dtype", None)
+    typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+    if (typed and shape == ()) or (not typed and dtype == jnp.uint32 and shape == (2,)):
+        return key
+    got = (f"{type(key).__name__}" if shape is None
+           else f"an array of dtype {dtype} and shape {tuple(shape)}")
+    raise TypeError(
+        f"dropout_rng: expected one JAX PRNG key (jax.random.key(seed), or a raw uint32 [2] "
+        f"key), got {got}. For a key per example, jax.vmap the call over the keys. The layers "
+        "take it from linen's 'dropout' RNG stream (or dropout_rng=), nnx's "
+        "rngs=nnx.Rngs(dropout=...), or Equinox's key=."
+    )
 
 
 def _as_tuple(qkv) -> tuple:
@@ -152,6 +169,12 @@ def _call_shapes(spec: AttentionSpec, q, k, v, bias, softmax_offset, sequence,
                 f"{type(sequence).__name__}."
             )
         sequence.check(spec, b, sq, skv)
+    elif sequence is not None:
+        raise ValueError(
+            f"sequence: config mask {str(spec.mask)!r} with layout {str(spec.qkv_layout)!r} does "
+            f"not read a SequenceDescriptor, so padding and packing would be ignored; use mask "
+            f"{str(spec.mask.with_padding)!r} to apply it, or pass sequence=None."
+        )
     return CallShapes(batch=b, seqlen_q=sq, seqlen_kv=skv, num_heads=h, num_kv_heads=h_kv,
                       head_dim_qk=d, head_dim_v=v.shape[3], dtype=jnp.dtype(q.dtype),
                       bias_shape=(tuple(bias.shape) if bias is not None and spec.bias != BiasType.ALIBI

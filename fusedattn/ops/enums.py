@@ -87,6 +87,13 @@ class MaskType(_Choice):
     def is_bottom_right(self) -> bool:
         return self.value.endswith("bottom_right")
 
+    @property
+    def with_padding(self) -> "MaskType":
+        """The padding mask of the same shape: causal -> padding_causal, no_mask -> padding."""
+        if self.is_padding:
+            return self
+        return MaskType("padding" if self == MaskType.NO_MASK else f"padding_{self.value}")
+
 
 class BiasType(_Choice):
     NO_BIAS = "no_bias"

@@ -120,6 +120,11 @@ def check_canonical(q, k, v) -> None:
         raise ValueError(
             f"qkv: q head dim {d} differs from k head dim {k.shape[3]}; q and k need one head dim."
         )
+    if d < 1 or v.shape[3] < 1:
+        raise ValueError(
+            f"qkv: head dims must be >= 1, got q/k {d} and v {v.shape[3]}; each head needs at "
+            "least one feature."
+        )
     h_kv = k.shape[2]
     if h_kv == 0 or h % h_kv:
         raise ValueError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import Any, Mapping
 
@@ -24,6 +25,9 @@ _SEQUENCE_KEYS = ("format", "max_segments_per_seq", "max_seqlen_q", "max_seqlen_
                   "check_bounds")
 _SMALL_SEQ_KEYS = ("enabled",)
 _CONTEXT_PARALLEL_KEYS = ("axis", "strategy", "load_balance")
+# Token positions are int32 in every backend, and a window's edges (position +- side)
+# must stay in int32 too; a window wider than any sequence is simply unbounded (-1).
+MAX_WINDOW = 2**30 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,9 +149,10 @@ def _dropout_rate(value: Any) -> float:
 def _scale(value: Any) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0
+            or not math.isfinite(value)):
         raise ValueError(
-            f"config.scale: got {value!r}; expected a positive number, or None for "
+            f"config.scale: got {value!r}; expected a positive finite number, or None for "
             "1/sqrt(head_dim)."
         )
     return float(value)
@@ -159,10 +164,12 @@ def _window(value: Any) -> tuple[int, int]:
     except (TypeError, ValueError):
         left = right = None
     for side in (left, right):
-        if isinstance(side, bool) or not isinstance(side, numbers.Integral) or side < -1:
+        if (isinstance(side, bool) or not isinstance(side, numbers.Integral) or side < -1
+                or side > MAX_WINDOW):
             raise ValueError(
                 f"config.window_size: got {value!r}; expected a pair (left, right) of ints, "
-                "each >= 0 or -1 for unbounded, e.g. (-1, -1) for no window."
+                f"each in [0, {MAX_WINDOW}] (window edges are int32 token positions) or -1 "
+                "for unbounded, e.g. (-1, -1) for no window."
             )
     return int(left), int(right)
 

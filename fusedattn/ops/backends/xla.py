@@ -198,8 +198,30 @@ class XlaBackend:
         return None
 
     def attention(self, spec: AttentionSpec, args: CanonicalArgs, scale: float) -> jax.Array:
-        args = _real_keys_only(args)
-        return _weighted_values(attention_weights(spec, args, scale), args.v)
+        # Masked keys contribute nothing, even when they hold NaN or Inf: a matmul would
+        # form 0 x NaN = NaN, so non-finite k/v entries are selected out (where, not
+        # multiplied) and only rows that can see such a key are marked NaN.
+        visible = visible_mask(spec, args.tokens)                  # [b, 1, sq, skv]
+        k_bad = _non_finite_keys(args.k)                           # [b, skv, h_kv]
+        v_bad = _non_finite_keys(args.v)
+        args = args._replace(k=jnp.where(jnp.isfinite(args.k), args.k, 0),
+                             v=jnp.where(jnp.isfinite(args.v), args.v, 0))
+        out = _weighted_values(attention_weights(spec, args, scale), args.v)
+        poisoned = _sees(visible, k_bad | v_bad, args.q.shape[2])  # [b, sq, h, 1]
+        return jnp.where(poisoned, jnp.asarray(jnp.nan, out.dtype), out)
+
+
+def _non_finite_keys(x: jax.Array) -> jax.Array:
+    """bool [b, skv, h_kv]: whether a key/value row [b, skv, h_kv, d] holds NaN or Inf."""
+    return jnp.any(~jnp.isfinite(x), axis=-1)
+
+
+def _sees(visible: jax.Array, bad: jax.Array, num_heads: int) -> jax.Array:
+    """bool [b, sq, h, 1]: whether query (b, i) of head h sees a key marked in bad [b, skv, h_kv]."""
+    h_kv = bad.shape[-1]
+    hits = jnp.einsum("bqs,bsk->bqk", visible[:, 0].astype(jnp.float32),
+                      bad.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return jnp.repeat(hits > 0, num_heads // h_kv, axis=-1)[..., None]
 
     # Paged layouts: every sequence's pages gathered into contiguous K/V, then the
     # contiguous path above. Differentiable like it (the gather's gradient scatter-adds
