@@ -211,18 +211,6 @@ class XlaBackend:
         return jnp.where(poisoned, jnp.asarray(jnp.nan, out.dtype), out)
 
 
-def _non_finite_keys(x: jax.Array) -> jax.Array:
-    """bool [b, skv, h_kv]: whether a key/value row [b, skv, h_kv, d] holds NaN or Inf."""
-    return jnp.any(~jnp.isfinite(x), axis=-1)
-
-
-def _sees(visible: jax.Array, bad: jax.Array, num_heads: int) -> jax.Array:
-    """bool [b, sq, h, 1]: whether query (b, i) of head h sees a key marked in bad [b, skv, h_kv]."""
-    h_kv = bad.shape[-1]
-    hits = jnp.einsum("bqs,bsk->bqk", visible[:, 0].astype(jnp.float32),
-                      bad.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-    return jnp.repeat(hits > 0, num_heads // h_kv, axis=-1)[..., None]
-
     # Paged layouts: every sequence's pages gathered into contiguous K/V, then the
     # contiguous path above. Differentiable like it (the gather's gradient scatter-adds
     # into the page pools, summing over table entries that share a page).
@@ -234,6 +222,19 @@ def _sees(visible: jax.Array, bad: jax.Array, num_heads: int) -> jax.Array:
         dense, broken = paged.dense_view(spec, args)
         out = self.attention(spec, dense, scale)
         return jnp.where(broken[:, :, None, None], jnp.asarray(jnp.nan, out.dtype), out)
+
+
+def _non_finite_keys(x: jax.Array) -> jax.Array:
+    """bool [b, skv, h_kv]: whether a key/value row [b, skv, h_kv, d] holds NaN or Inf."""
+    return jnp.any(~jnp.isfinite(x), axis=-1)
+
+
+def _sees(visible: jax.Array, bad: jax.Array, num_heads: int) -> jax.Array:
+    """bool [b, sq, h, 1]: whether query (b, i) of head h sees a key marked in bad [b, skv, h_kv]."""
+    h_kv = bad.shape[-1]
+    hits = jnp.einsum("bqs,bsk->bqk", visible[:, 0].astype(jnp.float32),
+                      bad.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return jnp.repeat(hits > 0, num_heads // h_kv, axis=-1)[..., None]
 
 
 BACKEND = XlaBackend()
