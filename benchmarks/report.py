@@ -1,0 +1,174 @@
+"""Charts of the committed benchmark results: benchmarks/results/*.json -> docs/img/*.png.
+
+    python benchmarks/report.py [--results benchmarks/results] [--out docs/img]
+
+Needs only matplotlib and numpy (not fusedattn, not a GPU). One function per
+results file; each reads that file's `summary` (or `rows`) as the benchmark wrote
+it and draws one PNG, so re-running a benchmark and then this script refreshes
+docs/benchmarks.md's charts.
+"""
+
+import argparse
+import json
+import pathlib
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+PASSES = ("fwd", "fwd+bwd")
+
+
+def load(results: pathlib.Path, name: str) -> dict:
+    """The parsed results file `name`.json; a clear error when it is missing."""
+    path = results / f"{name}.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: run benchmarks/{name}.py first, or pass --results")
+    return json.loads(path.read_text())
+
+
+def grouped_bars(ax, labels, series, ylabel, title):
+    """Bars of several series side by side per label; series: {legend: [value or None per label]}."""
+    x = np.arange(len(labels))
+    width = 0.8 / len(series)
+    for i, (legend, values) in enumerate(series.items()):
+        heights = [np.nan if v is None else v for v in values]
+        ax.bar(x + (i - (len(series) - 1) / 2) * width, heights, width, label=legend)
+    ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def save(fig, out: pathlib.Path, name: str, source: dict, top: float = 1.0) -> pathlib.Path:
+    """Write fig as out/name.png with the device and date of the results in a footer; top: room for a legend."""
+    fig.text(0.01, 0.005, f"{source['device']}, {source['date'][:10]}, benchmarks/results/{name}.json",
+             fontsize=7, color="gray")
+    fig.tight_layout(rect=(0, 0.03, 1, top))
+    path = out / f"{name}.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def shape_label(name: str) -> str:
+    """'b4_s2048_h16_d128_causal' -> 'b4 s2048 h16 d128 causal'."""
+    return name.replace("_", " ")
+
+
+def chart_tflops(results, out, name, series_keys, title):
+    """TF/s per shape, fwd and fwd+bwd panels; series_keys: {legend: summary key}."""
+    data = load(results, name)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
+    for ax, pass_ in zip(axes, PASSES):
+        rows = [r for r in data["summary"] if r["pass"] == pass_]
+        series = {legend: [r.get(key) for r in rows] for legend, key in series_keys.items()}
+        grouped_bars(ax, [shape_label(r["name"]) for r in rows], series, "TF/s", f"{title}, {pass_}")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper center", ncol=len(series_keys), fontsize=8)
+    return save(fig, out, name, data, top=0.9)
+
+
+def chart_cudnn(results, out):
+    """The cudnn backend against jax.nn.dot_product_attention(cudnn) and the xla backend."""
+    return chart_tflops(results, out, "cudnn", {
+        "fusedattn cudnn": "tflops",
+        "jax.nn.dot_product_attention (cudnn)": "jax_cudnn_tflops",
+        "fusedattn xla": "xla_tflops",
+    }, "cudnn backend")
+
+
+def chart_flash(results, out):
+    """The flash CUDA kernels against the cudnn backend, JAX's cuDNN call and FlashAttention-3."""
+    return chart_tflops(results, out, "flash", {
+        "fusedattn flash": "flash_tflops",
+        "fusedattn cudnn": "cudnn_tflops",
+        "jax.nn.dot_product_attention (cudnn)": "jax_cudnn_tflops",
+        "FlashAttention-3": "fa3_tflops",
+    }, "flash kernels (d=256: no FA3 row)")
+
+
+def chart_small_seq(results, out):
+    """Fraction of the HBM byte floor against the number of keys, small_seq vs xla vs cudnn."""
+    data = load(results, "small_seq")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    prefix = "b30720_d128_skv"
+    for ax, pass_ in zip(axes, PASSES):
+        for impl, legend in (("small_seq", "fusedattn small_seq"), ("xla", "fusedattn xla"), ("cudnn", "cudnn")):
+            rows = [r for r in data["rows"] if r["name"].startswith(prefix) and r["impl"] == impl
+                    and r["pass"] == pass_ and r.get("fraction_of_floor") is not None]
+            if rows:
+                ax.plot([r["shape"]["s_kv"] for r in rows], [r["fraction_of_floor"] for r in rows],
+                        marker="o", label=legend)
+        ax.set_xlabel("keys per query (s_kv)")
+        ax.set_title(f"b=30720 h=16 d=128 s_q=1, {pass_}", fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("fraction of the HBM byte floor")
+    fig.suptitle(f"small_seq backend against the floor: {data['floor']}", fontsize=10)
+    axes[0].set_ylim(0, 1)
+    axes[0].legend(fontsize=8)
+    axes[1].text(0.5, 0.05, "cudnn: no backward for s_q = 1", transform=axes[1].transAxes,
+                 ha="center", fontsize=8, color="gray")
+    return save(fig, out, "small_seq", data)
+
+
+def chart_layers(results, out):
+    """Attention layer fwd+bwd time per implementation, with the matmul floor."""
+    data = load(results, "layers")
+    rows = data["rows"]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    labels = [r["impl"] for r in rows]
+    colors = ["C0" if r["impl"].startswith("fusedattn") else "C1" if r["impl"].startswith("stock") else "C2"
+              for r in rows]
+    ax.bar(labels, [r["ms"] for r in rows], color=colors)
+    ax.axhline(data["matmul_floor_ms"], color="gray", linestyle="--", label="matmul floor")
+    ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("ms per step (median)")
+    ax.set_title(f"attention layer fwd+bwd, {shape_label(rows[0]['name'])}, bf16", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    return save(fig, out, "layers", data)
+
+
+def chart_lm_train(results, out):
+    """The example LM's GPU config: tokens/s per backend and the loss curves of the timed runs."""
+    data = load(results, "lm_train")
+    timed = [r for r in data["rows"] if r["backend"] in data["summary"] and not r["backend"].endswith("profiled")]
+    fig, (bars, curves) = plt.subplots(1, 2, figsize=(11, 4))
+    tokens = [data["summary"][r["backend"]]["tokens_per_s"] / 1e3 for r in timed]
+    bars.bar([r["backend"] for r in timed], tokens, color=[f"C{i}" for i in range(len(timed))])
+    for i, r in enumerate(timed):
+        bars.text(i, tokens[i], f"MFU {data['summary'][r['backend']]['mfu']:.1%}", ha="center", va="bottom",
+                  fontsize=8)
+    bars.set_ylabel("thousand tokens/s")
+    bars.set_title(f"LM trainer {data['config']}", fontsize=10)
+    for r in timed:
+        points = [(m["step"], m["loss"]) for m in r["metrics"] if "loss" in m]
+        curves.plot(*zip(*points), label=r["backend"])
+    curves.set_xlabel("step")
+    curves.set_ylabel("training loss")
+    curves.set_title("loss per step", fontsize=10)
+    curves.legend(fontsize=8)
+    for ax in (bars, curves):
+        ax.grid(alpha=0.3)
+    return save(fig, out, "lm_train", data)
+
+
+CHARTS = (chart_cudnn, chart_flash, chart_small_seq, chart_layers, chart_lm_train)
+
+
+def main():
+    root = pathlib.Path(__file__).resolve().parent.parent
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=pathlib.Path, default=root / "benchmarks" / "results")
+    parser.add_argument("--out", type=pathlib.Path, default=root / "docs" / "img")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    for chart in CHARTS:
+        path = chart(args.results, args.out)
+        print(f"{path} ({path.stat().st_size // 1024} KB)")
+
+
+if __name__ == "__main__":
+    main()
