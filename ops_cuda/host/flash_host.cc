@@ -297,16 +297,7 @@ ffi::Error FlashFwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
       e.failure()) {
     return e;
   }
-  if (auto e = check_exact(kOp, "result o", o->element_type(), o->dimensions(), q.element_type(),
-                           concat(lead, {p.seqlen_q, p.heads, p.head_dim_v}));
-      e.failure()) {
-    return e;
-  }
-  if (auto e = check_exact(kOp, "result lse", lse->element_type(), lse->dimensions(), ffi::DataType::F32,
-                           concat(lead, {p.heads, p.seqlen_q}));
-      e.failure()) {
-    return e;
-  }
+  if (auto e = check_forward_results(kOp, p, lead, q.element_type(), o, lse); e.failure()) return e;
   if (p.batch == 0 || p.heads == 0 || p.seqlen_q == 0) return ffi::Error::Success();
   with_element_type(q.element_type(), [&](auto et) {
     constexpr ElementType kET = decltype(et)::value;
@@ -332,22 +323,7 @@ ffi::Error FlashBwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
     return e;
   }
   const ffi::DataType dt = q.element_type();
-  const auto o_dims = concat(lead, {p.seqlen_q, p.heads, p.head_dim_v});
-  const auto q_dims = concat(lead, {p.seqlen_q, p.heads, p.head_dim});
-  const auto k_dims = concat(lead, {p.seqlen_kv, p.kv_heads, p.head_dim});
-  const auto v_dims = concat(lead, {p.seqlen_kv, p.kv_heads, p.head_dim_v});
-  constexpr ffi::DataType kF32 = ffi::DataType::F32;
-  if (auto e = check_all_exact(
-          kOp, {{"o", o.element_type(), o.dimensions(), dt, o_dims},
-                {"lse", lse.element_type(), lse.dimensions(), kF32, concat(lead, {p.heads, p.seqlen_q})},
-                {"do", dout.element_type(), dout.dimensions(), dt, o_dims},
-                {"result dq", dq->element_type(), dq->dimensions(), dt, q_dims},
-                {"result dk", dk->element_type(), dk->dimensions(), dt, k_dims},
-                {"result dv", dv->element_type(), dv->dimensions(), dt, v_dims},
-                {"result d_offset", d_offset->element_type(), d_offset->dimensions(), kF32, concat(lead, {p.heads})}});
-      e.failure()) {
-    return e;
-  }
+  if (auto e = check_backward_buffers(kOp, p, lead, dt, o, lse, dout, dq, dk, dv, d_offset); e.failure()) return e;
   if (p.batch == 0 || p.heads == 0) return ffi::Error::Success();
   with_element_type(dt, [&](auto et) {
     constexpr ElementType kET = decltype(et)::value;

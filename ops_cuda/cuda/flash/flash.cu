@@ -117,8 +117,8 @@ ffi::Error FlashFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer v, ffi::AnyBuffer q_seg, ffi::AnyBuffer q_pos, ffi::AnyBuffer q_diag,
                         ffi::AnyBuffer kv_seg, ffi::AnyBuffer kv_pos, ffi::AnyBuffer softmax_offset,
                         ffi::AnyBuffer seed, ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
-                        ffi::Result<ffi::AnyBuffer> workspace, float scale, bool causal, int64_t window_left, int64_t window_right, int32_t softmax_type,
-                        double dropout_rate) {
+                        ffi::Result<ffi::AnyBuffer> workspace, float scale, bool causal, int64_t window_left,
+                        int64_t window_right, int32_t softmax_type, double dropout_rate) {
   constexpr const char* kOp = "fusedattn_flash_fwd (CUDA)";
   AttentionParams p;
   std::vector<int64_t> lead;
@@ -128,21 +128,15 @@ ffi::Error FlashFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
     return e;
   }
   if (auto e = check_kernel_support(kOp, p, q.element_type()); e.failure()) return e;
-  if (auto e = check_all_exact(
-          kOp, {{"result o", o->element_type(), o->dimensions(), q.element_type(),
-                 concat(lead, {p.seqlen_q, p.heads, p.head_dim_v})},
-                {"result lse", lse->element_type(), lse->dimensions(), ffi::DataType::F32,
-                 concat(lead, {p.heads, p.seqlen_q})}});
-      e.failure()) {
-    return e;
-  }
+  if (auto e = check_forward_results(kOp, p, lead, q.element_type(), o, lse); e.failure()) return e;
   if (p.batch == 0 || p.heads == 0 || p.seqlen_q == 0) return ffi::Error::Success();
   if (auto e = check_workspace(kOp, workspace, span_bytes(p)); e.failure()) return e;
   FlashArgs a = common_args(p, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed);
   a.o = static_cast<uint16_t*>(o->untyped_data());
   a.lse = lse->typed_data<float>();
   summarise(stream, workspace->untyped_data(), &a);
-  with_head_dim(p.head_dim, [&](auto d) { launch_forward<decltype(d)::value>(stream, a, element_type_of(q.element_type())); });
+  with_head_dim(p.head_dim,
+                [&](auto d) { launch_forward<decltype(d)::value>(stream, a, element_type_of(q.element_type())); });
   return launch_status(kOp);
 }
 
@@ -165,21 +159,7 @@ ffi::Error FlashBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   }
   if (auto e = check_kernel_support(kOp, p, q.element_type()); e.failure()) return e;
   const ffi::DataType dt = q.element_type();
-  const auto o_dims = concat(lead, {p.seqlen_q, p.heads, p.head_dim_v});
-  constexpr ffi::DataType kF32 = ffi::DataType::F32;
-  if (auto e = check_all_exact(
-          kOp, {{"o", o.element_type(), o.dimensions(), dt, o_dims},
-                {"lse", lse.element_type(), lse.dimensions(), kF32, concat(lead, {p.heads, p.seqlen_q})},
-                {"do", dout.element_type(), dout.dimensions(), dt, o_dims},
-                {"result dq", dq->element_type(), dq->dimensions(), dt, concat(lead, {p.seqlen_q, p.heads, p.head_dim})},
-                {"result dk", dk->element_type(), dk->dimensions(), dt,
-                 concat(lead, {p.seqlen_kv, p.kv_heads, p.head_dim})},
-                {"result dv", dv->element_type(), dv->dimensions(), dt,
-                 concat(lead, {p.seqlen_kv, p.kv_heads, p.head_dim_v})},
-                {"result d_offset", d_offset->element_type(), d_offset->dimensions(), kF32, concat(lead, {p.heads})}});
-      e.failure()) {
-    return e;
-  }
+  if (auto e = check_backward_buffers(kOp, p, lead, dt, o, lse, dout, dq, dk, dv, d_offset); e.failure()) return e;
   if (p.batch == 0 || p.heads == 0) return ffi::Error::Success();
   if (auto e = check_workspace(kOp, workspace, span_bytes(p) + delta_bytes(p)); e.failure()) return e;
   FlashArgs a = common_args(p, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed);

@@ -279,6 +279,38 @@ inline ffi::Error parse_attention_call(const char* op, const ffi::AnyBuffer& q, 
   return ffi::Error::Success();
 }
 
+// Checks the forward's results against the parsed call: o [..., Sq, H, Dv] in q's dtype,
+// lse F32 [..., H, Sq].
+inline ffi::Error check_forward_results(const char* op, const AttentionParams& p, const std::vector<int64_t>& lead,
+                                        ffi::DataType dtype, ffi::Result<ffi::AnyBuffer>& o,
+                                        ffi::Result<ffi::AnyBuffer>& lse) {
+  return check_all_exact(
+      op, {{"result o", o->element_type(), o->dimensions(), dtype, concat(lead, {p.seqlen_q, p.heads, p.head_dim_v})},
+           {"result lse", lse->element_type(), lse->dimensions(), ffi::DataType::F32,
+            concat(lead, {p.heads, p.seqlen_q})}});
+}
+
+// Checks the backward's extra operands (o, lse, do) and its results (dq, dk, dv like q, k, v;
+// d_offset F32 [..., H]) against the parsed call.
+inline ffi::Error check_backward_buffers(const char* op, const AttentionParams& p, const std::vector<int64_t>& lead,
+                                         ffi::DataType dtype, const ffi::AnyBuffer& o, const ffi::AnyBuffer& lse,
+                                         const ffi::AnyBuffer& dout, ffi::Result<ffi::AnyBuffer>& dq,
+                                         ffi::Result<ffi::AnyBuffer>& dk, ffi::Result<ffi::AnyBuffer>& dv,
+                                         ffi::Result<ffi::AnyBuffer>& d_offset) {
+  const auto o_dims = concat(lead, {p.seqlen_q, p.heads, p.head_dim_v});
+  constexpr ffi::DataType kF32 = ffi::DataType::F32;
+  return check_all_exact(
+      op, {{"o", o.element_type(), o.dimensions(), dtype, o_dims},
+           {"lse", lse.element_type(), lse.dimensions(), kF32, concat(lead, {p.heads, p.seqlen_q})},
+           {"do", dout.element_type(), dout.dimensions(), dtype, o_dims},
+           {"result dq", dq->element_type(), dq->dimensions(), dtype, concat(lead, {p.seqlen_q, p.heads, p.head_dim})},
+           {"result dk", dk->element_type(), dk->dimensions(), dtype,
+            concat(lead, {p.seqlen_kv, p.kv_heads, p.head_dim})},
+           {"result dv", dv->element_type(), dv->dimensions(), dtype,
+            concat(lead, {p.seqlen_kv, p.kv_heads, p.head_dim_v})},
+           {"result d_offset", d_offset->element_type(), d_offset->dimensions(), kF32, concat(lead, {p.heads})}});
+}
+
 inline ElementType element_type_of(ffi::DataType t) {
   return t == ffi::DataType::BF16 ? ElementType::kBF16
          : t == ffi::DataType::F16 ? ElementType::kF16
