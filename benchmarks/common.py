@@ -83,3 +83,16 @@ def write_results(path: str, rows: list[dict], **extra) -> None:
 
 def random_normal(key, shape, dtype):
     return jax.random.normal(key, shape, jax.numpy.float32).astype(dtype)
+
+
+def passes(attend) -> dict:
+    """The two timed passes of an attention fn(q, k, v): "fwd" (jitted forward) and "fwd+bwd"
+    (the VJP with cotangent do), both called as fn(q, k, v, do)."""
+    forward = jax.jit(attend)
+
+    @jax.jit
+    def forward_backward(q, k, v, do):
+        out, vjp = jax.vjp(attend, q, k, v)
+        return out, vjp(do)
+
+    return {"fwd": lambda q, k, v, do: forward(q, k, v), "fwd+bwd": forward_backward}

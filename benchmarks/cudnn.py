@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import fusedattn
 from fusedattn.ops import SequenceDescriptor, fused_attn
 
-from common import (H200_MEASURED_MATMUL_FLOPS, median_ms, parse_args, random_normal, timing,
-                    write_results)
+from common import (H200_MEASURED_MATMUL_FLOPS, median_ms, parse_args, passes, random_normal,
+                    timing, write_results)
 
 SHAPES = [(4, 2048, 2048, 16, 128), (1, 8192, 8192, 16, 128), (16, 512, 512, 16, 64)]
 THD_SEGMENTS = 4
@@ -101,17 +101,6 @@ def impls(causal: bool) -> dict:
 def add_arguments(parser):
     names = ",".join(impls(causal=True))  # every impl: the causal cases have them all
     parser.add_argument("--impls", default=names, help=f"comma-separated subset of {names}")
-
-
-def passes(attend):
-    forward = jax.jit(attend)
-
-    @jax.jit
-    def forward_backward(q, k, v, do):
-        out, vjp = jax.vjp(attend, q, k, v)
-        return out, vjp(do)
-
-    return {"fwd": lambda q, k, v, do: forward(q, k, v), "fwd+bwd": forward_backward}
 
 
 def flops(b, sq, skv, h, d, causal, pass_name, impl):

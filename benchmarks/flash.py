@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import fusedattn
 from fusedattn.ops import fused_attn
 
-from common import (H200_MEASURED_MATMUL_FLOPS, calls_per_repeat, mean_call_ms, parse_args,
+from common import (H200_MEASURED_MATMUL_FLOPS, calls_per_repeat, mean_call_ms, parse_args, passes,
                     random_normal, write_results)
 
 # (b, s, h, h_kv, d): the issue's six shapes, then d=64 and d=256.
@@ -78,17 +78,6 @@ IMPL_NAMES = ("flash", "cudnn", "jax_cudnn", "fa3", "flash_dropout", "cudnn_drop
 def add_arguments(parser):
     parser.add_argument("--impls", default=",".join(IMPL_NAMES),
                         help=f"comma-separated subset of {','.join(IMPL_NAMES)}")
-
-
-def passes(attend):
-    forward = jax.jit(attend)
-
-    @jax.jit
-    def forward_backward(q, k, v, do):
-        out, vjp = jax.vjp(attend, q, k, v)
-        return out, vjp(do)
-
-    return {"fwd": lambda q, k, v, do: forward(q, k, v), "fwd+bwd": forward_backward}
 
 
 def flops(b, s, h, d, causal, pass_name):

@@ -109,6 +109,13 @@ def current_platform() -> str:
     return device.platform
 
 
+def compute_capability() -> tuple[int, int]:
+    """(major, minor) of the default device's CUDA compute capability; (0, 0) elsewhere."""
+    text = getattr(jax.devices()[0], "compute_capability", "0.0")
+    major, _, minor = str(text).partition(".")
+    return int(major or 0), int(minor or 0)
+
+
 def visible_mask(spec: AttentionSpec, tokens: TokenInfo) -> jax.Array:
     """The predicate above as a boolean [b, 1, sq, skv] array (broadcast over heads)."""
     q_seg = tokens.q_seg[:, :, None]

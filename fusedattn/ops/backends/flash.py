@@ -45,7 +45,8 @@ import numpy as np
 
 from fusedattn.ops import _library
 from fusedattn.ops.backends import partitioning
-from fusedattn.ops.backends.base import CallShapes, CanonicalArgs, current_platform
+from fusedattn.ops.backends.base import (CallShapes, CanonicalArgs, compute_capability,
+                                         current_platform)
 from fusedattn.ops.enums import BiasType, SoftmaxType
 from fusedattn.ops.spec import AttentionSpec
 
@@ -185,7 +186,7 @@ def _cuda_reason(shapes: CallShapes | None) -> str | None:
     reason = _library.available("cuda")
     if reason is not None:
         return f"flash: {reason}"
-    major, minor = _compute_capability()
+    major, minor = compute_capability()
     if major < 8:
         return (f"flash: the CUDA kernels need compute capability 8.0 or newer, this GPU has "
                 f"{major}.{minor}; use backend='xla'")
@@ -203,12 +204,6 @@ def _cuda_reason(shapes: CallShapes | None) -> str | None:
                 f"{sorted(built)}; the kernels exist for 64, 128 and 256, see "
                 "FUSEDATTN_FLASH_HEAD_DIMS in the README); use backend='cudnn' or 'xla'")
     return None
-
-
-def _compute_capability() -> tuple[int, int]:
-    text = getattr(jax.devices()[0], "compute_capability", "0.0")
-    major, _, minor = str(text).partition(".")
-    return int(major or 0), int(minor or 0)
 
 
 class FlashBackend:
