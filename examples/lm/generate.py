@@ -61,17 +61,15 @@ def load_params(config, workdir: pathlib.Path, train_steps: int):
         raise ValueError(f"config.model.framework: paged decoding is served by the 'nnx' model, "
                          f"got {config.model.framework!r}; use configs/lm_nnx.py.")
     checkpoints = trainer.Checkpoints(workdir / "checkpoints", keep=1)
-    step = checkpoints.latest_step()
-    if step is None:
+    if checkpoints.latest_step() is None:
         print(f"no checkpoint in {workdir}; training {train_steps} steps first")
         checkpoints.close()
         config = _with_steps(config, train_steps)
         train.train_and_evaluate(config, workdir)
         checkpoints = trainer.Checkpoints(workdir / "checkpoints", keep=1)
-        step = checkpoints.latest_step()
     tx, _ = trainer.make_optimizer(config.optim, config.trainer.num_steps)
-    state = checkpoints.restore(step, {"params": model.params,
-                                       "opt_state": tx.init(model.params)})
+    step, state = checkpoints.restore_latest(
+        {"params": model.params, "opt_state": tx.init(model.params)}, report=print)
     checkpoints.close()
     print(f"loaded the checkpoint of step {step} from {workdir / 'checkpoints'}")
     return model, state["params"]
