@@ -10,8 +10,11 @@ python -m pip install -q --upgrade pip
 # Headers only, for compiling the cuDNN backend (libcudnn itself is loaded at run time).
 python -m pip install -q --no-deps nvidia-cudnn-frontend nvidia-cudnn-cu13
 python -m pip install -q -e ".[test]"
+# One test process per core, at most four (each holds its own JAX runtime); a test file
+# stays in one process, so the computations its tests share compile once.
+workers=$(python -c "import os; print(min(4, os.cpu_count() or 1))")
 set +e
-python -m pytest -q -p no:cacheprovider "$@"
+python -m pytest -q -p no:cacheprovider -n "$workers" --dist loadfile "$@"
 status=$?
 set -e
 # pytest exit 5 means "no tests collected": a broken suite, not a pass.
