@@ -39,5 +39,12 @@ def attention_config() -> ml_collections.ConfigDict:
     config.context_parallel.strategy = "ring"
     config.context_parallel.load_balance = True
 
+    config.fp8 = ml_collections.ConfigDict()
+    config.fp8.enabled = False
+    config.fp8.format = "e4m3"
+    config.fp8.scaling = "delayed"
+    config.fp8.amax_history_len = 16
+    config.fp8.margin = 0
+
     config.lock()
     return config

@@ -32,6 +32,8 @@ CHOICES = {
     "softmax": ("vanilla", ["vanilla", "off_by_one", "learnable"]),
     "sequence.format": ("none", ["none", "seqlens", "seqlens_offsets", "segment_ids"]),
     "context_parallel.strategy": ("ring", ["ring", "all_gather"]),
+    "fp8.format": ("e4m3", ["e4m3", "hybrid"]),
+    "fp8.scaling": ("delayed", ["delayed", "current"]),
 }
 DEFAULTS = {
     **{key: default for key, (default, _) in CHOICES.items()},
@@ -46,6 +48,9 @@ DEFAULTS = {
     "small_seq.enabled": False,
     "context_parallel.axis": None,
     "context_parallel.load_balance": True,
+    "fp8.enabled": False,
+    "fp8.amax_history_len": 16,
+    "fp8.margin": 0,
 }
 
 # key -> bad values (each must raise ValueError naming the key and the value).
@@ -68,6 +73,11 @@ BAD_VALUES = {
     "context_parallel.strategy": ["p2p", "allgather", None],
     "context_parallel.axis": ["", 3],
     "context_parallel.load_balance": ["yes", 2, None],
+    "fp8.enabled": ["yes", 2, None],
+    "fp8.format": ["e5m2", "E4M3", None],
+    "fp8.scaling": ["dynamic", None],
+    "fp8.amax_history_len": [0, -1, 1.5, "16", True, None],
+    "fp8.margin": [-1, 0.5, "0", True, None],
 }
 # What each key's message must mention as the accepted values.
 EXPECTED_HINT = {
@@ -76,6 +86,9 @@ EXPECTED_HINT = {
     "window_size": "(left, right)",
     "deterministic_backward": "True or False",
     "small_seq.enabled": "True or False",
+    "fp8.enabled": "True or False",
+    "fp8.amax_history_len": ">= 1",
+    "fp8.margin": ">= 0",
     "sequence.check_bounds": "True or False",
     "sequence.max_segments_per_seq": ">= 1",
     "sequence.max_seqlen_q": ">= 1",
@@ -189,7 +202,7 @@ def test_every_documented_choice_is_accepted(key, value):
     setattr(_get(config, ".".join(parents)) if parents else config, leaf, value)
     spec = AttentionSpec.from_config(config)
     field = {"sequence.format": "sequence_format",
-             "context_parallel.strategy": "context_strategy"}.get(key, key)
+             "context_parallel.strategy": "context_strategy"}.get(key, key.replace(".", "_"))
     assert str(getattr(spec, field)) == value
 
 

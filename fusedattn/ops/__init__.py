@@ -9,17 +9,21 @@ from fusedattn.ops.enums import (
     BackendName,
     BiasType,
     ContextParallelStrategy,
+    Fp8Format,
+    Fp8Scaling,
     MaskType,
     QKVLayout,
     SequenceFormat,
     SoftmaxType,
 )
+from fusedattn.ops.fp8 import Fp8State, fp8_state_init
 from fusedattn.ops.registry import Explanation
 from fusedattn.ops.sequence import SequenceDescriptor
 from fusedattn.ops.spec import AttentionSpec
 
 __all__ = [
-    "AttentionSpec", "BackendName", "BiasType", "ContextParallelStrategy", "Explanation", "MaskType", "QKVLayout",
-    "SequenceDescriptor", "SequenceFormat", "SoftmaxType", "explain", "fused_attn",
+    "AttentionSpec", "BackendName", "BiasType", "ContextParallelStrategy", "Explanation",
+    "Fp8Format", "Fp8Scaling", "Fp8State", "MaskType", "QKVLayout", "SequenceDescriptor",
+    "SequenceFormat", "SoftmaxType", "explain", "fp8_state_init", "fused_attn",
     "inverse_reorder_causal_load_balancing", "reorder_causal_load_balancing",
 ]

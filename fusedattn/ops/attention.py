@@ -7,7 +7,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fusedattn.ops import context_parallel, layouts, paged, philox, registry, validation
+from fusedattn.ops import (context_parallel, fp8, layouts, max_logit, paged, philox, registry,
+                           validation)
 from fusedattn.ops.backends.base import CallShapes, CanonicalArgs
 from fusedattn.ops.enums import BiasType, SoftmaxType
 from fusedattn.ops.sequence import SequenceDescriptor, dense_token_info
@@ -15,7 +16,8 @@ from fusedattn.ops.spec import AttentionSpec
 
 
 def fused_attn(qkv, *, config, bias=None, softmax_offset=None, sequence=None,
-               dropout_rng=None, is_training=False, page_table=None) -> jax.Array:
+               dropout_rng=None, is_training=False, page_table=None, fp8_state=None,
+               return_max_logit=False):
     """Multi-head attention over the layout named by config.qkv_layout.
 
     Args:
@@ -31,14 +33,25 @@ def fused_attn(qkv, *, config, bias=None, softmax_offset=None, sequence=None,
       page_table: paged layouts ("paged_kv_*") only: int32 [sequences, max_pages_per_seq],
         page i of sequence s is entry page_table[s, i] of the k/v page pools
         [num_pages, page_size, h_kv, d]; see fusedattn.ops.paged.
+      fp8_state: with config.fp8.enabled, the fusedattn.ops.Fp8State of this call's scales
+        (fusedattn.ops.fp8_state_init(config) makes the first); may be None under
+        config.fp8.scaling "current". The gradient with respect to it is the state with
+        every amax recorded (fusedattn.ops.fp8).
+      return_max_logit: also return each head's largest logit (fusedattn.ops.max_logit).
 
     Returns:
-      The attention output in q's layout: [b, sq, h, dv] (SBHD: [sq, b, h, dv]).
+      The attention output in q's layout: [b, sq, h, dv] (SBHD: [sq, b, h, dv]). With
+      config.fp8.enabled: (out, new_fp8_state), the state with the forward's amaxes
+      recorded. With return_max_logit: max_logit float32 [h] last, (out, max_logit) or
+      (out, new_fp8_state, max_logit).
     """
     spec = AttentionSpec.from_config(config)
+    _check_extras(spec, fp8_state, return_max_logit)
     if spec.qkv_layout.is_paged:
-        return _paged_attn(spec, _as_tuple(qkv), bias, softmax_offset, sequence, page_table,
-                           dropout=is_training and spec.dropout_rate > 0)
+        out, largest = _paged_attn(spec, _as_tuple(qkv), bias, softmax_offset, sequence,
+                                   page_table, dropout=is_training and spec.dropout_rate > 0,
+                                   return_max_logit=return_max_logit)
+        return (out, largest) if return_max_logit else out
     _check_no_page_table(spec, page_table)
     qkv = layouts.check_arrays(_as_tuple(qkv), spec.qkv_layout)
     q, k, v = layouts.to_bshd(tuple(jnp.asarray(a) for a in qkv), spec.qkv_layout)
@@ -68,14 +81,36 @@ def fused_attn(qkv, *, config, bias=None, softmax_offset=None, sequence=None,
         sequence=sequence if spec.uses_segments else None,
     )
     scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(shapes.head_dim_qk)
-    if spec.context_axis is not None:
+    extras = ()
+    if spec.fp8_enabled:
+        out, new_state, largest = backend.fp8_attention(
+            spec, args, scale, fp8.check_call(spec, fp8_state, q.dtype))
+        extras = (new_state,)
+    elif spec.context_axis is not None:
         out = context_parallel.attention(spec, backend.name, args, scale)
     else:
         out = backend.attention(spec, args, scale)
+        largest = max_logit.max_logit(spec, args, scale) if return_max_logit else None
     if spec.uses_segments:
         broken = validation.broken_rows(sequence, spec, shapes.seqlen_q, shapes.seqlen_kv)
         out = jnp.where(broken[:, None, None, None], jnp.asarray(jnp.nan, out.dtype), out)
-    return layouts.from_bshd(out, spec.qkv_layout)
+    out = layouts.from_bshd(out, spec.qkv_layout)
+    extras += (largest,) if return_max_logit else ()
+    return (out, *extras) if extras else out
+
+
+def _check_extras(spec: AttentionSpec, fp8_state, return_max_logit) -> None:
+    """The FP8 and max-logit arguments against the config."""
+    if not isinstance(return_max_logit, bool):
+        raise TypeError(f"return_max_logit: expected True or False, got {return_max_logit!r}.")
+    if fp8_state is not None and not spec.fp8_enabled:
+        raise ValueError(
+            "fp8_state: config.fp8.enabled is False, so the call has no FP8 scales to read; "
+            "drop the argument or set config.fp8.enabled = True.")
+    if return_max_logit and spec.context_axis is not None:
+        raise ValueError(
+            "return_max_logit: not served under context parallelism yet (each device holds "
+            "part of the keys); unset config.context_parallel.axis or drop the argument.")
 
 
 def explain(qkv, *, config, bias=None, sequence=None, platform=None,
@@ -106,8 +141,9 @@ def explain(qkv, *, config, bias=None, sequence=None, platform=None,
 
 
 def _paged_attn(spec: AttentionSpec, qkv: tuple, bias, softmax_offset, sequence, page_table,
-                dropout: bool) -> jax.Array:
-    """fused_attn for the paged layouts (fusedattn.ops.paged): q's layout in and out."""
+                dropout: bool, return_max_logit: bool) -> tuple[jax.Array, jax.Array | None]:
+    """fused_attn for the paged layouts (fusedattn.ops.paged): q's layout in and out, and
+    max_logit [h] when asked (else None)."""
     q, k, v = (jnp.asarray(a) for a in paged.check_arrays(qkv, spec.qkv_layout))
     softmax_offset = None if softmax_offset is None else jnp.asarray(softmax_offset)
     _check_softmax_offset(spec, softmax_offset, q.shape[2])
@@ -117,7 +153,9 @@ def _paged_attn(spec: AttentionSpec, qkv: tuple, bias, softmax_offset, sequence,
     args = paged.canonical(spec, q, k, v, sequence, page_table,
                            _softmax_offset(spec, softmax_offset, shapes.num_heads))
     scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(shapes.head_dim_qk)
-    return backend.paged_attention(spec, args, scale)
+    largest = (max_logit.max_logit(spec, paged.dense_view(spec, args)[0], scale)
+               if return_max_logit else None)
+    return backend.paged_attention(spec, args, scale), largest
 
 
 def _check_no_page_table(spec: AttentionSpec, page_table) -> None:

@@ -127,3 +127,17 @@ class BackendName(_Choice):
 class ContextParallelStrategy(_Choice):
     RING = "ring"
     ALL_GATHER = "all_gather"
+
+
+class Fp8Format(_Choice):
+    """Which FP8 format each tensor takes (fusedattn.ops.fp8)."""
+
+    E4M3 = "e4m3"      # every FP8 tensor E4M3
+    HYBRID = "hybrid"  # E4M3 forward; E5M2 for the gradients dO and dP (more range)
+
+
+class Fp8Scaling(_Choice):
+    """Where the FP8 scales come from (fusedattn.ops.fp8)."""
+
+    DELAYED = "delayed"  # from the amax history of earlier calls (TransformerEngine's DelayedScaling)
+    CURRENT = "current"  # from this call's amax

@@ -23,11 +23,15 @@ def verdict(name: str, spec: AttentionSpec, shapes: CallShapes, platform: str) -
     """None when backend `name` would serve the call under this config, else why not.
 
     Paged layouts go only to backends with a paged path (`serves_paged`, served by
-    their `paged_attention(spec, paged.PagedArgs, scale)`).
+    their `paged_attention(spec, paged.PagedArgs, scale)`), FP8 calls only to backends
+    with an FP8 path (`serves_fp8`, served by `fp8_attention(spec, args, scale, state)`).
     """
     if spec.qkv_layout.is_paged and not getattr(BACKENDS[name], "serves_paged", False):
         return (f"{name}: no paged KV cache path (layout {str(spec.qkv_layout)!r}); use "
                 "backend 'auto', 'decode' (decoding, up to 8 queries per sequence) or 'xla'")
+    if spec.fp8_enabled and not getattr(BACKENDS[name], "serves_fp8", False):
+        return (f"{name}: no FP8 path yet (config.fp8.enabled); backend 'xla' emulates the FP8 "
+                "recipe exactly (fusedattn.ops.fp8)")
     if (name == BackendName.SMALL_SEQ and spec.backend == BackendName.AUTO
             and not spec.small_seq_enabled):
         return ("small_seq: not opted in; set config.small_seq.enabled = True (with "

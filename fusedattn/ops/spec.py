@@ -11,6 +11,8 @@ from fusedattn.ops.enums import (
     BackendName,
     BiasType,
     ContextParallelStrategy,
+    Fp8Format,
+    Fp8Scaling,
     MaskType,
     QKVLayout,
     SequenceFormat,
@@ -19,12 +21,13 @@ from fusedattn.ops.enums import (
 
 _TOP_KEYS = (
     "backend", "qkv_layout", "mask", "bias", "softmax", "dropout_rate", "scale",
-    "window_size", "deterministic_backward", "sequence", "small_seq", "context_parallel",
+    "window_size", "deterministic_backward", "sequence", "small_seq", "context_parallel", "fp8",
 )
 _SEQUENCE_KEYS = ("format", "max_segments_per_seq", "max_seqlen_q", "max_seqlen_kv",
                   "check_bounds")
 _SMALL_SEQ_KEYS = ("enabled",)
 _CONTEXT_PARALLEL_KEYS = ("axis", "strategy", "load_balance")
+_FP8_KEYS = ("enabled", "format", "scaling", "amax_history_len", "margin")
 # Token positions are int32 in every backend, and a window's edges (position +- side)
 # must stay in int32 too; a window wider than any sequence is simply unbounded (-1).
 MAX_WINDOW = 2**30 - 1
@@ -56,6 +59,13 @@ class AttentionSpec:
     context_axis: str | None = None
     context_strategy: ContextParallelStrategy = ContextParallelStrategy.RING
     context_load_balance: bool = True
+    # FP8 attention (ops/fp8.py): formats, where the scales come from, the amax history's
+    # length and the scale's margin (scale = fp8_max / amax / 2**margin).
+    fp8_enabled: bool = False
+    fp8_format: Fp8Format = Fp8Format.E4M3
+    fp8_scaling: Fp8Scaling = Fp8Scaling.DELAYED
+    fp8_amax_history_len: int = 16
+    fp8_margin: int = 0
 
     @classmethod
     def from_config(cls, config: Any) -> "AttentionSpec":
@@ -73,6 +83,8 @@ class AttentionSpec:
         _check_keys(small_seq, _SMALL_SEQ_KEYS, "config.small_seq")
         context = _as_mapping(top.get("context_parallel", {}), "config.context_parallel")
         _check_keys(context, _CONTEXT_PARALLEL_KEYS, "config.context_parallel")
+        fp8 = _as_mapping(top.get("fp8", {}), "config.fp8")
+        _check_keys(fp8, _FP8_KEYS, "config.fp8")
 
         defaults = cls()
         spec = cls(
@@ -99,6 +111,12 @@ class AttentionSpec:
                 context.get("strategy", defaults.context_strategy), "context_parallel.strategy"),
             context_load_balance=_bool(context.get("load_balance", True),
                                        "context_parallel.load_balance"),
+            fp8_enabled=_bool(fp8.get("enabled", False), "fp8.enabled"),
+            fp8_format=Fp8Format.parse(fp8.get("format", defaults.fp8_format), "fp8.format"),
+            fp8_scaling=Fp8Scaling.parse(fp8.get("scaling", defaults.fp8_scaling), "fp8.scaling"),
+            fp8_amax_history_len=_positive_int(fp8.get("amax_history_len", 16),
+                                               "fp8.amax_history_len"),
+            fp8_margin=_non_negative_int(fp8.get("margin", 0), "fp8.margin"),
         )
         return spec
 
@@ -189,6 +207,12 @@ def _axis_name(value: Any) -> str | None:
 def _positive_int(value: Any, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"config.{key}: got {value!r}; expected an int >= 1.")
+    return int(value)
+
+
+def _non_negative_int(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"config.{key}: got {value!r}; expected an int >= 0.")
     return int(value)
 
 

@@ -210,6 +210,15 @@ class XlaBackend:
         poisoned = _sees(visible, k_bad | v_bad, args.q.shape[2])  # [b, sq, h, 1]
         return jnp.where(poisoned, jnp.asarray(jnp.nan, out.dtype), out)
 
+    # FP8 (config.fp8.enabled): the recipe emulated in float32 (xla_fp8.py), the oracle
+    # of FP8 kernels and the FP8 path on every platform.
+    serves_fp8 = True
+
+    def fp8_attention(self, spec: AttentionSpec, args: CanonicalArgs, scale: float, state):
+        """(out [b, sq, h, dv], the new Fp8State, max_logit float32 [h]); see xla_fp8."""
+        from fusedattn.ops.backends import xla_fp8  # here: xla_fp8 builds on this module
+
+        return xla_fp8.attention(spec, args, scale, state)
 
     # Paged layouts: every sequence's pages gathered into contiguous K/V, then the
     # contiguous path above. Differentiable like it (the gather's gradient scatter-adds

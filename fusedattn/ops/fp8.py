@@ -1,0 +1,148 @@
+"""FP8 attention's scaling recipe: formats, the per-tensor state, quantisation.
+
+An FP8 attention call (config.fp8.enabled) holds seven tensors in FP8 (TENSORS): the
+inputs q, k, v; s, the softmax weights P; o, the output; do, the output's gradient; and
+dp, the score gradient dS = P * (dP - delta) that feeds the dQ and dK matmuls. Each has
+a scale: it is stored as x8 = saturate(x * scale) in its format and read back as
+x8 / scale. Formats: every tensor E4M3 ("e4m3"), or E5M2 for do and dp ("hybrid").
+
+Fp8State, a pytree (fp8_state_init(config) makes the first one):
+  scale         float32 [7]     each tensor's scale for the next call (TENSORS order)
+  amax_history  float32 [L, 7]  the amax (max |x|) of the last L calls, newest in row 0
+
+A call records its amaxes: each tensor's column of the history rolls down by one with
+the new amax on top, and its scale becomes fp8_max / max(column) / 2**margin (kept as it
+was while that max is 0 or not finite). "delayed" scaling quantises with the state's
+scales (set by earlier calls); "current" quantises with the same formula over this
+call's own amax, and records it the same way.
+
+The forward knows the amaxes of q, k, v, s and o: fused_attn returns the state with those
+recorded. do and dp are known only in the backward pass, so the gradient of the loss
+with respect to fp8_state is the whole new state (Flax's "overwrite with gradient"
+convention, flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT): a training step replaces the
+state with its gradient, which the layers arrange.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fusedattn.ops.enums import BiasType, Fp8Format, Fp8Scaling, SoftmaxType
+from fusedattn.ops.spec import AttentionSpec
+
+TENSORS = ("q", "k", "v", "s", "o", "do", "dp")
+_GRADIENTS = ("do", "dp")
+
+
+class Fp8State(NamedTuple):
+    """Per-tensor FP8 scales and amax histories (module docstring).
+
+    scale: float32 [7]; amax_history: float32 [amax_history_len, 7]; columns in TENSORS order.
+    """
+
+    scale: jax.Array
+    amax_history: jax.Array
+
+
+def fp8_state_init(config) -> Fp8State:
+    """The first FP8 state for `config` (a ConfigDict or AttentionSpec): unit scales and an
+    empty (zero) amax history of config.fp8.amax_history_len rows."""
+    spec = AttentionSpec.from_config(config)
+    return Fp8State(scale=jnp.ones((len(TENSORS),), jnp.float32),
+                    amax_history=jnp.zeros((spec.fp8_amax_history_len, len(TENSORS)),
+                                           jnp.float32))
+
+
+def dtype_of(spec: AttentionSpec, tensor: str):
+    """The FP8 dtype that `tensor` (one of TENSORS) is stored in."""
+    if spec.fp8_format == Fp8Format.HYBRID and tensor in _GRADIENTS:
+        return jnp.float8_e5m2
+    return jnp.float8_e4m3fn
+
+
+def _fp8_max(dtype) -> float:
+    return float(jnp.finfo(dtype).max)
+
+
+def round_trip(x: jax.Array, dtype, scale: jax.Array) -> jax.Array:
+    """x stored in FP8 `dtype` with `scale` and read back: float32, same shape as x."""
+    top = _fp8_max(dtype)
+    return jnp.clip(x.astype(jnp.float32) * scale, -top, top).astype(dtype).astype(
+        jnp.float32) / scale
+
+
+def amax(x: jax.Array) -> jax.Array:
+    """max |x| as a float32 scalar."""
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def _scale_for(spec: AttentionSpec, tensor: str, amax_value: jax.Array,
+               fallback: jax.Array) -> jax.Array:
+    """fp8_max / amax / 2**margin, or `fallback` where amax is 0 or not finite."""
+    usable = jnp.isfinite(amax_value) & (amax_value > 0)
+    top = _fp8_max(dtype_of(spec, tensor)) / 2.0 ** spec.fp8_margin
+    return jnp.where(usable, top / jnp.where(usable, amax_value, 1.0), fallback)
+
+
+def call_scale(spec: AttentionSpec, state: Fp8State, tensor: str,
+               amax_value: jax.Array) -> jax.Array:
+    """The scale `tensor` is quantised with in this call (float32 scalar)."""
+    stored = state.scale[TENSORS.index(tensor)]
+    if spec.fp8_scaling == Fp8Scaling.CURRENT:
+        return _scale_for(spec, tensor, amax_value, stored)
+    return stored
+
+
+def record(spec: AttentionSpec, state: Fp8State, amaxes: dict[str, jax.Array]) -> Fp8State:
+    """The state after a call that saw `amaxes` (tensor name -> float32 scalar)."""
+    scale, history = state.scale, state.amax_history
+    for tensor, value in amaxes.items():
+        column = TENSORS.index(tensor)
+        rolled = jnp.concatenate([value[None], history[:-1, column]])
+        history = history.at[:, column].set(rolled)
+        scale = scale.at[column].set(_scale_for(spec, tensor, jnp.max(rolled), scale[column]))
+    return Fp8State(scale=scale, amax_history=history)
+
+
+def check_call(spec: AttentionSpec, state, dtype) -> Fp8State:
+    """Validates an FP8 call's config, input dtype and state; returns the state to use.
+
+    Raises ValueError/TypeError naming the argument or key and what to do.
+    """
+    if spec.bias != BiasType.NO_BIAS or spec.softmax != SoftmaxType.VANILLA:
+        raise ValueError(
+            f"config.fp8.enabled: FP8 attention takes no bias and the vanilla softmax (as "
+            f"cuDNN's FP8 graphs), got config.bias {str(spec.bias)!r} and config.softmax "
+            f"{str(spec.softmax)!r}; set config.fp8.enabled = False for these.")
+    if spec.qkv_layout.is_paged or spec.context_axis is not None:
+        raise ValueError(
+            "config.fp8.enabled: FP8 attention serves the contiguous layouts without context "
+            "parallelism; set config.fp8.enabled = False for paged KV caches and "
+            "config.context_parallel.axis.")
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
+                                jnp.dtype(jnp.float32)):
+        raise TypeError(f"qkv: FP8 attention quantises bfloat16, float16 or float32 inputs, "
+                        f"got {jnp.dtype(dtype)}.")
+    if state is None:
+        if spec.fp8_scaling == Fp8Scaling.DELAYED:
+            raise ValueError(
+                "fp8_state: config.fp8.scaling 'delayed' takes its scales from the amax history "
+                "of earlier calls; pass fp8_state=fusedattn.ops.fp8_state_init(config) first and "
+                "then the state each call returns, or set config.fp8.scaling = 'current'.")
+        return fp8_state_init(spec)
+    if not isinstance(state, Fp8State):
+        raise TypeError(f"fp8_state: expected a fusedattn.ops.Fp8State (from "
+                        f"fusedattn.ops.fp8_state_init(config)), got {type(state).__name__}.")
+    expected = {"scale": (len(TENSORS),),
+                "amax_history": (spec.fp8_amax_history_len, len(TENSORS))}
+    for field, shape in expected.items():
+        array = getattr(state, field)
+        if tuple(array.shape) != shape or jnp.dtype(array.dtype) != jnp.dtype(jnp.float32):
+            raise ValueError(
+                f"fp8_state.{field}: expected float32 {list(shape)} (config.fp8.amax_history_len "
+                f"= {spec.fp8_amax_history_len}), got {jnp.dtype(array.dtype)} "
+                f"{list(array.shape)}; make it with fusedattn.ops.fp8_state_init(config).")
+    return state

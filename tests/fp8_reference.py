@@ -1,0 +1,89 @@
+"""float64 NumPy reference of the FP8 attention recipe (fusedattn/ops/fp8.py,
+fusedattn/ops/backends/xla_fp8.py): the same quantisation steps, every sum in float64."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import ml_dtypes
+import numpy as np
+from reference import describe_tokens, visible_keys
+
+TENSORS = ("q", "k", "v", "s", "o", "do", "dp")
+E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
+
+
+def fp8_dtype(fmt: str, tensor: str):
+    return E5M2 if fmt == "hybrid" and tensor in ("do", "dp") else E4M3
+
+
+def round_trip(x: np.ndarray, dtype, scale: float) -> np.ndarray:
+    top = float(ml_dtypes.finfo(dtype).max)
+    return np.clip(x * scale, -top, top).astype(dtype).astype(np.float64) / scale
+
+
+def scale_from(amax: float, dtype, margin: int, fallback: float) -> float:
+    if not (math.isfinite(amax) and amax > 0):
+        return fallback
+    return float(ml_dtypes.finfo(dtype).max) / amax / 2.0**margin
+
+
+@dataclasses.dataclass
+class Fp8Reference:
+    out: np.ndarray                 # [b, sq, h, dv]
+    grads: tuple | None             # (dq, dk, dv)
+    amax: dict[str, float]          # per tensor, this call's
+    scales: dict[str, float]        # the scales this call quantised with
+    max_logit: np.ndarray           # [h]
+
+
+def fp8_attention(q, k, v, *, scales: dict[str, float], fmt="e4m3", scaling="delayed",
+                  margin=0, causal=True, sequence=None, padding=False, keep=None, rate=0.0,
+                  dout=None) -> Fp8Reference:
+    """q [b, sq, h, d], k/v [b, skv, h_kv, d] (float64); `scales` the state's scales per
+    tensor (read under delayed scaling; current scaling derives them from the amaxes)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    b, sq, h, d = q.shape
+    skv, h_kv = k.shape[1], k.shape[2]
+    group = h // h_kv
+    scale = 1.0 / math.sqrt(d)
+    tokens = describe_tokens(sequence, b, sq, skv, use_sequence=padding, bottom_right=False)
+    visible = visible_keys(tokens, causal=causal, window=(-1, -1))[:, None]  # [b, 1, sq, skv]
+    q = np.where((tokens.q_seg != 0)[:, :, None, None], q, 0.0)
+    real = (tokens.kv_seg != 0)[:, :, None, None]
+    k, v = np.where(real, k, 0.0), np.where(real, v, 0.0)
+    amax, used = {}, {}
+
+    def fp8(name, x):
+        amax[name] = float(np.max(np.abs(x)))
+        dtype = fp8_dtype(fmt, name)
+        used[name] = (scale_from(amax[name], dtype, margin, scales[name])
+                      if scaling == "current" else scales[name])
+        return round_trip(x, dtype, used[name])
+
+    q8, k8, v8 = fp8("q", q), fp8("k", k), fp8("v", v)
+    kh, vh = np.repeat(k8, group, axis=2), np.repeat(v8, group, axis=2)
+    scores = np.einsum("bihd,bjhd->bhij", q8, kh) * scale
+    masked = np.where(visible, scores, -np.inf)
+    row_max = np.max(masked, axis=-1, keepdims=True)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    exps = np.where(visible, np.exp(np.where(visible, scores, 0.0) - row_max), 0.0)
+    total = exps.sum(-1, keepdims=True)
+    probs = exps / np.where(total > 0, total, 1.0)
+    multiplier = 1.0 if keep is None else np.where(keep, 1.0 / (1.0 - rate), 0.0)
+    p8 = fp8("s", probs * multiplier)
+    o8 = fp8("o", np.einsum("bhij,bjhe->bihe", p8, vh))
+    result = Fp8Reference(out=o8, grads=None, amax=amax, scales=used,
+                          max_logit=np.max(masked, axis=(0, 2, 3)))
+    if dout is None:
+        return result
+    do8 = fp8("do", np.asarray(dout, np.float64))
+    d_probs = np.einsum("bihe,bjhe->bhij", do8, vh) * multiplier
+    delta = np.sum(do8 * o8, axis=-1).transpose(0, 2, 1)[..., None]
+    ds8 = fp8("dp", probs * (d_probs - delta))
+    dq = scale * np.einsum("bhij,bjhd->bihd", ds8, kh)
+    dk = scale * np.einsum("bhij,bihd->bjhd", ds8, q8).reshape(b, skv, h_kv, group, d).sum(3)
+    dv = np.einsum("bhij,bihe->bjhe", p8, do8).reshape(b, skv, h_kv, group, -1).sum(3)
+    result.grads = (dq, dk, dv)
+    return result

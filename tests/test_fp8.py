@@ -1,0 +1,226 @@
+"""FP8 attention (config.fp8): the recipe's emulation on the xla backend, its state, errors.
+
+The emulation is checked against a float64 NumPy run of the same recipe
+(tests/fp8_reference.py): equal up to float32 noise, except where a value sits on an FP8
+rounding boundary and the two round it to neighbouring FP8 values; so the output may
+differ by one FP8 step of the output (module tolerance FP8_STEP_SLACK) in at most 1% of
+its elements, and the gradients, sums of rounded score gradients, by at most 5% of
+their largest entry with 95% of their entries within 1e-4 of it. Against exact
+attention the documented FP8 tolerance is FP8_VS_EXACT (per format) of the largest entry.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import assert_finite, make_config, random_array
+from fp8_reference import TENSORS, fp8_attention, scale_from
+from reference import dropout_keep, reference_attention
+
+from fusedattn.ops import AttentionSpec, Fp8State, SequenceDescriptor, explain, fp8_state_init, fused_attn
+
+FP8_VS_EXACT = {"e4m3": 0.15, "hybrid": 0.3}  # E5M2 score gradients: 2 mantissa bits
+
+
+def _fp8_step(x: np.ndarray) -> np.ndarray:
+    """The spacing of E4M3 values around |x| (3 mantissa bits)."""
+    exponent = np.floor(np.log2(np.maximum(np.abs(x), 2.0**-6)))
+    return 2.0 ** (exponent - 3)
+
+
+def assert_output_matches(actual, expected, scale_o: float, name="out"):
+    actual = np.asarray(actual, np.float64)
+    assert_finite(actual, name)
+    error = np.abs(actual - expected)
+    noise = 1e-5 * max(1.0, np.abs(expected).max())
+    flips = error > noise
+    assert np.all(error <= _fp8_step(expected * scale_o) / scale_o + noise), (
+        f"{name}: max error {error.max()} beyond one FP8 step")
+    assert flips.mean() <= 0.01, f"{name}: {flips.mean():.3%} of elements differ"
+
+
+def assert_gradient_matches(actual, expected, name):
+    """Also allows one rounding to actual's dtype (bfloat16 gradients)."""
+    rounding = float(jnp.finfo(actual.dtype).eps)
+    actual = np.asarray(actual, np.float64)
+    assert_finite(actual, name)
+    top = np.abs(expected).max()
+    error = np.abs(actual - expected)
+    assert error.max() <= 0.05 * top, f"{name}: max error {error.max()} of {top}"
+    close = error <= 1e-4 * top + rounding * np.abs(expected)
+    assert np.mean(close) >= 0.95, f"{name}: {1 - np.mean(close):.1%} of elements differ"
+
+
+def _inputs(rng, b=2, sq=40, skv=40, h=4, h_kv=2, d=32, dtype=jnp.float32):
+    return (random_array(rng, (b, sq, h, d), dtype), random_array(rng, (b, skv, h_kv, d), dtype),
+            random_array(rng, (b, skv, h_kv, d), dtype))
+
+
+def _random_state(rng, config) -> Fp8State:
+    """A state as if after earlier calls: scales spread around the sizes of unit normals."""
+    state = fp8_state_init(config)
+    scale = np.asarray([100.0, 120.0, 90.0, 440.0, 200.0, 2000.0, 5000.0], np.float32)
+    scale = scale * rng.uniform(0.7, 1.3, size=scale.shape).astype(np.float32)
+    return state._replace(scale=jnp.asarray(scale))
+
+
+def _jitted_vjp(config, **kwargs):
+    """(state, q, k, v, d_out) -> (out, the forward's new state, (dq, dk, dv, d_state)) of
+    one FP8 call, jitted."""
+    def run(q, k, v, state):
+        return fused_attn((q, k, v), config=config, fp8_state=state, **kwargs)
+
+    @jax.jit
+    def forward_backward(state, q, k, v, d_out):
+        (out, new_state), pullback = jax.vjp(run, q, k, v, state)
+        return out, new_state, pullback((d_out, jax.tree.map(jnp.zeros_like, new_state)))
+
+    return forward_backward
+
+
+def _vjp(config, state, q, k, v, d_out, **kwargs):
+    return _jitted_vjp(config, **kwargs)(state, q, k, v, d_out)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+@pytest.mark.parametrize("mask", ["no_mask", "causal", "padding_causal"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_emulation_matches_the_float64_recipe(rng, fmt, mask, dtype):
+    config = make_config(mask=mask, fp8={"enabled": True, "format": fmt})
+    q, k, v = _inputs(rng, dtype=dtype)
+    padding = mask.startswith("padding")
+    sequence = (SequenceDescriptor.from_seqlens(jnp.asarray([40, 23], jnp.int32),
+                                                jnp.asarray([40, 31], jnp.int32))
+                if padding else None)
+    state = _random_state(rng, config)
+    d_out = random_array(rng, q.shape, dtype)
+    out, new_state, grads = _vjp(config, state, q, k, v, d_out, sequence=sequence)
+    scales = dict(zip(TENSORS, np.asarray(state.scale, np.float64)))
+    ref = fp8_attention(*(np.asarray(x, np.float64) for x in (q, k, v)), scales=scales, fmt=fmt,
+                        causal="causal" in mask, padding=padding,
+                        sequence=sequence,
+                        dout=np.asarray(d_out, np.float64))
+    out = np.asarray(out, np.float64)
+    expected = ref.out.astype(dtype).astype(np.float64) if dtype != jnp.float32 else ref.out
+    if padding:  # padding query rows: zero in both
+        assert np.all(out[1, 23:] == 0)
+    assert_output_matches(out, expected, scales["o"])
+    for got, want, name in zip(grads[:3], ref.grads, ("dq", "dk", "dv")):
+        assert_gradient_matches(got, want, name)
+    history = np.asarray(grads[3].amax_history[0], np.float64)
+    for column, tensor in enumerate(TENSORS):
+        np.testing.assert_allclose(history[column], ref.amax[tensor], rtol=2e-3,
+                                   err_msg=f"recorded amax of {tensor}")
+    # The forward's returned state records q, k, v, s, o only; the gradient records all.
+    np.testing.assert_array_equal(np.asarray(new_state.amax_history[0, 5:]), 0.0)
+
+
+def test_dropout_uses_the_documented_keep_mask(rng):
+    config = make_config(mask="causal", dropout_rate=0.2, fp8={"enabled": True})
+    q, k, v = _inputs(rng, b=1, h=2, h_kv=2)
+    state = _random_state(rng, config)
+    key = jax.random.key(7)
+    d_out = random_array(rng, q.shape)
+    out, _, grads = _vjp(config, state, q, k, v, d_out, dropout_rng=key, is_training=True)
+    keep = dropout_keep(key, 0.2, (1, 2, 40, 40))
+    scales = dict(zip(TENSORS, np.asarray(state.scale, np.float64)))
+    ref = fp8_attention(*(np.asarray(x, np.float64) for x in (q, k, v)), scales=scales,
+                        keep=keep, rate=0.2, dout=np.asarray(d_out, np.float64))
+    assert_output_matches(out, ref.out, scales["o"])
+    for got, want, name in zip(grads[:3], ref.grads, ("dq", "dk", "dv")):
+        assert_gradient_matches(got, want, name)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+def test_fp8_stays_within_its_tolerance_of_exact_attention(rng, fmt):
+    config = make_config(mask="causal", fp8={"enabled": True, "format": fmt,
+                                             "scaling": "current"})
+    q, k, v = _inputs(rng, sq=64, skv=64, dtype=jnp.bfloat16)
+    d_out = random_array(rng, q.shape, jnp.bfloat16)
+    out, _, grads = _vjp(config, None, q, k, v, d_out)
+    exact = reference_attention((q, k, v), make_config(mask="causal"),
+                                dout=np.asarray(d_out, np.float64))
+    for got, want, name in ((out, exact.out, "out"), *zip(grads[:3], exact.grads["qkv"],
+                                                          ("dq", "dk", "dv"))):
+        got = np.asarray(got, np.float64)
+        assert_finite(got, name)
+        error = np.abs(got - want).max() / np.abs(want).max()
+        assert error <= FP8_VS_EXACT[fmt], f"{name}: error {error:.3f} of the largest entry"
+        assert error > 1e-3, f"{name}: no FP8 rounding visible; is FP8 on?"
+
+
+def test_delayed_scaling_follows_the_amax_history(rng):
+    config = make_config(mask="no_mask", fp8={"enabled": True, "amax_history_len": 3,
+                                              "margin": 1})
+    state = fp8_state_init(config)
+    step = _jitted_vjp(config)
+    amaxes = []
+    for size in (1.0, 4.0, 0.5, 0.25):
+        q, k, v = (x * size for x in _inputs(rng, b=1, sq=16, skv=16, h=2, h_kv=2))
+        d_out = random_array(rng, q.shape, scale=size)
+        used = np.asarray(state.scale)
+        state = step(state, q, k, v, d_out)[2][3]
+        amaxes.append(float(jnp.max(jnp.abs(q))))
+        history = np.asarray(state.amax_history[:, 0])
+        expected = (amaxes[::-1] + [0.0] * 3)[:3]
+        np.testing.assert_allclose(history, expected, rtol=1e-6)
+        assert float(state.scale[0]) == pytest.approx(
+            scale_from(max(expected), ml_dtypes.float8_e4m3fn, 1, used[0]), rel=1e-6)
+        assert np.all(np.asarray(state.amax_history[0]) > 0)  # every tensor recorded
+
+
+def test_current_scaling_uses_this_calls_amax(rng):
+    config = make_config(mask="causal", fp8={"enabled": True, "scaling": "current"})
+    q, k, v = _inputs(rng)
+    stale = _random_state(rng, config)._replace(scale=jnp.full((7,), 1e-3, jnp.float32))
+    run = jax.jit(lambda q, k, v, state, config: fused_attn((q, k, v), config=config,
+                                                            fp8_state=state)[0],
+                  static_argnums=4)
+    out_fresh = run(q, k, v, None, AttentionSpec.from_config(config))
+    out_stale = run(q, k, v, stale, AttentionSpec.from_config(config))
+    np.testing.assert_array_equal(np.asarray(out_fresh), np.asarray(out_stale))
+    delayed = make_config(mask="causal", fp8={"enabled": True})
+    out_delayed = run(q, k, v, stale, AttentionSpec.from_config(delayed))
+    assert np.abs(np.asarray(out_delayed) - np.asarray(out_fresh)).max() > 0.1
+
+
+def test_only_xla_serves_fp8_and_explain_says_why(rng):
+    config = make_config(fp8={"enabled": True})
+    q, k, v = _inputs(rng)
+    explanation = explain((q, k, v), config=config, platform="cuda")
+    assert explanation.backend == "xla"
+    for name in ("cudnn", "flash", "small_seq"):
+        assert "no FP8 path" in explanation.verdicts[name]
+    config.backend = "flash"
+    with pytest.raises(ValueError, match="no FP8 path"):
+        fused_attn((q, k, v), config=config, fp8_state=fp8_state_init(config))
+
+
+@pytest.mark.parametrize("overrides, argument, message", [
+    ({}, "state", "fp8_state: config.fp8.enabled is False"),
+    ({"fp8": {"enabled": True}}, None, "scaling 'delayed'"),
+    ({"fp8": {"enabled": True}, "bias": "post_scale_bias"}, "state", "takes no bias"),
+    ({"fp8": {"enabled": True}, "softmax": "off_by_one"}, "state", "vanilla softmax"),
+    ({"fp8": {"enabled": True, "amax_history_len": 4}}, "short", "amax_history"),
+])
+def test_fp8_mistakes_raise_with_the_argument_named(rng, overrides, argument, message):
+    config = make_config(**overrides)
+    q, k, v = _inputs(rng, b=1, sq=8, skv=8)
+    good = fp8_state_init(make_config(fp8={"enabled": True}))
+    state = {"state": good, None: None,
+             "short": good._replace(amax_history=good.amax_history[:2])}[argument]
+    bias = jnp.zeros((1, 4, 8, 8)) if config.bias != "no_bias" else None
+    with pytest.raises(ValueError, match=message):
+        fused_attn((q, k, v), config=config, fp8_state=state, bias=bias)
+
+
+@pytest.mark.parametrize("key, value", [("format", "e5m2"), ("scaling", "just_in_time"),
+                                        ("amax_history_len", 0), ("margin", -1)])
+def test_bad_fp8_config_values_raise(rng, key, value):
+    config = make_config(fp8={"enabled": True, key: value})
+    q, k, v = _inputs(rng, b=1, sq=8, skv=8)
+    with pytest.raises(ValueError, match=f"config.fp8.{key}"):
+        fused_attn((q, k, v), config=config)
