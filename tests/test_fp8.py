@@ -59,12 +59,17 @@ def _inputs(rng, b=2, sq=40, skv=40, h=4, h_kv=2, d=32, dtype=jnp.float32):
             random_array(rng, (b, skv, h_kv, d), dtype))
 
 
-def _random_state(rng, config) -> Fp8State:
-    """A state as if after earlier calls: scales spread around the sizes of unit normals."""
+def _random_state(rng, config, scale=None) -> Fp8State:
+    """A state as if after earlier calls: scales spread around the sizes of unit normals
+    (or `scale`), and a history that is not empty."""
     state = fp8_state_init(config)
-    scale = np.asarray([100.0, 120.0, 90.0, 440.0, 200.0, 2000.0, 5000.0], np.float32)
-    scale = scale * rng.uniform(0.7, 1.3, size=scale.shape).astype(np.float32)
-    return state._replace(scale=jnp.asarray(scale))
+    if scale is None:
+        scale = np.asarray([100.0, 120.0, 90.0, 440.0, 200.0, 2000.0, 5000.0], np.float32)
+        scale = scale * rng.uniform(0.7, 1.3, size=scale.shape).astype(np.float32)
+    scale = np.broadcast_to(np.asarray(scale, np.float32), (len(TENSORS),))
+    history = np.zeros(state.amax_history.shape, np.float32)
+    history[1] = 448.0 / scale
+    return Fp8State(scale=jnp.asarray(scale), amax_history=jnp.asarray(history))
 
 
 def _jitted_vjp(config, **kwargs):
@@ -175,7 +180,7 @@ def test_delayed_scaling_follows_the_amax_history(rng):
 def test_current_scaling_uses_this_calls_amax(rng):
     config = make_config(mask="causal", fp8={"enabled": True, "scaling": "current"})
     q, k, v = _inputs(rng)
-    stale = _random_state(rng, config)._replace(scale=jnp.full((7,), 1e-3, jnp.float32))
+    stale = _random_state(rng, config, scale=1e-3)
     run = jax.jit(lambda q, k, v, state, config: fused_attn((q, k, v), config=config,
                                                             fp8_state=state)[0],
                   static_argnums=4)
@@ -185,6 +190,18 @@ def test_current_scaling_uses_this_calls_amax(rng):
     delayed = make_config(mask="causal", fp8={"enabled": True})
     out_delayed = run(q, k, v, stale, AttentionSpec.from_config(delayed))
     assert np.abs(np.asarray(out_delayed) - np.asarray(out_fresh)).max() > 0.1
+
+
+def test_delayed_scaling_scales_unrecorded_tensors_from_their_own_amax(rng):
+    """A fresh state (first call) quantises like current scaling, not with unit scales."""
+    q, k, v = _inputs(rng)
+    d_out = random_array(rng, q.shape, scale=1e-3)  # would vanish in E4M3 at scale 1
+    outputs = [_vjp(make_config(mask="causal", fp8={"enabled": True, "scaling": scaling}),
+                    fp8_state_init(make_config(fp8={"enabled": True})), q, k, v, d_out)
+               for scaling in ("delayed", "current")]
+    for delayed, current in zip(jax.tree.leaves(outputs[0]), jax.tree.leaves(outputs[1])):
+        np.testing.assert_array_equal(np.asarray(delayed), np.asarray(current))
+    assert np.abs(np.asarray(outputs[0][2][0])).max() > 0
 
 
 def test_only_xla_serves_fp8_and_explain_says_why(rng):

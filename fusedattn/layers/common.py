@@ -65,6 +65,14 @@ def spec_of(config: Any) -> AttentionSpec:
 # --------------------------------------------------------------------------- options
 
 
+class OpExtras(NamedTuple):
+    """What the op returned besides the output: the FP8 state after the call (config.fp8
+    enabled, else None) and max_logit float32 [h] (when asked, else None)."""
+
+    fp8_state: Any = None
+    max_logit: Array | None = None
+
+
 class LayerOptions(NamedTuple):
     """Static per-layer choices shared by the three frameworks.
 
@@ -416,7 +424,8 @@ def _row_visible(spec: AttentionSpec, mask: Array, sequence, batch: int, sq: int
 
 def attend(spec: AttentionSpec, q: Array, k: Array, v: Array, *, mask=None, bias=None,
            softmax_offset=None, sequence=None, dropout_rng=None, deterministic: bool = True,
-           fused: bool = False) -> Array:
+           fused: bool = False, fp8_state=None, return_max_logit: bool = False
+           ) -> tuple[Array, OpExtras]:
     """Calls `fusedattn.ops.fused_attn` on BSHD q/k/v with a Flax-style mask.
 
     Args:
@@ -428,10 +437,16 @@ def attend(spec: AttentionSpec, q: Array, k: Array, v: Array, *, mask=None, bias
       sequence: SequenceDescriptor for padding masks / THD layouts (batch B).
       dropout_rng: PRNG key, used when not deterministic and config.dropout_rate > 0.
       fused: q/k/v came from one fused projection (selects the packed layout).
+      fp8_state, return_max_logit: as fused_attn's (config.fp8, max logit).
 
     Returns:
-      [B, sq, h, dv] in q's dtype.
+      ([B, sq, h, dv] in q's dtype, OpExtras).
     """
+    if spec.fp8_enabled and mask is not None:
+        raise ValueError(
+            "mask: an explicit mask travels to the op as a bias array, and FP8 attention "
+            "(config.fp8.enabled) takes none; express the mask through config.mask and a "
+            "SequenceDescriptor (sequence=...) instead.")
     batch, sq, _, _ = q.shape
     skv = k.shape[1]
     layout = _choose_layout(spec, q, k, v, fused)
@@ -441,15 +456,19 @@ def attend(spec: AttentionSpec, q: Array, k: Array, v: Array, *, mask=None, bias
     arrays = _arrange(q, k, v, layout)
     if mask is not None:
         _check_backend_serves_mask(call_spec, arrays, call_bias, sequence)
-    out = _ops.fused_attn(arrays, config=call_spec, bias=call_bias,
-                          softmax_offset=softmax_offset, sequence=sequence,
-                          dropout_rng=dropout_rng, is_training=not deterministic)
+    result = _ops.fused_attn(arrays, config=call_spec, bias=call_bias,
+                             softmax_offset=softmax_offset, sequence=sequence,
+                             dropout_rng=dropout_rng, is_training=not deterministic,
+                             fp8_state=fp8_state, return_max_logit=return_max_logit)
+    out, *rest = result if spec.fp8_enabled or return_max_logit else (result,)
+    extras = OpExtras(fp8_state=rest[0] if spec.fp8_enabled else None,
+                      max_logit=rest[-1] if return_max_logit else None)
     if layout.format == "sbhd":
         out = jnp.swapaxes(out, 0, 1)
     if mask is not None:
         rows = context_parallel.to_device_layout(spec, rows, -1)  # the output's row order
         out = jnp.where(jnp.swapaxes(rows, 1, 2)[..., None], out, jnp.zeros((), out.dtype))
-    return out
+    return out, extras
 
 
 def _flatten_batch(x: Array) -> tuple[Array, tuple[int, ...]]:
@@ -462,8 +481,8 @@ def core(spec: AttentionSpec, options: LayerOptions, q: Array, k: Array, v: Arra
          q_norm: Callable[[Array], Array] | None = None,
          k_norm: Callable[[Array], Array] | None = None,
          cache: KVCache | None = None, mask=None, bias=None, softmax_offset=None,
-         sequence=None, dropout_rng=None, deterministic: bool = True,
-         ) -> tuple[Array, KVCache | None]:
+         sequence=None, dropout_rng=None, deterministic: bool = True, fp8_state=None,
+         return_max_logit: bool = False) -> tuple[Array, KVCache | None, OpExtras]:
     """Everything between the projections: QK norm, RoPE, decode cache, attention.
 
     Args:
@@ -476,10 +495,11 @@ def core(spec: AttentionSpec, options: LayerOptions, q: Array, k: Array, v: Arra
         filled part of the cache; with a non-causal config mask ("no_mask",
         "padding") they see all of the filled part ("padding").
       mask: bool, broadcastable to [batch..., h, sq, skv (max_len when decoding)].
-      bias, softmax_offset, sequence, dropout_rng, deterministic: as in `attend`.
+      bias, softmax_offset, sequence, dropout_rng, deterministic, fp8_state,
+        return_max_logit: as in `attend`.
 
     Returns:
-      (out [batch..., sq, h, dv], the updated cache or None).
+      (out [batch..., sq, h, dv], the updated cache or None, OpExtras).
     """
     if q_norm is not None:
         q, k = q_norm(q), k_norm(k)
@@ -522,12 +542,13 @@ def core(spec: AttentionSpec, options: LayerOptions, q: Array, k: Array, v: Arra
         mask = broadcast_mask(mask, batch_shape, h, sq, skv)
     if bias is not None and spec.bias in (BiasType.PRE_SCALE_BIAS, BiasType.POST_SCALE_BIAS):
         bias = broadcast_bias(bias, batch_shape, h, sq, skv)
-    out = attend(spec, q, k, v, mask=mask, bias=bias, softmax_offset=softmax_offset,
-                 sequence=sequence, dropout_rng=dropout_rng, deterministic=deterministic,
-                 fused=fused)
+    out, extras = attend(spec, q, k, v, mask=mask, bias=bias, softmax_offset=softmax_offset,
+                         sequence=sequence, dropout_rng=dropout_rng,
+                         deterministic=deterministic, fused=fused, fp8_state=fp8_state,
+                         return_max_logit=return_max_logit)
     if overflow is not None:  # past max_len: the cache write was clamped, so no numbers
         out = jnp.where(overflow, jnp.asarray(jnp.nan, out.dtype), out)
-    return out.reshape(*batch_shape, *out.shape[1:]), new_cache
+    return out.reshape(*batch_shape, *out.shape[1:]), new_cache, extras
 
 
 def missing_dropout_rng(spec: AttentionSpec, how: str) -> ValueError:
@@ -619,9 +640,9 @@ def attention_fn(config) -> Callable[..., Array]:
         options = LayerOptions(query.shape[-2], key.shape[-2])
         if bias is not None and call_spec.bias == BiasType.NO_BIAS:
             call_spec = call_spec.replace(bias=BiasType.POST_SCALE_BIAS)
-        out, _ = core(call_spec, options, query, key, value, mask=mask, bias=bias,
-                      dropout_rng=dropout_rng,
-                      deterministic=bool(deterministic) or call_spec.dropout_rate == 0)
+        out, _, _ = core(call_spec, options, query, key, value, mask=mask, bias=bias,
+                         dropout_rng=dropout_rng,
+                         deterministic=bool(deterministic) or call_spec.dropout_rate == 0)
         return out
 
     fused_attention.__doc__ = attention_fn.__doc__

@@ -135,6 +135,12 @@ class MultiheadAttention(eqx.Module):
                  compute_dtype: Any = None, normalize_qk: bool = False,
                  fused_qkv: bool = False, rope: bool = False, rope_theta: float = 10000.0):
         self.spec = stock.layer_spec(config, dropout_p, "dropout_p")
+        if self.spec.fp8_enabled:
+            raise ValueError(
+                "config.fp8.enabled: the Equinox layer keeps no FP8 state yet (its calls, one "
+                "example each under jax.vmap, would each record their own amax); call "
+                "fusedattn.ops.fused_attn with fp8_state= on the whole batch, or use the linen "
+                "or nnx layer, or set config.fp8.enabled = False.")
         dtype = jnp.zeros(()).dtype if dtype is None else dtype  # float32, float64 under x64
         key_size = query_size if key_size is None else key_size
         value_size = query_size if value_size is None else value_size
@@ -182,7 +188,7 @@ class MultiheadAttention(eqx.Module):
                  mask: Array | None = None, *, key: Array | None = None,
                  inference: bool | None = None, deterministic: bool | None = None,
                  process_heads: Callable | None = None, bias: Array | None = None,
-                 sequence=None) -> Array:
+                 sequence=None, return_max_logit: bool = False):
         """Attention of one example's query over its key/value sequence.
 
         Args (the stock call's, then ours):
@@ -204,9 +210,12 @@ class MultiheadAttention(eqx.Module):
           sequence: this example's SequenceDescriptor, without the batch axis
             (q_seqlens [], segment ids [s], ...) as jax.vmap hands it over from a
             batched descriptor; a descriptor with a batch axis of 1 is accepted too.
+          return_max_logit: also return this example's max_logit float32 [h] (each head's
+            largest logit, fusedattn.ops.max_logit; under jax.vmap [batch, h]: take the
+            max over the batch axis).
 
         Returns:
-          [sq, output_size].
+          [sq, output_size]; (that, max_logit) with return_max_logit.
         """
         if deterministic is not None:
             inference = deterministic
@@ -252,15 +261,17 @@ class MultiheadAttention(eqx.Module):
         norm = None if self.query_ln is None else _per_head
         if bias is not None and jnp.ndim(bias) > 1:  # [h|1, sq, skv]: add the batch axis
             bias = jnp.asarray(bias)[None]
-        x, _ = common.core(
+        x, _, extras = common.core(
             spec, self.options, q[None], k[None], v[None],
             q_norm=None if norm is None else norm(self.query_ln),
             k_norm=None if norm is None else norm(self.key_ln),
             mask=None if mask is None else jnp.asarray(mask)[None],
             bias=bias,
             softmax_offset=self.softmax_offset, sequence=_batch_descriptor(sequence),
-            dropout_rng=None if deterministic else key, deterministic=deterministic)
-        return self._output(x[0].reshape(query.shape[0], -1), dtype)
+            dropout_rng=None if deterministic else key, deterministic=deterministic,
+            return_max_logit=return_max_logit)
+        out = self._output(x[0].reshape(query.shape[0], -1), dtype)
+        return (out, extras.max_logit) if return_max_logit else out
 
     def _output(self, x: Array, dtype) -> Array:
         """[..., h * vo_size] -> [..., output_size] through output_proj, in `dtype`."""

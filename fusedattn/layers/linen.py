@@ -8,8 +8,10 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
 from fusedattn.layers import common, paged, stock
+from fusedattn.ops import Fp8State, fp8_state_init
 from fusedattn.ops.enums import SoftmaxType
 
 Array = jax.Array
@@ -52,6 +54,17 @@ class MultiHeadDotProductAttention(nn.Module):
     mutable=["cache"]), writes the step's k/v there and attends to each sequence's
     cached tokens.
 
+    FP8 attention (config.fp8.enabled): the scales and amax histories live in the
+    collection flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT ("_overwrite_with_gradient"),
+    as the variables fp8_scale float32 [7] and fp8_amax_history float32 [L, 7]
+    (fusedattn.ops.fp8). Differentiating the loss with respect to that collection gives
+    the state with every amax of the step recorded, and flax.training.train_state.
+    TrainState.apply_gradients writes it back (the convention of Flax's own FP8 ops);
+    applying with mutable=[OVERWRITE_WITH_GRADIENT] records the forward's amaxes too.
+
+    With return_max_logit=True each call sows max_logit float32 [h] (each head's
+    largest logit, fusedattn.ops.max_logit) into the "intermediates" collection.
+
     Attributes (the stock module's, in its order):
       num_heads: query heads h; qkv_features must be divisible by it.
       dtype: computation dtype (e.g. jnp.bfloat16), default inferred.
@@ -89,6 +102,7 @@ class MultiHeadDotProductAttention(nn.Module):
         segment positions when `sequence` is given, + cache_index when decoding).
       rope_theta: RoPE base.
       num_pages, page_size: the paged cache's pool (needed by calls with pages=).
+      return_max_logit: sow each call's max_logit (above).
     """
 
     num_heads: int
@@ -123,6 +137,7 @@ class MultiHeadDotProductAttention(nn.Module):
     rope_theta: float = 10000.0
     num_pages: int | None = None
     page_size: int | None = None
+    return_max_logit: bool = False
 
     @nn.compact
     def __call__(self, inputs_q: Array, inputs_k: Array | None = None,
@@ -254,13 +269,27 @@ class MultiHeadDotProductAttention(nn.Module):
         else:
             deterministic = True
 
-        x, new_cache = common.core(spec, options, query, key, value, q_norm=q_norm,
-                                   k_norm=k_norm, cache=cache, mask=mask, bias=bias,
-                                   softmax_offset=softmax_offset, sequence=sequence,
-                                   dropout_rng=dropout_rng, deterministic=deterministic)
+        fp8_vars = None
+        if spec.fp8_enabled:
+            initial = fp8_state_init(spec)
+            fp8_vars = Fp8State(*(self.variable(OVERWRITE_WITH_GRADIENT, name, lambda x=x: x)
+                                  for name, x in zip(("fp8_scale", "fp8_amax_history"),
+                                                     initial)))
+        x, new_cache, extras = common.core(
+            spec, options, query, key, value, q_norm=q_norm, k_norm=k_norm, cache=cache,
+            mask=mask, bias=bias, softmax_offset=softmax_offset, sequence=sequence,
+            dropout_rng=dropout_rng, deterministic=deterministic,
+            fp8_state=None if fp8_vars is None else Fp8State(*(v.value for v in fp8_vars)),
+            return_max_logit=self.return_max_logit)
         if new_cache is not None:
             for variable, value_ in zip(cache_vars, new_cache):
                 variable.value = value_
+        if (fp8_vars is not None and not self.is_initializing()
+                and self.is_mutable_collection(OVERWRITE_WITH_GRADIENT)):
+            for variable, value_ in zip(fp8_vars, extras.fp8_state):
+                variable.value = value_
+        if self.return_max_logit:
+            self.sow("intermediates", "max_logit", extras.max_logit)
         return self._out(x, features)
 
     def _out(self, x: Array, features: int) -> Array:

@@ -12,11 +12,22 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 
 from fusedattn.layers import common, paged, stock
+from fusedattn.ops import Fp8State, fp8_state_init
 from fusedattn.ops.enums import SoftmaxType
 
 Array = jax.Array
 
-__all__ = ["MultiHeadAttention"]
+__all__ = ["Fp8Meta", "MultiHeadAttention", "apply_fp8_gradients"]
+
+
+class Fp8Meta(nnx.Variable):
+    """FP8 scales and amax histories of an attention layer (fusedattn.ops.fp8): their
+    gradient is their new value, not a direction to step in."""
+
+
+def apply_fp8_gradients(model: nnx.Module, grads: nnx.State) -> None:
+    """Writes the Fp8Meta entries of `grads` (the new FP8 states) into `model`."""
+    nnx.update(model, nnx.filter_state(grads, Fp8Meta))
 
 
 class MultiHeadAttention(nnx.Module):
@@ -74,6 +85,16 @@ class MultiHeadAttention(nnx.Module):
         the stock module's semantics (`fusedattn.layers.stock.stock_config()`: mask
         "no_mask", the call's `mask` being the only one).
       fused_qkv, rope, rope_theta: see fusedattn.layers.linen.
+      return_max_logit: sow each call's max_logit float32 [h] (each head's largest logit,
+        fusedattn.ops.max_logit) as the nnx.Intermediate "max_logit" (read it with
+        nnx.capture(model, nnx.Intermediate)).
+
+    FP8 attention (config.fp8.enabled): fp8_scale float32 [7] and fp8_amax_history
+    float32 [L, 7] (fusedattn.ops.fp8) are Fp8Meta variables. Each call records the
+    forward's amaxes in them; the gradient with respect to them is the state with the
+    backward's amaxes recorded as well: `apply_fp8_gradients(model, grads)` writes it
+    (differentiate with nnx.DiffState(0, (nnx.Param, Fp8Meta))). Without that, dO and dP
+    are scaled from their own amax each step.
     """
 
     def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
@@ -101,7 +122,7 @@ class MultiHeadAttention(nnx.Module):
                  query_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
                  key_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
                  config: Any = None, fused_qkv: bool = False, rope: bool = False,
-                 rope_theta: float = 10000.0):
+                 rope_theta: float = 10000.0, return_max_logit: bool = False):
         del broadcast_dropout  # the op's dropout masks are per element either way
         stock.check_attention_fn(attention_fn)
         self.spec = stock.layer_spec(config, dropout_rate)
@@ -167,6 +188,13 @@ class MultiHeadAttention(nnx.Module):
                      else nnx.data(None))
         self.cached_key = self.cached_value = self.cache_index = nnx.data(None)
         self.key_pages = self.value_pages = nnx.data(None)
+        if self.spec.fp8_enabled:
+            initial = fp8_state_init(self.spec)
+            self.fp8_scale = Fp8Meta(initial.scale)
+            self.fp8_amax_history = Fp8Meta(initial.amax_history)
+        else:
+            self.fp8_scale = self.fp8_amax_history = nnx.data(None)
+        self.return_max_logit = return_max_logit
 
     def __call__(self, inputs_q: Array, inputs_k: Array | None = None,
                  inputs_v: Array | None = None, *, mask: Array | None = None,
@@ -260,15 +288,22 @@ class MultiHeadAttention(nnx.Module):
         else:
             deterministic = True
 
-        x, new_cache = common.core(
+        fp8_state = (None if self.fp8_scale is None else
+                     Fp8State(self.fp8_scale[...], self.fp8_amax_history[...]))
+        x, new_cache, extras = common.core(
             spec, self.options, query, key, value,
             q_norm=self.query_ln, k_norm=self.key_ln, cache=cache, mask=mask, bias=bias,
             softmax_offset=None if self.softmax_offset is None else self.softmax_offset[...],
-            sequence=sequence, dropout_rng=dropout_rng, deterministic=deterministic)
+            sequence=sequence, dropout_rng=dropout_rng, deterministic=deterministic,
+            fp8_state=fp8_state, return_max_logit=self.return_max_logit)
         if new_cache is not None:
             self.cached_key[...] = new_cache.key
             self.cached_value[...] = new_cache.value
             self.cache_index[...] = new_cache.index
+        if fp8_state is not None:
+            self.fp8_scale[...], self.fp8_amax_history[...] = extras.fp8_state
+        if self.return_max_logit:
+            self.sow(nnx.Intermediate, "max_logit", extras.max_logit)
         return self.out(x, out_sharding=out_sharding)
 
     def _paged_step(self, query, key, value, pages, input_shape, *, mask, bias, sequence,

@@ -14,7 +14,10 @@ A call records its amaxes: each tensor's column of the history rolls down by one
 the new amax on top, and its scale becomes fp8_max / max(column) / 2**margin (kept as it
 was while that max is 0 or not finite). "delayed" scaling quantises with the state's
 scales (set by earlier calls); "current" quantises with the same formula over this
-call's own amax, and records it the same way.
+call's own amax, and records it the same way. A tensor with nothing recorded yet (its
+history all zero: the first call, or do/dp when the training step does not feed the
+state's gradient back) is scaled from its own amax under "delayed" scaling too, so no
+call ever quantises with the initial unit scale.
 
 The forward knows the amaxes of q, k, v, s and o: fused_attn returns the state with those
 recorded. do and dp are known only in the backward pass, so the gradient of the loss
@@ -90,10 +93,12 @@ def _scale_for(spec: AttentionSpec, tensor: str, amax_value: jax.Array,
 def call_scale(spec: AttentionSpec, state: Fp8State, tensor: str,
                amax_value: jax.Array) -> jax.Array:
     """The scale `tensor` is quantised with in this call (float32 scalar)."""
-    stored = state.scale[TENSORS.index(tensor)]
+    column = TENSORS.index(tensor)
+    stored = state.scale[column]
+    current = _scale_for(spec, tensor, amax_value, stored)
     if spec.fp8_scaling == Fp8Scaling.CURRENT:
-        return _scale_for(spec, tensor, amax_value, stored)
-    return stored
+        return current
+    return jnp.where(jnp.max(state.amax_history[:, column]) > 0, stored, current)
 
 
 def record(spec: AttentionSpec, state: Fp8State, amaxes: dict[str, jax.Array]) -> Fp8State:
