@@ -65,6 +65,9 @@ def get_config(arg: str = ""):
     config.model.max_len = 128          # position table; must be >= data.seq_len (checked)
     config.model.dtype = "float32"      # compute dtype; parameters stay float32
     config.model.remat = False
+    # QK-clip: after each optimizer step, heads whose largest attention logit exceeded this
+    # are rescaled back to it through their query and key projections (0: off; nnx model).
+    config.model.qk_clip = 0.0
     attention = attention_config()
     for name in variants:
         if name in _PRESETS:

@@ -57,6 +57,11 @@ class Task:
     unit: what tokens_per_step counts ("tokens", "examples").
     mesh: None, or the jax.sharding.Mesh the steps run under (jax.set_mesh); the
       batches then come laid out over it.
+    overwrite_with_gradient: top-level keys of params that are state, not weights: each
+      step replaces them by their gradient (the FP8 scales and amax histories, whose
+      gradient is their new value: fusedattn.ops.fp8), and the optimizer never sees them.
+    after_update: None, or (updated params, loss_fn's metrics) -> (params, metrics), run
+      in each step after the optimizer (e.g. QK-clip); the metrics it returns are logged.
     """
 
     params: Any
@@ -69,6 +74,16 @@ class Task:
     reference: dict[str, float] = dataclasses.field(default_factory=dict)
     unit: str = "tokens"
     mesh: Any = None
+    overwrite_with_gradient: tuple[str, ...] = ()
+    after_update: Callable | None = None
+
+    def trained(self, params: dict) -> dict:
+        return trained_part(params, self.overwrite_with_gradient)
+
+
+def trained_part(params: dict, overwrite_with_gradient: tuple[str, ...]) -> dict:
+    """The part of params the optimizer updates: all top-level keys but those named."""
+    return {k: v for k, v in params.items() if k not in overwrite_with_gradient}
 
 
 # ----------------------------------------------------------------------------- params
@@ -339,7 +354,7 @@ def _train(config, workdir: pathlib.Path, task: Task, title: str) -> dict:
     tx, schedule = make_optimizer(config.optim, num_steps)
     platform = jax.devices()[0].platform
 
-    opt_state = tx.init(task.params)
+    opt_state = tx.init(task.trained(task.params))
     checkpoints = Checkpoints(workdir / "checkpoints", tc.keep_checkpoints)
     start_step, state = checkpoints.restore_latest({"params": task.params, "opt_state": opt_state},
                                                    _print)
@@ -352,9 +367,12 @@ def _train(config, workdir: pathlib.Path, task: Task, title: str) -> dict:
     def train_step(params, opt_state, batch, step, first_bad):
         key = jax.random.fold_in(dropout_root, step)
         (loss, aux), grads = jax.value_and_grad(task.loss_fn, has_aux=True)(params, batch, key)
-        grad_norm = optax.tree.norm(grads)
-        updates, new_opt_state = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
+        trained = task.trained(params)
+        grad_norm = optax.tree.norm(task.trained(grads))
+        updates, new_opt_state = tx.update(task.trained(grads), opt_state, trained)
+        new_params = {**grads, **optax.apply_updates(trained, updates)}
+        if task.after_update is not None:
+            new_params, aux = task.after_update(new_params, aux)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         # From the first non-finite step on, nothing changes: the parameters stay those
         # before it (so no checkpoint can hold NaN, and the step can be diagnosed).

@@ -68,8 +68,9 @@ def load_params(config, workdir: pathlib.Path, train_steps: int):
         train.train_and_evaluate(config, workdir)
         checkpoints = trainer.Checkpoints(workdir / "checkpoints", keep=1)
     tx, _ = trainer.make_optimizer(config.optim, config.trainer.num_steps)
+    trained = trainer.trained_part(model.params, model.overwrite_with_gradient)
     step, state = checkpoints.restore_latest(
-        {"params": model.params, "opt_state": tx.init(model.params)}, report=print)
+        {"params": model.params, "opt_state": tx.init(trained)}, report=print)
     checkpoints.close()
     print(f"loaded the checkpoint of step {step} from {workdir / 'checkpoints'}")
     return model, state["params"]

@@ -35,6 +35,15 @@ class Model:
     num_embedding_params: int
     # (params, num_pages, page_size) -> step(tokens int [S, n], pages) -> logits [S, n, vocab]
     paged_decoder: Callable | None = None
+    # Top-level keys of params replaced by their gradient each step (trainer.Task's).
+    overwrite_with_gradient: tuple[str, ...] = ()
+    # NNX: apply that also returns each layer's max_logit [num_layers, h] (config.model.qk_clip).
+    apply_with_max_logit: Callable | None = None
+
+
+# The NNX model's FP8 attention states (config.model.attention.fp8.enabled): a part of the
+# params the trainer overwrites with its gradient (fusedattn.layers.nnx.Fp8Meta).
+FP8_STATE = "fp8_state"
 
 
 def sequence_descriptor(attention, segment_ids, positions) -> SequenceDescriptor | None:
@@ -93,7 +102,7 @@ def _build_nnx(c, attention, seed: int) -> Model:
             self.ln1 = nnx.LayerNorm(d, dtype=dtype, rngs=rngs)
             self.attn = fa_nnx.MultiHeadAttention(
                 c.num_heads, d, config=attention, num_kv_heads=c.num_kv_heads, use_bias=False,
-                dtype=dtype, keep_rngs=False, rngs=rngs)
+                dtype=dtype, keep_rngs=False, rngs=rngs, return_max_logit=c.qk_clip > 0)
             self.ln2 = nnx.LayerNorm(d, dtype=dtype, rngs=rngs)
             self.fc1 = nnx.Linear(d, c.mlp_dim, dtype=dtype, rngs=rngs)
             self.fc2 = nnx.Linear(c.mlp_dim, d, dtype=dtype, rngs=rngs)
@@ -123,20 +132,35 @@ def _build_nnx(c, attention, seed: int) -> Model:
             return self.head(self.ln_f(x)).astype(jnp.float32)
 
     model = Transformer(nnx.Rngs(params=seed))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params, fp8_state, rest = nnx.split(model, nnx.Param, fa_nnx.Fp8Meta, ...)
     named, rebuild = trainer.named_leaves(params)
+    named_fp8, rebuild_fp8 = trainer.named_leaves(fp8_state)
     dropout = AttentionSpec.from_config(attention).dropout_rate > 0
 
+    def merged(named_params):
+        return nnx.merge(graphdef, rebuild(named_params),
+                         rebuild_fp8(named_params.get(FP8_STATE, {})), rest)
+
+    def apply_with_max_logit(named_params, inputs, positions, segment_ids, dropout_key=None):
+        """(logits, each layer's max_logit float32 [num_layers, h]; None unless qk_clip)."""
+        m = merged(named_params)
+        args = (inputs, positions, sequence_descriptor(attention, segment_ids, positions),
+                dropout_key if dropout else None)
+        if c.qk_clip <= 0:
+            return m(*args), None
+        logits, sown = nnx.capture(m, nnx.Intermediate)(*args)
+        per_layer = nnx.to_pure_dict(sown)["blocks"]
+        return logits, jnp.stack([per_layer[i]["attn"]["max_logit"][0]
+                                  for i in sorted(per_layer)])
+
     def apply(named_params, inputs, positions, segment_ids, dropout_key=None):
-        m = nnx.merge(graphdef, rebuild(named_params), rest)
-        return m(inputs, positions, sequence_descriptor(attention, segment_ids, positions),
-                 dropout_key if dropout else None)
+        return apply_with_max_logit(named_params, inputs, positions, segment_ids, dropout_key)[0]
 
     def paged_decoder(named_params, num_pages: int, page_size: int):
         """A model with a paged cache of num_pages pages per layer; returns
         step(tokens int [S, n], pages: PageTable after allocate) -> logits [S, n, vocab],
         writing the step's keys/values into the model's caches."""
-        m = nnx.merge(graphdef, rebuild(named_params), rest)
+        m = merged(named_params)
         for block in m.blocks:
             block.attn.init_paged_cache(num_pages, page_size)
 
@@ -147,7 +171,10 @@ def _build_nnx(c, attention, seed: int) -> Model:
         return lambda tokens, pages: step(m, tokens, pages)
 
     embedding = trainer.count_params([named["embed"], named["pos_embed"]])
-    return Model(named, apply, trainer.count_params(named), embedding, paged_decoder)
+    params = {**named, **({FP8_STATE: named_fp8} if named_fp8 else {})}
+    return Model(params, apply, trainer.count_params(named), embedding, paged_decoder,
+                 overwrite_with_gradient=(FP8_STATE,) if named_fp8 else (),
+                 apply_with_max_logit=apply_with_max_logit)
 
 
 # ----------------------------------------------------------------------------- Equinox
@@ -156,6 +183,10 @@ def _build_nnx(c, attention, seed: int) -> Model:
 def _build_equinox(c, attention, seed: int) -> Model:
     import equinox as eqx
     from fusedattn.layers import equinox as fa_eqx
+
+    if c.qk_clip > 0:
+        raise ValueError("config.model.qk_clip: QK-clip is served by the 'nnx' model; use "
+                         "configs/lm_nnx.py or set config.model.qk_clip = 0.")
 
     dtype = trainer.compute_dtype(c.dtype)
 

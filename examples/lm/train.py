@@ -12,6 +12,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from examples.common import trainer
 from examples.lm import data as lm_data
 from examples.lm import models
+from examples.lm import qk_clip as qk_clip_lib
 from fusedattn import ops
 
 
@@ -116,15 +117,30 @@ def make_task(config, verbose: bool = True) -> trainer.Task:
         eval_batches = [lay_out(b, mesh, context) for b in eval_batches]
         train_batch = lambda step: lay_out(batches.train(step), mesh, context)  # noqa: E731
 
+    qk_clip = c.model.qk_clip > 0
+    if qk_clip and model.apply_with_max_logit is None:
+        raise ValueError(f"config.model.qk_clip: needs the max logits of the "
+                         f"{c.model.framework!r} model; use the 'nnx' model (configs/lm_nnx.py).")
+
     def loss_fn(params, batch, dropout_key):
-        logits = model.apply(params, batch["inputs"], batch["positions"], batch["segment_ids"],
-                             dropout_key)
+        inputs = (params, batch["inputs"], batch["positions"], batch["segment_ids"], dropout_key)
+        logits, max_logit = (model.apply_with_max_logit(*inputs) if qk_clip
+                             else (model.apply(*inputs), None))
         nll, correct = _metrics(logits, batch)
         w = batch["weights"]
         total = jnp.maximum(w.sum(), 1.0)
         loss = (nll * w).sum() / total
-        return loss, {"best_loss": (batch["best_nll"] * w).sum() / total,
-                      "accuracy": (correct * w).sum() / total}
+        metrics = {"best_loss": (batch["best_nll"] * w).sum() / total,
+                   "accuracy": (correct * w).sum() / total}
+        if qk_clip:
+            metrics["max_logit"] = jax.lax.stop_gradient(max_logit)
+        return loss, metrics
+
+    def clip(params, metrics):
+        """QK-clip after the optimizer step; logs the largest logit of the step's forward."""
+        max_logit = metrics["max_logit"]
+        return (qk_clip_lib.rescale(params, max_logit, c.model.qk_clip),
+                {**metrics, "max_logit": jnp.max(max_logit)})
 
     def eval_fn(params, batch):
         logits = model.apply(params, batch["inputs"], batch["positions"], batch["segment_ids"])
@@ -162,7 +178,8 @@ def make_task(config, verbose: bool = True) -> trainer.Task:
         params=model.params, loss_fn=loss_fn, eval_fn=eval_fn,
         train_batch=train_batch, eval_batch=lambda i: eval_batches[i],
         tokens_per_step=tokens, flops_per_step=flops, reference=reference, unit="tokens",
-        mesh=mesh)
+        mesh=mesh, overwrite_with_gradient=model.overwrite_with_gradient,
+        after_update=clip if qk_clip else None)
 
 
 def train_and_evaluate(config, workdir) -> dict:
