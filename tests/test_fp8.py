@@ -214,6 +214,9 @@ def test_only_xla_serves_fp8_and_explain_says_why(rng):
     config.backend = "flash"
     with pytest.raises(ValueError, match="no FP8 path"):
         fused_attn((q, k, v), config=config, fp8_state=fp8_state_init(config))
+    config.backend, config.bias = "auto", "post_scale_bias"
+    with pytest.raises(ValueError, match="takes no bias"):
+        explain((q, k, v), config=config, bias=jnp.zeros((1, 4, 40, 40)))
 
 
 @pytest.mark.parametrize("overrides, argument, message", [

@@ -131,6 +131,8 @@ def explain(qkv, *, config, bias=None, sequence=None, platform=None,
         return registry.explain_spec(spec, shapes, platform)
     _check_no_page_table(spec, page_table)
     qkv = layouts.check_arrays(_as_tuple(qkv), spec.qkv_layout)
+    if spec.fp8_enabled:
+        fp8.check_config(spec, qkv[0].dtype)
     structs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in qkv)
     q, k, v = jax.eval_shape(lambda arrays: layouts.to_bshd(arrays, spec.qkv_layout), structs)
     offset = jax.ShapeDtypeStruct((q.shape[2],), jnp.float32)

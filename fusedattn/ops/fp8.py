@@ -112,11 +112,9 @@ def record(spec: AttentionSpec, state: Fp8State, amaxes: dict[str, jax.Array]) -
     return Fp8State(scale=scale, amax_history=history)
 
 
-def check_call(spec: AttentionSpec, state, dtype) -> Fp8State:
-    """Validates an FP8 call's config, input dtype and state; returns the state to use.
-
-    Raises ValueError/TypeError naming the argument or key and what to do.
-    """
+def check_config(spec: AttentionSpec, dtype) -> None:
+    """What an FP8 call may be (no bias, vanilla softmax, contiguous layouts, no context
+    parallelism, bfloat16/float16/float32 inputs); ValueError/TypeError otherwise."""
     if spec.bias != BiasType.NO_BIAS or spec.softmax != SoftmaxType.VANILLA:
         raise ValueError(
             f"config.fp8.enabled: FP8 attention takes no bias and the vanilla softmax (as "
@@ -131,6 +129,14 @@ def check_call(spec: AttentionSpec, state, dtype) -> Fp8State:
                                 jnp.dtype(jnp.float32)):
         raise TypeError(f"qkv: FP8 attention quantises bfloat16, float16 or float32 inputs, "
                         f"got {jnp.dtype(dtype)}.")
+
+
+def check_call(spec: AttentionSpec, state, dtype) -> Fp8State:
+    """Validates an FP8 call's config, input dtype and state; returns the state to use.
+
+    Raises ValueError/TypeError naming the argument or key and what to do.
+    """
+    check_config(spec, dtype)
     if state is None:
         if spec.fp8_scaling == Fp8Scaling.DELAYED:
             raise ValueError(
