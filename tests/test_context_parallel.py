@@ -209,6 +209,33 @@ def test_batch_sharded_over_another_axis(rng, backend):
                             make_mesh((2, 2), ("data", "cp")), batch_axis="data")
 
 
+@pytest.mark.parametrize("strategy,load_balance", [("ring", True), ("all_gather", False)])
+@pytest.mark.parametrize("case", ["causal", "bottom_right_cross", "causal_window", "packed",
+                                  "thd_offsets_window", "post_scale_bias", "alibi_slopes"])
+def test_max_logit_matches_unsharded(rng, case, strategy, load_balance):
+    """return_max_logit under context parallelism: the maximum over every device's blocks."""
+    overrides, inputs = build(rng, "xla", {**CASES, **XLA_CASES}[case])
+    config = make_config(**overrides)
+
+    def largest(q, k, v, config):
+        return fused_attn((q, k, v), config=config, bias=inputs.get("bias"),
+                          sequence=inputs.get("sequence"), return_max_logit=True)[1]
+
+    expected = jax.jit(functools.partial(largest, config=config))(
+        inputs["q"], inputs["k"], inputs["v"])
+    mesh = make_mesh()
+    to_device = ((lambda x: reorder_causal_load_balancing(x, 4)) if load_balance
+                 else (lambda x: x))
+    q, k, v = (jax.device_put(to_device(inputs[n]), NamedSharding(mesh, P(None, "cp")))
+               for n in ("q", "k", "v"))
+    for key, value in dict(axis="cp", strategy=strategy, load_balance=load_balance).items():
+        setattr(config.context_parallel, key, value)
+    with jax.set_mesh(mesh):
+        got = jax.jit(functools.partial(largest, config=config))(q, k, v)
+    assert got.shape == (4,) and np.all(np.isfinite(np.asarray(got)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("strategy", ["ring", "all_gather"])
 def test_explicit_context_axis(rng, strategy):
     """A context axis of explicit sharding (jax.make_mesh's default): the op reshards its

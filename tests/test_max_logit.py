@@ -1,6 +1,7 @@
 """fused_attn(..., return_max_logit=True) (fusedattn/ops/max_logit.py) against float64 NumPy:
 every mask, bias and ALiBi, GQA, padding and packing, paged caches, several query blocks,
-the backends that serve the call on the CPU, and the errors."""
+the backends that serve the call on the CPU, and the errors (context parallelism:
+tests/test_context_parallel.py)."""
 
 from __future__ import annotations
 
@@ -143,10 +144,7 @@ def test_head_with_nothing_visible_reports_minus_infinity(rng):
     assert np.all(np.asarray(largest) == -np.inf)
 
 
-def test_mistakes_raise(rng):
+def test_a_non_bool_flag_raises(rng):
     q, k, v = (random_array(rng, (1, 4, 2, 8)) for _ in range(3))
     with pytest.raises(TypeError, match="return_max_logit: expected True or False"):
         fused_attn((q, k, v), config=make_config(), return_max_logit="yes")
-    config = make_config(context_parallel={"axis": "context"})
-    with pytest.raises(ValueError, match="return_max_logit: not served under context"):
-        fused_attn((q, k, v), config=config, return_max_logit=True)

@@ -88,6 +88,7 @@ def fused_attn(qkv, *, config, bias=None, softmax_offset=None, sequence=None,
         extras = (new_state,)
     elif spec.context_axis is not None:
         out = context_parallel.attention(spec, backend.name, args, scale)
+        largest = context_parallel.max_logit(spec, args, scale) if return_max_logit else None
     else:
         out = backend.attention(spec, args, scale)
         largest = max_logit.max_logit(spec, args, scale) if return_max_logit else None
@@ -107,10 +108,6 @@ def _check_extras(spec: AttentionSpec, fp8_state, return_max_logit) -> None:
         raise ValueError(
             "fp8_state: config.fp8.enabled is False, so the call has no FP8 scales to read; "
             "drop the argument or set config.fp8.enabled = True.")
-    if return_max_logit and spec.context_axis is not None:
-        raise ValueError(
-            "return_max_logit: not served under context parallelism yet (each device holds "
-            "part of the keys); unset config.context_parallel.axis or drop the argument.")
 
 
 def explain(qkv, *, config, bias=None, sequence=None, platform=None,

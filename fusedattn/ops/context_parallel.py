@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from fusedattn.ops import max_logit as max_logit_pass
 from fusedattn.ops import philox
 from fusedattn.ops.backends import flash, xla
 from fusedattn.ops.backends.base import CallShapes, CanonicalArgs, TokenInfo, visible_mask
@@ -143,6 +144,33 @@ def attention(spec: AttentionSpec, backend_name: str, args: CanonicalArgs, scale
     args.q/k/v are in the device layout (see the module docstring); args.tokens and a
     bias array in the natural order.
     """
+    return _attention(*_plan_and_operands(spec, backend_name, args, scale))
+
+
+def max_logit(spec: AttentionSpec, args: CanonicalArgs, scale: float) -> jax.Array:
+    """return_max_logit under context parallelism: float32 [h] (fusedattn.ops.max_logit),
+    each device's maximum over the K/V blocks it visits (the same ring or all-gather as
+    the attention: one more pass of K over the axis), then the maximum over the axis."""
+    plan, operands = _plan_and_operands(spec, "xla", args._replace(dropout_seed=None), scale)
+
+    def local(operands):
+        def visit_pair(pair_args, keep, rows, column, j, largest):
+            return jnp.maximum(largest, max_logit_pass.max_logit(plan.spec, pair_args,
+                                                                 plan.scale))
+
+        def visit(source, kv, travel, largest):
+            return travel, _over_pairs(plan, operands, source, kv, largest, visit_pair)
+
+        start = jnp.full((operands["q"].shape[2],), -jnp.inf, jnp.float32)
+        _, largest = _over_blocks(plan, operands, (), start, visit)
+        return jax.lax.pmax(largest, plan.axis)
+
+    return _shard_map(plan, local, operands, P())
+
+
+def _plan_and_operands(spec: AttentionSpec, backend_name: str, args: CanonicalArgs,
+                       scale: float) -> tuple["_Plan", dict]:
+    """The plan of a context-parallel call and its operands (tokens in device order)."""
     mesh = _mesh(spec.context_axis)
     size = mesh.shape[spec.context_axis]
     pieces = 2 if spec.context_load_balance else 1
@@ -163,7 +191,7 @@ def attention(spec: AttentionSpec, backend_name: str, args: CanonicalArgs, scale
     operands = dict(q=args.q, k=args.k, v=args.v, bias=bias, offset=args.softmax_offset,
                     seed=args.dropout_seed, q_tok=q_tok + (jnp.asarray(q_index),),
                     kv_tok=kv_tok + (jnp.asarray(kv_index),))
-    return _attention(plan, {k: x for k, x in operands.items() if x is not None})
+    return plan, {k: x for k, x in operands.items() if x is not None}
 
 
 def _mesh(axis: str) -> jax.sharding.AbstractMesh:

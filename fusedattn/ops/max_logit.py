@@ -9,7 +9,8 @@ One pass serves every backend: the scores are formed again, a block of queries a
 time (so memory stays near QUERY_BLOCK_ELEMENTS floats, whatever the sequence length),
 from the same q and k the backend reads. That costs one more q.k^T product: half a
 forward pass's matmul FLOPs. (The FP8 emulation reports the maximum of its own FP8
-scores instead, ops/backends/xla_fp8.py.)
+scores instead, ops/backends/xla_fp8.py; context parallelism runs this pass on each
+pair of blocks, context_parallel.max_logit.)
 """
 
 from __future__ import annotations
