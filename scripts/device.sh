@@ -22,6 +22,9 @@ if ! python3 -m pip install -v --no-build-isolation --no-deps -e . > "$OUT/build
   tail -60 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
 fi
 note "build: ok ($(grep -c 'Building CUDA' "$OUT/build.log") CUDA objects)"
+# The GPU libraries are built by default where a GPU JAX plugin or a GPU is seen (here: the
+# CUDA plugin of the machine's python3 and its GPU); the configure says what it decided.
+note "$(grep -oE 'fusedattn: (host op library only|GPU op libraries);.*' "$OUT/build.log" | head -1)"
 
 # PYTEST_ARGS picks the tests (default: the whole suite); all of them run with the GPU
 # as JAX's default device, so the compiled backends run their CUDA kernels.
