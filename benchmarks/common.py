@@ -48,7 +48,7 @@ def calls_per_repeat(fn, args: tuple, iters: int, min_window_ms: float) -> int:
     (from one timed call, after warm-up). A repeat pays its first dispatch and its final
     sync once, which a short window reads as per-call time: a 0.18 ms small_seq forward
     read 0.200, 0.185 and 0.179 ms over windows of 10 calls, 20 ms and 200 ms
-    (benchmarks/timing_windows.py, results/timing_windows.json)."""
+    (benchmarks/probes/timing_windows.py, results/timing_windows.json)."""
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     one_call_ms = (time.perf_counter() - start) * 1e3

@@ -5,6 +5,7 @@
 # a progress line with the seconds so far as it ends, so a call cut short by its
 # time limit still shows how far it got.
 #   usage: bash scripts/device.sh [benchmark-name ...]   e.g. small_seq
+# (a name is a script of benchmarks/ or of benchmarks/probes/, e.g. hbm_stream)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fusedattn-out}
@@ -22,6 +23,9 @@ if ! python3 -m pip install -v --no-build-isolation --no-deps -e . > "$OUT/build
   tail -60 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
 fi
 note "build: ok ($(grep -c 'Building CUDA' "$OUT/build.log") CUDA objects)"
+# The GPU libraries are built by default where a GPU JAX plugin or a GPU is seen (here: the
+# CUDA plugin of the machine's python3 and its GPU); the configure says what it decided.
+note "$(grep -oE 'fusedattn: (host op library only|GPU op libraries);.*' "$OUT/build.log" | head -1)"
 
 # PYTEST_ARGS picks the tests (default: the whole suite); all of them run with the GPU
 # as JAX's default device, so the compiled backends run their CUDA kernels.
@@ -35,7 +39,9 @@ gpu_tests=$(python3 -m pytest -q -p no:cacheprovider --collect-only -m gpu ${PYT
 note "GPU-marked tests among them (collected with -m gpu): ${gpu_tests}"
 
 for name in "$@"; do
-  timeout "${BENCH_TIMEOUT:-0}" python3 "benchmarks/$name.py" --out "$OUT/$name.json" ${BENCH_ARGS:-} \
+  script="benchmarks/$name.py"
+  [ -f "$script" ] || script="benchmarks/probes/$name.py"
+  timeout "${BENCH_TIMEOUT:-0}" python3 "$script" --out "$OUT/$name.json" ${BENCH_ARGS:-} \
     > "$OUT/bench_$name.log" 2>&1
   note "benchmark $name: exit $? (table below)"
 done

@@ -24,5 +24,5 @@ PY
 gzip -f "$OUT/flash.sass"
 timeout 300 ncu --clock-control none --kernel-name regex:"forward_kernel|dkdv_kernel|dq_kernel" --launch-skip 4 -c 4 \
   --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --section ComputeWorkloadAnalysis \
-  python3 benchmarks/flash_kernel_profile.py "$@" > "$OUT/ncu.txt" 2>&1
+  python3 benchmarks/probes/flash_kernel_profile.py "$@" > "$OUT/ncu.txt" 2>&1
 grep -E "^\s+(forward|dkdv|dq)_kernel|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Warp Cycles Per Issued|Stall|Block Limit|Executed Ipc|Issue Slots Busy" "$OUT/ncu.txt" | head -80

@@ -206,9 +206,9 @@ def test_profiled_steps_write_a_trace_and_kernel_times_sum_by_kind(tmp_path):
 
 
 def test_hbm_stream_moves_the_bytes_of_the_small_seq_floor():
-    """benchmarks/hbm_stream.py's streams read and write exactly the bytes small_seq.py's
+    """benchmarks/probes/hbm_stream.py's streams read and write exactly the bytes small_seq.py's
     floor counts, per pass, and its XLA stream reads every input and writes every output."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "probes"))
     import hbm_stream
     import small_seq
 

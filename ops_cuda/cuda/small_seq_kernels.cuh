@@ -517,7 +517,7 @@ struct ForwardPlan {
 // shared-memory slots per lane (stream_staged): 6 pairs of 2-vector slices in flight, 384
 // bytes per lane, 48 KB per block of 128. On HIP, through registers, kPairs of them per
 // batch: all of them up to 4 keys (one memory round trip), else 8 raw vectors per lane.
-// Measured on the H200 (benchmarks/small_seq_sweep.py, results/small_seq_sweep.json, bf16
+// Measured on the H200 (benchmarks/probes/small_seq_sweep.py, results/small_seq_sweep.json, bf16
 // d=128, b=30720, h=16, fwd+bwd of the kernels, ms at 2, 4, 6, 8, 12, 16 keys): the slots
 // 0.578, 0.938, 1.351, 1.701, 2.621, 3.289 against the register batches' 0.622, 0.945,
 // 1.456, 1.821, 2.837, 3.541; 4 or 8 slots were within 2% either way. 4 blocks per SM

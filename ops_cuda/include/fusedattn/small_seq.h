@@ -16,7 +16,7 @@
 // elements of q, o, k and v. On the H200 (b=30720, h=16, bf16, fwd+bwd of the
 // kernels) this took the 16-key case from 4.76 to 3.52 ms at d=128 and from 9.82 to 6.82 ms
 // at d=256, against a backward that recomputed the softmax and went over the
-// keys twice (benchmarks/small_seq_sweep.py, benchmarks/small_seq.py).
+// keys twice (benchmarks/probes/small_seq_sweep.py, benchmarks/small_seq.py).
 //
 // The backward reads o for delta = rowsum(dO * O). Summing delta instead as
 // sum_j p_j dp_j in the key pass saves those bytes but needs a second dq sum

@@ -1,8 +1,8 @@
 """Runs the flash backend's forward and fwd+bwd once each (after a warm-up call) at one
 shape, for a kernel profiler to attach to (e.g. `ncu --kernel-name regex:flash -c 4
-python benchmarks/flash_kernel_profile.py`). bf16, random normal inputs.
+python benchmarks/probes/flash_kernel_profile.py`). bf16, random normal inputs.
 
-    python benchmarks/flash_kernel_profile.py --shape 4,2048,16,16,128 --causal
+    python benchmarks/probes/flash_kernel_profile.py --shape 4,2048,16,16,128 --causal
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ trace of 30 calls (device time per call: the kernels' summed durations; span: fi
 start to last kernel end, per call). A repeat pays its first dispatch and its final sync
 once, so a short window reads that fixed cost as per-call time; this measures how much.
 
-    python benchmarks/timing_windows.py --out benchmarks/results/timing_windows.json
+    python benchmarks/probes/timing_windows.py --out benchmarks/results/timing_windows.json
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+import _benchmarks_on_path  # noqa: F401  (benchmarks/ on sys.path)
 import small_seq
 from common import median_ms, parse_args, random_normal, write_results
 from kernel_profile import device_events, profile_call, read_trace

@@ -1,7 +1,7 @@
 // A plain CUDA streaming kernel: reads R blocks and writes W blocks of n 16-byte vectors,
 // every input vector read once and every output vector written once, all R loads of an
 // index issued before any is used. It measures the HBM rate a kernel can reach with a
-// given read:write mix (benchmarks/hbm_stream.py builds and runs it).
+// given read:write mix (benchmarks/probes/hbm_stream.py builds and runs it).
 //   usage: hbm_stream BLOCK_BYTES READS WRITES
 //   prints one line per launch shape: blocks_per_sm ms
 #include <cuda_runtime.h>
@@ -49,7 +49,7 @@ void launch(dim3 grid, Blocks b, long long n) {
   stream<R, W><<<grid, kThreads>>>(b, n);
 }
 
-// The (reads, writes) pairs benchmarks/hbm_stream.py asks for: the small-seq forward
+// The (reads, writes) pairs benchmarks/probes/hbm_stream.py asks for: the small-seq forward
 // (1 + 2N, 1) and backward (3 + 2N, 1 + 2N) for N = 2, 4, 6, 8, 12, 16.
 Launch find(int r, int w) {
 #define FA_PAIR(R, W) \

@@ -14,7 +14,7 @@ offsets descriptor, bounds declared), forward only:
   dense rows get when nothing differentiates;
 - "dense": the same q, k, v as dense rows (no descriptor), for reference.
 
-    python benchmarks/cudnn_thd_parts.py --out /tmp/thd_parts.json
+    python benchmarks/probes/cudnn_thd_parts.py --out /tmp/thd_parts.json
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+import _benchmarks_on_path  # noqa: F401  (benchmarks/ on sys.path)
 from cudnn import SHAPES, ours, ours_thd, thd_config, thd_descriptor
 from common import median_ms, parse_args, random_normal, timing, write_results
 from fusedattn.ops import AttentionSpec, SequenceDescriptor

@@ -11,7 +11,7 @@ Each input element is read once and each output element written once, by
   "xla_stream": XLA's plainest elementwise fusions (the `kernels` column counts the fusions
       XLA compiled: the forward's is one, as the attention's; the backward's one per
       written block, each a 1:1 or n:1 stream, run back to back);
-  "cuda_stream": one CUDA kernel (benchmarks/hbm_stream.cu, built here with nvcc) that
+  "cuda_stream": one CUDA kernel (benchmarks/probes/hbm_stream.cu, built here with nvcc) that
       issues all reads of an index before its writes, with streaming cache hints; the
       fastest of 2, 4 and 8 blocks of 256 threads per SM.
 A fwd+bwd call's stream time is the sum of the two. With --small-seq the table also gives
@@ -19,7 +19,7 @@ the small-seq kernels' times (impl small_seq_kernel of that result file) against
 time against the XLA stream's, device time (that file's --profile traces) against the CUDA
 stream's.
 
-    python benchmarks/hbm_stream.py --out benchmarks/results/hbm_stream.json \\
+    python benchmarks/probes/hbm_stream.py --out benchmarks/results/hbm_stream.json \\
         --small-seq benchmarks/results/small_seq.json
 """
 
@@ -34,6 +34,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+import _benchmarks_on_path  # noqa: F401  (benchmarks/ on sys.path)
 from common import (H200_HBM_BYTES_PER_S, median_ms, parse_args, random_normal, timing,
                     write_results)
 

@@ -7,7 +7,7 @@ variants in parallel, sm_90 only, without cuDNN), then benchmarks/small_seq.py
 times the kernels alone with FUSEDATTN_LIB_DIR pointing at that build. The
 table compares every variant with "as_is" (the source unchanged).
 
-    python benchmarks/small_seq_sweep.py --out $OUT/sweep bwd_batch8 bwd_batch16
+    python benchmarks/probes/small_seq_sweep.py --out $OUT/sweep bwd_batch8 bwd_batch16
 
 --phase build only builds (so the builds can overlap other GPU work), --phase time
 reuses the builds under --out.
@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SOURCE = "ops_cuda/cuda/small_seq_kernels.cuh"
 
 # BackwardPlan: raw vectors per lane of the (K_j, V_j) pair slots in shared memory (CUDA);
@@ -48,7 +48,7 @@ _STREAM_STORES = {
 
 
 # The forward on a resident grid (the H200's 132 SMs times BLOCKS blocks), each team looping
-# over tasks, as benchmarks/hbm_stream.cu's stream kernel does, instead of one task per team.
+# over tasks, as benchmarks/probes/hbm_stream.cu's stream kernel does, instead of one task per team.
 def _fwd_persistent(blocks_per_sm: int) -> dict[str, str]:
     return {
         "  const int64_t task = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / T::kLanes;\n"
@@ -90,7 +90,7 @@ VARIANTS: dict[str, dict[str, str]] = {
     "fwd_threads256": {_FWD_THREADS: "constexpr int kForwardThreads = 256;"},
     # Up to 4 keys, at most 64 registers: 8 blocks of 128 per SM at least.
     "fwd_few_keys_blocks8": {_FWD_BLOCKS: "kMinBlocks = kWideHeavy ? 2 : kHeavy ? 3 : N <= 4 ? 8 : 4;"},
-    # Streaming cache hints (evict first, as benchmarks/hbm_stream.cu's loads and stores):
+    # Streaming cache hints (evict first, as benchmarks/probes/hbm_stream.cu's loads and stores):
     # on the forward's K/V loads and every q, dO, O load; on every result store; on both.
     "stream_loads": _STREAM_LOADS,
     "stream_stores": _STREAM_STORES,
@@ -109,6 +109,7 @@ def build(name: str, edits: dict[str, str], work: Path) -> None:
     if tree.exists():
         shutil.rmtree(tree)
     shutil.copytree(ROOT / "ops_cuda", tree / "ops_cuda")
+    shutil.copytree(ROOT / "cmake", tree / "cmake")
     shutil.copy(ROOT / "CMakeLists.txt", tree)
     source = (tree / SOURCE).read_text()
     for old, new in edits.items():
@@ -119,7 +120,8 @@ def build(name: str, edits: dict[str, str], work: Path) -> None:
     log = work / f"{name}.build.log"
     with log.open("w") as out:
         for command in (["cmake", "-S", str(tree), "-B", str(tree / "build"), "-G", "Ninja",
-                         "-DFUSEDATTN_CUDA_ARCHS=90", "-DFUSEDATTN_ENABLE_CUDNN=OFF", "-DFUSEDATTN_ENABLE_ROCM=OFF",
+                         "-DFUSEDATTN_ENABLE_CUDA=ON", "-DFUSEDATTN_CUDA_ARCHS=90", "-DFUSEDATTN_ENABLE_CUDNN=OFF",
+                         "-DFUSEDATTN_ENABLE_ROCM=OFF",
                          f"-DPython_EXECUTABLE={sys.executable}"],
                         ["cmake", "--build", str(tree / "build"), "-j", "4"]):
             if subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode:
