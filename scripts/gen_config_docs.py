@@ -35,6 +35,8 @@ ENUMS: dict[str, type[enums._Choice]] = {
     "softmax": enums.SoftmaxType,
     "sequence.format": enums.SequenceFormat,
     "context_parallel.strategy": enums.ContextParallelStrategy,
+    "fp8.format": enums.Fp8Format,
+    "fp8.scaling": enums.Fp8Scaling,
 }
 
 # key -> (values, where the key has no enum; None where it has; meaning). In page order.
@@ -72,10 +74,11 @@ DESCRIPTIONS: dict[str, tuple[str | None, str]] = {
                                         "gathered at once"),
     "context_parallel.load_balance": ("bool", "tokens in the load-balanced order: device i holds "
                                               "chunks i and 2N-1-i"),
-    "fp8.enabled": ("bool", "FP8 attention: cudnn on Hopper, emulated exactly on xla"),
-    "fp8.format": ('"e4m3", "hybrid"', '"e4m3": every FP8 tensor E4M3; "hybrid": E4M3 forward '
+    "fp8.enabled": ("bool", "FP8 attention ([fp8.md](fp8.md)): the recipe emulated on xla "
+                            "(no FP8 kernel yet); `fused_attn` takes and returns an `Fp8State`"),
+    "fp8.format": (None, '"e4m3": every FP8 tensor E4M3; "hybrid": E4M3 forward '
                                        "and E5M2 for the gradients dO and dP"),
-    "fp8.scaling": ('"delayed", "current"', '"delayed": scales from an amax history '
+    "fp8.scaling": (None, '"delayed": scales from an amax history '
                                             "(TransformerEngine's DelayedScaling); \"current\": "
                                             "scales from this call's amax"),
     "fp8.amax_history_len": ("int >= 1", "how many past amax values delayed scaling keeps"),

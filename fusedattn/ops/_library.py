@@ -4,8 +4,8 @@ The op set is built by CMake (scikit-build-core) into plain shared libraries
 of FFI handler symbols, without any Python ABI:
 
     fusedattn/_lib/libfusedattn_host.so   always; platform "cpu"
-    fusedattn/_lib/libfusedattn_cuda.so   when nvcc was found at build time; platform "CUDA"
-    fusedattn/_lib/libfusedattn_rocm.so   when hipcc was found at build time; platform "ROCM"
+    fusedattn/_lib/libfusedattn_cuda.so   built where usable (cmake/gpu_libraries.py); "CUDA"
+    fusedattn/_lib/libfusedattn_rocm.so   likewise, with hipcc; platform "ROCM"
 
 The CUDA and ROCm libraries are built from the same sources (ops_cuda/cuda),
 so they export the same handlers, except the flash kernels (ops_cuda/cuda/flash),
@@ -136,8 +136,9 @@ def _load(ffi_platform: str) -> str | None:
             return ("the host library was not built (libfusedattn_host not found next to the "
                     "fusedattn package): reinstall with pip install .")
         compiler, toolkit = builder
-        return (f"the {ffi_platform} library was not built (no {compiler} was found at install "
-                f"time): reinstall with pip install . on a machine with {toolkit}")
+        return (f"the {ffi_platform} library was not built (at install time no {compiler} was "
+                f"found, or no GPU or GPU JAX plugin was seen): reinstall on a machine with "
+                f"{toolkit}, with FUSEDATTN_GPU_LIBRARIES=all pip install . to build it anyway")
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as error:

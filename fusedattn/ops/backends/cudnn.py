@@ -15,7 +15,7 @@ custom_vjp's primal) runs the forward with the attribute training=false: cuDNN's
 inference graph, without stats (its stats result is a float32 [0] placeholder,
 dropped at once), which lets cuDNN pick another engine, as JAX's own cuDNN
 attention does; the forward rule of a differentiated call passes training=true.
-On ragged rows the two forwards take the same time (benchmarks/cudnn_thd_parts.py,
+On ragged rows the two forwards take the same time (benchmarks/probes/cudnn_thd_parts.py,
 H200: 0.107 against 0.103 ms at b=4, s=2048; 0.288 against 0.286 at b=1, s=8192).
 Graphs are built once per static configuration and device and cached in the
 library; `supports` builds them (the training forward and the backward) at trace
