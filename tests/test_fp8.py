@@ -244,3 +244,26 @@ def test_bad_fp8_config_values_raise(rng, key, value):
     q, k, v = _inputs(rng, b=1, sq=8, skv=8)
     with pytest.raises(ValueError, match=f"config.fp8.{key}"):
         fused_attn((q, k, v), config=config)
+
+
+def test_inputs_given_in_fp8_are_read_with_the_states_scales(rng):
+    """q, k, v already in float8_e4m3fn (stored with the state's scales) give the output of
+    the same values given in bfloat16, in bfloat16; their gradients are dL/dx / scale in
+    E4M3 (within one E4M3 step of the bfloat16 path's, which rounds to bfloat16 first)."""
+    config = make_config(mask="causal", fp8={"enabled": True})
+    q, k, v = _inputs(rng, dtype=jnp.bfloat16)
+    state = _random_state(rng, config)
+    as_fp8 = [(x.astype(jnp.float32) * state.scale[i]).astype(jnp.float8_e4m3fn)
+              for i, x in enumerate((q, k, v))]
+    d_out = random_array(rng, q.shape, jnp.bfloat16)
+    out, _, grads = _vjp(config, state, *as_fp8, d_out)
+    out_ref, _, grads_ref = _vjp(config, state, q, k, v, d_out)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out_ref, np.float32))
+    for i, (got, want) in enumerate(zip(grads[:3], grads_ref[:3])):
+        assert got.dtype == jnp.float8_e4m3fn
+        expected = np.clip(np.asarray(want, np.float64) / float(state.scale[i]), -448, 448)
+        error = np.abs(np.asarray(got.astype(jnp.float32), np.float64) - expected)
+        assert np.all(error <= _fp8_step(expected)), f"d{'qkv'[i]}: {error.max()}"
+    with pytest.raises(TypeError, match="float8_e4m3fn with config.fp8.enabled"):
+        fused_attn(tuple(as_fp8), config=make_config(mask="causal"))

@@ -53,7 +53,7 @@ def fused_attn(qkv, *, config, bias=None, softmax_offset=None, sequence=None,
                                    return_max_logit=return_max_logit)
         return (out, largest) if return_max_logit else out
     _check_no_page_table(spec, page_table)
-    qkv = layouts.check_arrays(_as_tuple(qkv), spec.qkv_layout)
+    qkv = layouts.check_arrays(_as_tuple(qkv), spec.qkv_layout, allow_fp8=spec.fp8_enabled)
     q, k, v = layouts.to_bshd(tuple(jnp.asarray(a) for a in qkv), spec.qkv_layout)
     bias = None if bias is None else jnp.asarray(bias)
     softmax_offset = None if softmax_offset is None else jnp.asarray(softmax_offset)
@@ -127,7 +127,7 @@ def explain(qkv, *, config, bias=None, sequence=None, platform=None,
         shapes = paged.call_shapes(spec, q, k, v, bias, sequence, page_table, dropout=False)
         return registry.explain_spec(spec, shapes, platform)
     _check_no_page_table(spec, page_table)
-    qkv = layouts.check_arrays(_as_tuple(qkv), spec.qkv_layout)
+    qkv = layouts.check_arrays(_as_tuple(qkv), spec.qkv_layout, allow_fp8=spec.fp8_enabled)
     if spec.fp8_enabled:
         fp8.check_config(spec, qkv[0].dtype)
     structs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in qkv)

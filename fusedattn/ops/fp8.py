@@ -19,6 +19,11 @@ history all zero: the first call, or do/dp when the training step does not feed 
 state's gradient back) is scaled from its own amax under "delayed" scaling too, so no
 call ever quantises with the initial unit scale.
 
+Inputs already in FP8 (q, k, v float8_e4m3fn, e.g. from an FP8 projection) are read with
+the state's q/k/v scales, the ones they were stored with; the output is then bfloat16,
+and their gradients are dL/dx8 = dL/dx / scale rounded to float8_e4m3fn (lossy:
+differentiate the unquantised values instead where a gradient matters).
+
 The forward knows the amaxes of q, k, v, s and o: fused_attn returns the state with those
 recorded. do and dp are known only in the backward pass, so the gradient of the loss
 with respect to fp8_state is the whole new state (Flax's "overwrite with gradient"
@@ -114,7 +119,8 @@ def record(spec: AttentionSpec, state: Fp8State, amaxes: dict[str, jax.Array]) -
 
 def check_config(spec: AttentionSpec, dtype) -> None:
     """What an FP8 call may be (no bias, vanilla softmax, contiguous layouts, no context
-    parallelism, bfloat16/float16/float32 inputs); ValueError/TypeError otherwise."""
+    parallelism, bfloat16/float16/float32 or float8_e4m3fn inputs); ValueError/TypeError
+    otherwise."""
     if spec.bias != BiasType.NO_BIAS or spec.softmax != SoftmaxType.VANILLA:
         raise ValueError(
             f"config.fp8.enabled: FP8 attention takes no bias and the vanilla softmax (as "
@@ -126,9 +132,9 @@ def check_config(spec: AttentionSpec, dtype) -> None:
             "parallelism; set config.fp8.enabled = False for paged KV caches and "
             "config.context_parallel.axis.")
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
-                                jnp.dtype(jnp.float32)):
-        raise TypeError(f"qkv: FP8 attention quantises bfloat16, float16 or float32 inputs, "
-                        f"got {jnp.dtype(dtype)}.")
+                                jnp.dtype(jnp.float32), jnp.dtype(jnp.float8_e4m3fn)):
+        raise TypeError(f"qkv: FP8 attention quantises bfloat16, float16 or float32 inputs, or "
+                        f"reads float8_e4m3fn ones, got {jnp.dtype(dtype)}.")
 
 
 def check_call(spec: AttentionSpec, state, dtype) -> Fp8State:

@@ -26,10 +26,11 @@ def _expected_shapes(layout: QKVLayout) -> tuple[str, ...]:
     return (single, single, single)
 
 
-def check_arrays(qkv, layout: QKVLayout) -> tuple:
+def check_arrays(qkv, layout: QKVLayout, allow_fp8: bool = False) -> tuple:
     """Validates the qkv tuple against the layout; returns it as a tuple.
 
     Works on arrays or on anything with .shape and .dtype (jax.ShapeDtypeStruct).
+    allow_fp8: also accept float8_e4m3fn arrays (FP8 attention, ops/fp8.py).
     """
     if not isinstance(qkv, (tuple, list)):
         qkv = (qkv,)
@@ -42,7 +43,7 @@ def check_arrays(qkv, layout: QKVLayout) -> tuple:
             "Pass the arrays that match config.qkv_layout, or change config.qkv_layout."
         )
     for array, name, shape in zip(qkv, names, expected):
-        check_array(array, name, shape, layout)
+        check_array(array, name, shape, layout, allow_fp8)
     packed_axis = {1: 3, 2: 2}.get(layout.num_arrays)
     if packed_axis is not None:
         packed = qkv[-1]
@@ -55,7 +56,8 @@ def check_arrays(qkv, layout: QKVLayout) -> tuple:
     return tuple(qkv)
 
 
-def check_array(array, name: str, shape: str, layout: QKVLayout) -> None:
+def check_array(array, name: str, shape: str, layout: QKVLayout, allow_fp8: bool = False
+                ) -> None:
     """One array of the qkv tuple: an array of rank len(shape) and a supported dtype.
 
     shape: the expected shape as text, e.g. "[b, s, h, d]" (its rank is what is checked).
@@ -67,10 +69,12 @@ def check_array(array, name: str, shape: str, layout: QKVLayout) -> None:
             f"qkv: {name} must have shape {shape} for layout {str(layout)!r}, "
             f"got {tuple(array.shape)}."
         )
-    if jnp.dtype(array.dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
+    accepted = SUPPORTED_DTYPES + ((jnp.float8_e4m3fn,) if allow_fp8 else ())
+    if jnp.dtype(array.dtype) not in [jnp.dtype(d) for d in accepted]:
         raise TypeError(
             f"qkv: {name} has dtype {jnp.dtype(array.dtype)}; expected bfloat16, float16 or "
-            "float32. Cast the inputs with .astype(jnp.bfloat16) (or float16/float32)."
+            "float32 (or float8_e4m3fn with config.fp8.enabled). Cast the inputs with "
+            ".astype(jnp.bfloat16) (or float16/float32)."
         )
 
 

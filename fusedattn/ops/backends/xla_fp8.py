@@ -32,8 +32,9 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 def attention(spec: AttentionSpec, args: CanonicalArgs, scale: float,
               state: fp8.Fp8State) -> tuple[jax.Array, fp8.Fp8State, jax.Array]:
-    """(out [b, sq, h, dv] in q's dtype, the state with the forward's amaxes recorded,
-    max_logit float32 [h]: each head's largest visible logit of the FP8 scores).
+    """(out [b, sq, h, dv] in q's dtype (bfloat16 for FP8 inputs), the state with the
+    forward's amaxes recorded, max_logit float32 [h]: each head's largest visible logit
+    of the FP8 scores).
 
     The gradient with respect to `state` is the state with every amax recorded (module
     docstring of ops/fp8.py).
@@ -44,21 +45,40 @@ def attention(spec: AttentionSpec, args: CanonicalArgs, scale: float,
 
 
 def _quantised_inputs(spec: AttentionSpec, state: fp8.Fp8State, tokens: TokenInfo, q, k, v):
-    """q, k, v with padding tokens zeroed, rounded through FP8; and their amaxes."""
+    """q, k, v with padding tokens zeroed, rounded through FP8 (or, given in FP8, read with
+    the state's scales) as float32; their amaxes; and the scales they were read with."""
     q = jnp.where((tokens.q_seg != 0)[:, :, None, None], q, 0)
     real_key = (tokens.kv_seg != 0)[:, :, None, None]
     k, v = jnp.where(real_key, k, 0), jnp.where(real_key, v, 0)
-    rounded, amaxes = [], {}
+    rounded, amaxes, scales = [], {}, []
     for name, x in (("q", q), ("k", k), ("v", v)):
+        if _given_in_fp8(x):
+            scales.append(state.scale[fp8.TENSORS.index(name)])
+            rounded.append(x.astype(jnp.float32) / scales[-1])
+            amaxes[name] = fp8.amax(rounded[-1])
+            continue
         amaxes[name] = fp8.amax(x)
-        rounded.append(fp8.round_trip(x, fp8.dtype_of(spec, name),
-                                      fp8.call_scale(spec, state, name, amaxes[name])))
-    return tuple(rounded), amaxes
+        scales.append(fp8.call_scale(spec, state, name, amaxes[name]))
+        rounded.append(fp8.round_trip(x, fp8.dtype_of(spec, name), scales[-1]))
+    return tuple(rounded), amaxes, tuple(scales)
+
+
+def _given_in_fp8(x) -> bool:
+    return jnp.dtype(x.dtype) == jnp.dtype(jnp.float8_e4m3fn)
+
+
+def _cotangent(gradient: jax.Array, dtype, scale: jax.Array) -> jax.Array:
+    """The gradient with respect to an input of `dtype` (an FP8 input x8 = x * scale:
+    dL/dx8 = dL/dx / scale, rounded to its format)."""
+    if jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn):
+        top = float(jnp.finfo(dtype).max)
+        return jnp.clip(gradient / scale, -top, top).astype(dtype)
+    return gradient.astype(dtype)
 
 
 def _forward(static, q, k, v, tokens, seed, state):
     spec, scale, _ = static
-    (q8, k8, v8), amaxes = _quantised_inputs(spec, state, tokens, q, k, v)
+    (q8, k8, v8), amaxes, input_scales = _quantised_inputs(spec, state, tokens, q, k, v)
     args = CanonicalArgs(q=q8, k=k8, v=v8, tokens=tokens)
     scores, visible = xla.scores_and_visible(spec, args, scale)
     weights, _ = xla._softmax(scores, visible, None)
@@ -73,8 +93,9 @@ def _forward(static, q, k, v, tokens, seed, state):
     o8 = fp8.round_trip(out, fp8.dtype_of(spec, "o"), fp8.call_scale(spec, state, "o", amaxes["o"]))
     max_logit = jnp.max(jnp.where(visible, scores, -jnp.inf), axis=(0, 2, 3))
     new_state = fp8.record(spec, state, amaxes)
-    residuals = (q8, k8, v8, weights, keep, p8, o8, state, new_state)
-    return (o8.astype(q.dtype), new_state, max_logit), residuals
+    residuals = (q8, k8, v8, weights, keep, p8, o8, state, new_state, input_scales)
+    out_dtype = jnp.bfloat16 if _given_in_fp8(q) else q.dtype
+    return (o8.astype(out_dtype), new_state, max_logit), residuals
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -84,7 +105,7 @@ def _attention(static, q, k, v, tokens, seed, state):
 
 def _backward(static, residuals, cotangents):
     spec, scale, (q_dtype, k_dtype, v_dtype) = static
-    q8, k8, v8, weights, keep, p8, o8, state, new_state = residuals
+    q8, k8, v8, weights, keep, p8, o8, state, new_state, input_scales = residuals
     d_out = cotangents[0].astype(jnp.float32)
     amaxes = {"do": fp8.amax(d_out)}
     do8 = fp8.round_trip(d_out, fp8.dtype_of(spec, "do"),
@@ -98,8 +119,9 @@ def _backward(static, residuals, cotangents):
     dq = scale * xla._weighted_values(ds8, k8, jnp.float32)
     dk = scale * _transposed_product(ds8, q8, k8.shape[2])
     dv = _transposed_product(p8, do8, v8.shape[2])
-    return (dq.astype(q_dtype), dk.astype(k_dtype), dv.astype(v_dtype), None, None,
-            fp8.record(spec, new_state, amaxes))
+    grads = tuple(_cotangent(g, dtype, s) for g, dtype, s in
+                  zip((dq, dk, dv), (q_dtype, k_dtype, v_dtype), input_scales))
+    return (*grads, None, None, fp8.record(spec, new_state, amaxes))
 
 
 def _transposed_product(weights: jax.Array, x: jax.Array, num_kv_heads: int) -> jax.Array:
