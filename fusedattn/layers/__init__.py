@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 
-from fusedattn.layers.common import attention_fn
+from fusedattn.layers.flax_attention_fn import attention_fn
 
 __all__ = ["attention_fn", "common", "equinox", "linen", "nnx"]
 

@@ -197,7 +197,7 @@ class MultiheadAttention(eqx.Module):
           value: [skv, value_size] (default key_).
           mask: [sq, skv] or [h, sq, skv], True = attend (bool, or 0/1 numeric),
             ANDed with config.mask (given to the op as a bias array; see
-            fusedattn.layers.common on backend eligibility).
+            fusedattn.layers.masks on backend eligibility).
           key: PRNG key for dropout (dropout rate > 0 and not inference).
           inference: True turns dropout off; None means the module's
             (`self.dropout.inference`).

@@ -156,7 +156,7 @@ class MultiHeadDotProductAttention(nn.Module):
           mask: broadcastable to [batch..., h, sq, skv], True = attend (bool; 0/1
             numeric masks as made by flax.linen.make_attention_mask also work),
             ANDed with config.mask (passed to the op as a bias array: see
-            fusedattn.layers.common on backend eligibility).
+            fusedattn.layers.masks on backend eligibility).
           deterministic: False applies dropout (when the dropout rate is > 0) with
             the "dropout" RNG stream.
           dropout_rng: an explicit dropout key instead of the "dropout" stream.

@@ -212,7 +212,7 @@ class MultiHeadAttention(nnx.Module):
           mask: broadcastable to [batch..., h, sq, skv], True = attend (bool; 0/1
             numeric masks as made by flax.linen.make_attention_mask also work), ANDed
             with config.mask (given to the op as a bias array; see
-            fusedattn.layers.common on backend eligibility).
+            fusedattn.layers.masks on backend eligibility).
           deterministic: False applies dropout (overrides the attribute).
           rngs: nnx.Rngs or RngStream for dropout (overrides the kept rngs).
           sow_weights: must be False: the fused op never forms the weights.
