@@ -159,7 +159,7 @@ def explain_inputs(attention, batch: int, seqlen_q: int, seqlen_kv: int, num_hea
 
     Separate arrays in the layout family of attention.qkv_layout (SBHD: [s, b, h, d],
     else [b, s, h, d]), and a copy of the config naming that family's separate layout
-    (a packed layout packs these same arrays, see fusedattn.layers.common).
+    (a packed layout packs these same arrays, see fusedattn.layers.qkv_layout).
     """
     import ml_collections
     from fusedattn.ops.spec import AttentionSpec
