@@ -71,13 +71,14 @@ def dtype_of(spec: AttentionSpec, tensor: str):
     return jnp.float8_e4m3fn
 
 
-def _fp8_max(dtype) -> float:
+def fp8_max(dtype) -> float:
+    """The largest finite value of FP8 `dtype`."""
     return float(jnp.finfo(dtype).max)
 
 
 def round_trip(x: jax.Array, dtype, scale: jax.Array) -> jax.Array:
     """x stored in FP8 `dtype` with `scale` and read back: float32, same shape as x."""
-    top = _fp8_max(dtype)
+    top = fp8_max(dtype)
     return jnp.clip(x.astype(jnp.float32) * scale, -top, top).astype(dtype).astype(
         jnp.float32) / scale
 
@@ -91,7 +92,7 @@ def _scale_for(spec: AttentionSpec, tensor: str, amax_value: jax.Array,
                fallback: jax.Array) -> jax.Array:
     """fp8_max / amax / 2**margin, or `fallback` where amax is 0 or not finite."""
     usable = jnp.isfinite(amax_value) & (amax_value > 0)
-    top = _fp8_max(dtype_of(spec, tensor)) / 2.0 ** spec.fp8_margin
+    top = fp8_max(dtype_of(spec, tensor)) / 2.0 ** spec.fp8_margin
     return jnp.where(usable, top / jnp.where(usable, amax_value, 1.0), fallback)
 
 

@@ -71,7 +71,7 @@ def _cotangent(gradient: jax.Array, dtype, scale: jax.Array) -> jax.Array:
     """The gradient with respect to an input of `dtype` (an FP8 input x8 = x * scale:
     dL/dx8 = dL/dx / scale, rounded to its format)."""
     if jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn):
-        top = float(jnp.finfo(dtype).max)
+        top = fp8.fp8_max(dtype)
         return jnp.clip(gradient / scale, -top, top).astype(dtype)
     return gradient.astype(dtype)
 
