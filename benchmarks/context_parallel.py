@@ -96,9 +96,27 @@ def measure(args, s: int, mesh) -> list[dict]:
                 rows.append({**shape, "impl": strategy, "pass": name,
                              "median_ms": median_ms(fn, q_cp, k_cp, v_cp, **timing(args)),
                              "memory_per_device": memory(fn, q_cp, k_cp, v_cp)})
+    add_rates(rows)
     for row in rows:
         print(row)
     return rows
+
+
+def causal_flops(row: dict) -> float:
+    """Matmul FLOPs of one causal call (half of 4 b h s^2 d), x 3.5 with the backward."""
+    forward = 2.0 * row["batch"] * row["heads"] * row["seqlen"] ** 2 * row["head_dim"]
+    return forward * (3.5 if row["pass"] == "fwd+bwd" else 1.0)
+
+
+def add_rates(rows: list[dict]) -> None:
+    """TF/s per device, and for sharded rows the scaling efficiency: the unsharded call's time
+    over (this time x devices); 1.0 is perfect scaling, the issue's target 0.85."""
+    alone = {row["pass"]: row["median_ms"] for row in rows if row["impl"] == "unsharded"}
+    for row in rows:
+        n = 1 if row["impl"] == "unsharded" else row["devices"]
+        row["tflops_per_device"] = causal_flops(row) / (row["median_ms"] * 1e-3) / n / 1e12
+        if row["impl"] != "unsharded":
+            row["scaling_efficiency"] = alone[row["pass"]] / (row["median_ms"] * n)
 
 
 def main():

@@ -31,9 +31,15 @@ from fusedattn.ops import (
 from fusedattn.ops import context_parallel
 
 HOST_MESH = jax.devices()[0].platform == "cpu" and jax.device_count() >= 4
-pytestmark = pytest.mark.skipif(
-    not HOST_MESH, reason="needs four host devices (XLA_FLAGS="
-                          "--xla_force_host_platform_device_count=4) as JAX's default platform")
+
+
+@pytest.fixture(autouse=True)
+def _host_mesh(request):
+    """Every test but the GPU-marked ones runs on four host devices."""
+    if request.node.get_closest_marker("gpu") is None and not HOST_MESH:
+        pytest.skip("needs four host devices (XLA_FLAGS=--xla_force_host_platform_device_count=4)"
+                    " as JAX's default platform")
+
 
 TOL = 5e-6  # float32: the merge by log-sum-exp reorders sums
 
@@ -103,7 +109,7 @@ def descriptor(rng, form: str, b: int, sq: int, skv: int):
 
 def build(rng, backend: str, case: dict, dtype=jnp.float32):
     """(config overrides, inputs dict, argnums to differentiate) for one case."""
-    b, sq, skv, h, d = 2, case.get("sq", 32), case.get("skv", case.get("sq", 32)), 4, 8
+    b, sq, skv, h, d = 2, case.get("sq", 32), case.get("skv", case.get("sq", 32)), 4, case.get("d", 8)
     h_kv = case.get("h_kv", 2)
     overrides = dict(backend=backend, mask=case["mask"],
                      window_size=case.get("window_size", (-1, -1)),
@@ -352,6 +358,29 @@ def test_eight_devices(seed):
     result = subprocess.run([sys.executable, "-c", EIGHT_DEVICES.format(seed=seed)], env=env,
                             capture_output=True, text=True, timeout=600, cwd=here)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-4000:]
+
+
+# --------------------------------------------------------------------------- GPUs
+
+GPU_CASES = ("causal", "no_mask_mha", "bottom_right_cross", "causal_window", "packed",
+             "thd_offsets_window")
+
+
+def on_gpus(case: dict) -> dict:
+    """A case scaled to the compiled kernels: head dim 64, eight times the tokens."""
+    sq = 8 * case.get("sq", 32)
+    return {**case, "d": 64, "sq": sq, "skv": 8 * case.get("skv", case.get("sq", 32))}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy,load_balance", STRATEGIES + OTHER_STRATEGIES[:1])
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_flash_on_every_gpu_matches_unsharded(rng, case, strategy, load_balance):
+    """The flash CUDA kernels per block over a mesh of every GPU of the machine (one GPU forms
+    a mesh of one), bfloat16: output, loss and every gradient equal the unsharded call's."""
+    overrides, inputs = build(rng, "flash", on_gpus(CASES[case]), jnp.bfloat16)
+    mesh = make_mesh((jax.device_count(),))
+    check_matches_unsharded(overrides, inputs, strategy, load_balance, mesh, tol=2e-2)
 
 
 # --------------------------------------------------------------------------- helpers, errors
