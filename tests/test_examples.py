@@ -415,12 +415,13 @@ def test_recommender_thd_rows_match_their_descriptor():
 
 
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs four (host) devices")
-@pytest.mark.parametrize("data,context", [(1, 4)])
-def test_lm_context_parallel_matches_one_device(tmp_path, data, context):
+@pytest.mark.parametrize("data,context,backend", [(1, 4, "xla"), (1, 4, "flash"),
+                                                  (2, 2, "flash")])
+def test_lm_context_parallel_matches_one_device(tmp_path, data, context, backend):
     """config.mesh: the sequence split over "context" (ring, load-balanced tokens), the batch
     over "data"; the losses of every step equal the one-device run's."""
-    run_lm(tiny_lm("nnx", steps=4, backend="xla"), tmp_path / "one")
-    config = tiny_lm("nnx", steps=4, backend="xla")
+    run_lm(tiny_lm("nnx", steps=4, backend=backend), tmp_path / "one")
+    config = tiny_lm("nnx", steps=4, backend=backend)
     config.mesh.data, config.mesh.context = data, context
     run_lm(config, tmp_path / "mesh")
     np.testing.assert_allclose(_curve(tmp_path / "mesh"), _curve(tmp_path / "one"),

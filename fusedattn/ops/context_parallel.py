@@ -230,8 +230,12 @@ def _shard_map(plan: _Plan, fn, operands: dict, out_specs, *extra, extra_specs=(
     args = (operands, *extra)
     if jax.sharding.AxisType.Explicit in plan.mesh.axis_types:
         args = jax.tree.map(functools.partial(_explicitly_split, plan), args, in_specs)
+    # Axes of one device are made manual too: nothing splits over them, and the compiled
+    # ops' partitioning callbacks inside fail on a size-1 axis left automatic (a mesh of
+    # data x context = 1 x N, as the LM trainer makes).
+    manual = {plan.axis} | {name for name, size in plan.mesh.shape.items() if size == 1}
     return jax.shard_map(fn, mesh=plan.mesh, in_specs=in_specs, out_specs=out_specs,
-                         axis_names={plan.axis}, check_vma=False)(*args)
+                         axis_names=manual, check_vma=False)(*args)
 
 
 def _explicitly_split(plan: _Plan, x: jax.Array, spec: P) -> jax.Array:
