@@ -51,6 +51,8 @@ def trainer_config(num_steps: int, log_every: int, eval_every: int,
     trainer.keep_checkpoints = 2
     trainer.progress = True
     trainer.prefetch = 2
+    trainer.data_workers = 0      # > 0: worker processes make the batches (a GPU step can
+                                  # outpace one CPU core's pure-Python data pipeline)
     trainer.peak_flops = 989e12  # dense bf16 peak of an H100/H200 SXM, for MFU
     trainer.profile_steps = 0     # > 0: trace that many steps with jax.profiler into
     trainer.profile_start = 20    # WORKDIR/profile, from this step (after compilation)

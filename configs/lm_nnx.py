@@ -107,4 +107,6 @@ def get_config(arg: str = ""):
         config.trainer.log_every = 20
         config.trainer.eval_every = 500
         config.trainer.checkpoint_every = 500
+        # one core makes a 16 x 2048 batch in about 70 ms, as long as an H200's step
+        config.trainer.data_workers = 4
     return config

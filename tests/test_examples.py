@@ -325,6 +325,19 @@ def _curve(workdir):
     return np.array([v for _, v in sorted(losses(workdir).items())])
 
 
+def test_lm_batches_from_worker_processes_equal_in_thread_ones(tmp_path):
+    """config.trainer.data_workers: batches made in 2 spawned processes, in step order:
+    the same losses as batches made in the trainer's thread."""
+    run_lm(tiny_lm("nnx", steps=5, backend="xla"), tmp_path / "thread")
+    config = tiny_lm("nnx", steps=5, backend="xla")
+    config.trainer.data_workers = 2
+    run_lm(config, tmp_path / "workers")
+    np.testing.assert_array_equal(_curve(tmp_path / "workers"), _curve(tmp_path / "thread"))
+    config.trainer.data_workers = -1
+    with pytest.raises(ValueError, match=r"config.trainer.data_workers must be an int >= 0"):
+        run_lm(config, tmp_path / "bad")
+
+
 def test_lm_xla_and_auto_backends_match(tmp_path):
     run_lm(tiny_lm("nnx", steps=8, backend="xla"), tmp_path / "xla")
     run_lm(tiny_lm("nnx", steps=8, backend="auto"), tmp_path / "auto")

@@ -21,6 +21,9 @@ import dataclasses
 import json
 import numbers
 import pathlib
+import collections
+import concurrent.futures
+import multiprocessing
 import queue
 import sys
 import threading
@@ -49,7 +52,11 @@ class Task:
     params: the trainable parameters, a nested dict of float arrays (see `named_leaves`).
     loss_fn: (params, batch, dropout_key or None) -> (scalar loss, dict of scalar metrics).
     eval_fn: (params, batch) -> EvalSums; "loss" is required.
-    train_batch: step (0-based) -> Batch, a pure function of the step.
+    train_batch: step (0-based) -> Batch of host (NumPy) arrays, a pure function of the
+      step; picklable (e.g. a bound method) when config.trainer.data_workers > 0, which
+      makes the batches in worker processes.
+    place_batch: None, or Batch -> Batch run on each batch in this process before the step
+      (e.g. device_put over the mesh).
     eval_batch: index -> Batch.
     tokens_per_step: tokens (or examples) one training step consumes, for throughput.
     flops_per_step: model FLOPs of one training step (forward and backward).
@@ -76,6 +83,14 @@ class Task:
     mesh: Any = None
     overwrite_with_gradient: tuple[str, ...] = ()
     after_update: Callable | None = None
+    place_batch: Callable[[Batch], Batch] | None = None
+
+    def batch(self, step: int) -> Batch:
+        """The training batch of `step`, placed."""
+        return self.placed(self.train_batch(step))
+
+    def placed(self, batch: Batch) -> Batch:
+        return batch if self.place_batch is None else self.place_batch(batch)
 
     def trained(self, params: dict) -> dict:
         return trained_part(params, self.overwrite_with_gradient)
@@ -236,32 +251,64 @@ def plot_losses(records: list[dict], path: pathlib.Path, title: str,
 
 
 class Prefetch:
-    """Produces task.train_batch(step) for step = start.. in a background thread."""
+    """Produces the placed batches of steps start..stop-1, in order, from a background thread.
 
-    def __init__(self, make: Callable[[int], Batch], start: int, stop: int, depth: int):
+    With workers > 0 the thread keeps depth + workers steps in flight in that many worker
+    processes (task.train_batch is pure in the step, so any process can make any step) and
+    places each result: a data pipeline of pure Python would otherwise bound a fast GPU's
+    steps by one CPU core.
+    """
+
+    def __init__(self, task: Task, start: int, stop: int, depth: int, workers: int):
         self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
         self._stop = threading.Event()
+        self._pool = (concurrent.futures.ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context("spawn")) if workers else None)
+        ahead = max(depth, 1) + workers
+
+        def in_thread(steps):
+            return (task.train_batch(step) for step in steps)
+
+        def in_workers(steps):
+            pending: collections.deque = collections.deque()
+            for step in steps:
+                pending.append(self._pool.submit(task.train_batch, step))
+                if len(pending) >= ahead:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+
+        def put(item) -> None:
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    return
+                except queue.Full:
+                    pass
 
         def work():
-            for step in range(start, stop):
-                if self._stop.is_set():
-                    return
-                item = make(step)
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        pass
+            made = in_thread if self._pool is None else in_workers
+            try:
+                for batch in made(range(start, stop)):
+                    if self._stop.is_set():
+                        return
+                    put(task.placed(batch))
+            except Exception as error:  # the step waiting for this batch raises it
+                put(error)
 
         self._thread = threading.Thread(target=work, daemon=True)
         self._thread.start()
 
     def next(self) -> Batch:
-        return self._queue.get()
+        item = self._queue.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
 
     def close(self) -> None:
         self._stop.set()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 # ----------------------------------------------------------------------------- loop
@@ -318,6 +365,10 @@ def check_trainer_config(config) -> None:
     check_positive(config, *(f"trainer.{key}" for key in (
         "num_steps", "log_every", "eval_every", "eval_batches", "checkpoint_every",
         "keep_checkpoints")))
+    workers = config.trainer.data_workers
+    if not isinstance(workers, int) or workers < 0:
+        raise ValueError(f"config.trainer.data_workers must be an int >= 0 (0: batches made in "
+                         f"the trainer's own thread), got {workers!r}.")
 
 
 def head_dim(config) -> int:
@@ -404,7 +455,7 @@ def _train(config, workdir: pathlib.Path, task: Task, title: str) -> dict:
         return {f"eval_{k}": n / max(d, 1e-9) for k, (n, d) in totals.items()}
 
     stop = num_steps if tc.halt_after_step < 0 else min(num_steps, tc.halt_after_step)
-    data = Prefetch(task.train_batch, start_step, stop, tc.prefetch)
+    data = Prefetch(task, start_step, stop, tc.prefetch, tc.data_workers)
     bar = None
     if tc.progress:
         from tqdm import tqdm
@@ -497,7 +548,7 @@ def _non_finite_message(task: Task, params, step: int, dropout_root, checkpoint:
     breaks) then name the cause.
     """
     checked = checkify.checkify(task.loss_fn, errors=checkify.user_checks)
-    error, _ = jax.jit(checked)(params, task.train_batch(step),
+    error, _ = jax.jit(checked)(params, task.batch(step),
                                 jax.random.fold_in(dropout_root, step))
     cause = error.get()
     where = (f"the newest checkpoint is step {checkpoint}" if checkpoint

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -111,11 +113,11 @@ def make_task(config, verbose: bool = True) -> trainer.Task:
     batches = lm_data.Batches(c.data, c.data.batch_size, c.data.seq_len)
     model = models.build(c.model, attention, c.seed)
     eval_batches = [batches.eval(i) for i in range(c.trainer.eval_batches)]
-    mesh, train_batch = make_mesh(c), batches.train
+    mesh, place_batch = make_mesh(c), None
     if mesh is not None:
         context = _mesh_shape(c)[1]
         eval_batches = [lay_out(b, mesh, context) for b in eval_batches]
-        train_batch = lambda step: lay_out(batches.train(step), mesh, context)  # noqa: E731
+        place_batch = functools.partial(lay_out, mesh=mesh, context=context)
 
     qk_clip = c.model.qk_clip > 0
     if qk_clip and model.apply_with_max_logit is None:
@@ -176,7 +178,8 @@ def make_task(config, verbose: bool = True) -> trainer.Task:
         print(ops.explain(shapes, config=explained, sequence=sequence))
     return trainer.Task(
         params=model.params, loss_fn=loss_fn, eval_fn=eval_fn,
-        train_batch=train_batch, eval_batch=lambda i: eval_batches[i],
+        train_batch=batches.train, place_batch=place_batch,
+        eval_batch=lambda i: eval_batches[i],
         tokens_per_step=tokens, flops_per_step=flops, reference=reference, unit="tokens",
         mesh=mesh, overwrite_with_gradient=model.overwrite_with_gradient,
         after_update=clip if qk_clip else None)
