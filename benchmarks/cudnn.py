@@ -144,7 +144,7 @@ def main():
                     rows.append(row)
                     print(row, flush=True)
     summary = summarize(rows)
-    from fusedattn.ops.backends import cudnn_library
+    from fusedattn.ops.backends.cudnn import library as cudnn_library
     version = cudnn_library.cudnn_version()
     write_results(args.out, rows, summary=summary,
                   cudnn=cudnn_library.version_string(version) if version else None,

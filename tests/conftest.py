@@ -157,10 +157,11 @@ def fake_cudnn_for_cuda_lowering(monkeypatch, request) -> None:
     size, so JAX's caches are cleared now and when the test ends: no trace may outlive the
     fake (a later real call with the same shapes would reuse it)."""
     from fusedattn.ops import registry
-    from fusedattn.ops.backends import cudnn, cudnn_library
+    from fusedattn.ops.backends import cudnn
+    from fusedattn.ops.backends.cudnn import library as cudnn_library
 
     monkeypatch.setattr(cudnn_library, "available", lambda: None)
-    monkeypatch.setattr(cudnn, "_compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(cudnn.backend, "_compute_capability", lambda: (9, 0))
     monkeypatch.setattr(cudnn_library, "check", lambda *args: None)
     monkeypatch.setattr(cudnn_library, "workspace_bytes", lambda *args: FAKE_CUDNN_WORKSPACE_BYTES)
     monkeypatch.setattr(registry, "current_platform", lambda: "cuda")

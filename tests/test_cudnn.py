@@ -22,7 +22,8 @@ import pytest
 from conftest import (FAKE_CUDNN_WORKSPACE_BYTES, assert_close, fake_cudnn_for_cuda_lowering,
                       make_config, poison_like, random_array, tolerance)
 from fusedattn.ops import AttentionSpec, SequenceDescriptor, explain, fused_attn, registry
-from fusedattn.ops.backends import cudnn, cudnn_library
+from fusedattn.ops.backends import cudnn
+from fusedattn.ops.backends.cudnn import library as cudnn_library
 from fusedattn.ops.backends.base import CallShapes, CanonicalArgs, TokenInfo, visible_mask
 
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -225,13 +226,13 @@ def segments_of(static, tokens, sequence=None):
     skv = tokens.kv_seg.shape[1]
     args = CanonicalArgs(q=jnp.zeros((b, sq, 1, 8)), k=jnp.zeros((b, skv, 1, 8)),
                          v=jnp.zeros((b, skv, 1, 8)), tokens=tokens, sequence=sequence)
-    return cudnn._segments(static, args)
+    return cudnn.segments._segments(static, args)
 
 
 def test_segments_pair_runs_by_id_and_flag_broken_rows():
-    static = cudnn._static(spec(mask="padding_causal", sequence={"format": "segment_ids",
-                                                                   "max_segments_per_seq": 2}),
-                           0.125, dropout=False, has_bias=False, seqlen_q=6, seqlen_kv=6)
+    static = cudnn.graph_key._static(
+        spec(mask="padding_causal", sequence={"format": "segment_ids", "max_segments_per_seq": 2}),
+        0.125, dropout=False, has_bias=False, seqlen_q=6, seqlen_kv=6)
     q_seg = jnp.array([[1, 1, 2, 2, 2, 0], [1, 1, 2, 2, 3, 3], [1, 1, 2, 2, 1, 1]], jnp.int32)
     kv_seg = jnp.array([[2, 2, 1, 1, 1, 1], [1, 2, 2, 2, 3, 0], [1, 1, 2, 2, 1, 1]], jnp.int32)
     pos = jnp.array([0, 1, 0, 1, 2, 0], jnp.int32)
@@ -268,8 +269,8 @@ def test_declared_slots_of_transformer_engine_widths():
     max_segments_per_seq; a row that uses a slot past it is broken (NaN and an error)."""
     the_spec = spec(qkv_layout="thd_thd_thd", mask="padding",
                     sequence={"format": "seqlens_offsets", "max_segments_per_seq": 2})
-    static = cudnn._static(the_spec, 0.125, dropout=False, has_bias=False, seqlen_q=8,
-                           seqlen_kv=8)
+    static = cudnn.graph_key._static(the_spec, 0.125, dropout=False, has_bias=False, seqlen_q=8,
+                                     seqlen_kv=8)
     sequence = SequenceDescriptor.from_seqlens_and_offsets(
         np.array([[3, 5, -1, -1], [2, 2, 4, -1]], np.int32),   # row 1 uses a third slot
         np.array([[4, 4, -1], [1, 3, 4]], np.int32),
@@ -303,8 +304,8 @@ def test_declared_slots_equal_the_per_token_reading(rng, mask, bound):
         the_spec = spec(qkv_layout="thd_thd_thd", mask=mask, sequence={
             "format": fmt, "max_segments_per_seq": slots, "max_seqlen_q": bound,
             "max_seqlen_kv": bound})
-        static = cudnn._static(the_spec, 0.125, dropout=False, has_bias=False, seqlen_q=s,
-                               seqlen_kv=2 * s)
+        static = cudnn.graph_key._static(the_spec, 0.125, dropout=False, has_bias=False,
+                                         seqlen_q=s, seqlen_kv=2 * s)
         tokens = sequence.token_info(the_spec, s, 2 * s)
         results.append(segments_of(static, tokens, sequence))
     declared, per_token = results
@@ -834,10 +835,11 @@ def test_forward_and_backward_check_the_training_attribute(rng):
     smaller than the library's size for the call is refused."""
     assert cudnn_library.available() is None
     q, k, v = inputs(rng, 2, 64, 64, 4, 4, 64, jnp.bfloat16)
-    static = cudnn._static(spec(mask="causal"), 0.125, False, False, 64, 64)
+    static = cudnn.graph_key._static(spec(mask="causal"), 0.125, False, False, 64, 64)
     bias = np.zeros((1, 1, 1, 1), q.dtype)
     # bias, seqlen_q, seqlen_kv, offsets, rng, sink: none read by a dense call
-    unread = (bias,) + (cudnn._UNREAD_INT32,) * 3 + (cudnn._UNREAD_UINT32, cudnn._UNREAD_FLOAT32)
+    calls = cudnn.ffi_calls
+    unread = (bias,) + (calls._UNREAD_INT32,) * 3 + (calls._UNREAD_UINT32, calls._UNREAD_FLOAT32)
 
     def run(target, results, training, *arrays):
         """The call's results but the last, its workspace."""
@@ -846,7 +848,7 @@ def test_forward_and_backward_check_the_training_attribute(rng):
             q, k, v, *unread, *more, **static.attributes(training)))(q, k, v, *arrays))[:-1]
 
     def workspace(backward, training=True, short=0):
-        size = cudnn._workspace(static, q, k, v, bias, backward, training).shape[0]
+        size = cudnn.ffi_calls._workspace(static, q, k, v, bias, backward, training).shape[0]
         assert size >= short
         return (size - short,), jnp.uint8
 

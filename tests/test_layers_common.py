@@ -22,7 +22,7 @@ from fusedattn import ops
 from fusedattn.configs import attention_config
 from fusedattn.layers import attention_fn, common, equinox, linen, nnx
 from fusedattn.ops import AttentionSpec, SequenceDescriptor
-from fusedattn.ops.backends import cudnn_library
+from fusedattn.ops.backends.cudnn import library as cudnn_library
 
 from conftest import fake_cudnn_for_cuda_lowering
 

@@ -29,7 +29,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import reference
 from conftest import assert_close, make_config, random_array
 from fusedattn.ops import AttentionSpec, SequenceDescriptor, fused_attn
-from fusedattn.ops.backends import cudnn, cudnn_library, flash, partitioning, small_seq, xla
+from fusedattn.ops.backends import cudnn, flash, partitioning, small_seq, xla
+from fusedattn.ops.backends.cudnn import library as cudnn_library
 from fusedattn.ops.backends.base import CanonicalArgs
 from fusedattn.ops.sequence import dense_token_info
 
@@ -383,14 +384,14 @@ def _fake_backward(static, q, k, v, bias, slots, rng, sink, o, stats, do):
 @pytest.fixture
 def fake_cudnn(monkeypatch):
     """cudnn's op with jax.numpy in place of its FFI calls; yields a call(static, ...)."""
-    monkeypatch.setattr(cudnn, "_forward_ffi", _fake_forward)
-    monkeypatch.setattr(cudnn, "_backward_ffi", _fake_backward)
-    cudnn._folding_op.cache_clear()
+    monkeypatch.setattr(cudnn.ffi_calls, "_forward_ffi", _fake_forward)
+    monkeypatch.setattr(cudnn.ffi_calls, "_backward_ffi", _fake_backward)
+    cudnn.ffi_calls._folding_op.cache_clear()
     TRACED.clear()
     BACKWARD_BIAS.clear()
     FORWARD_TRAINING.clear()
-    yield cudnn._cudnn
-    cudnn._folding_op.cache_clear()
+    yield cudnn.vjp._cudnn
+    cudnn.ffi_calls._folding_op.cache_clear()
 
 
 def cudnn_static(dropout=False, has_bias=True, causal=True, s=8, d=16):
@@ -398,7 +399,7 @@ def cudnn_static(dropout=False, has_bias=True, causal=True, s=8, d=16):
                          bias="post_scale_bias" if has_bias else "no_bias",
                          dropout_rate=0.2 if dropout else 0.0)
     spec = AttentionSpec.from_config(config)
-    return cudnn._static(spec, 1 / math.sqrt(d), dropout, has_bias, s, s)
+    return cudnn.graph_key._static(spec, 1 / math.sqrt(d), dropout, has_bias, s, s)
 
 
 @pytest.mark.parametrize("mesh_name", MESHES)
@@ -573,9 +574,9 @@ def test_cudnn_glue_per_example_gradients_under_a_mesh(rng, fake_cudnn):
 @pytest.mark.parametrize("shardy", [True, False])
 def test_cudnn_unread_operands_shard_and_fold(rng, fake_cudnn, monkeypatch, shardy):
     """Through CudnnBackend.attention without bias, dropout or softmax offset: the operands
-    the FFI calls do not read (numpy scalars, see cudnn._UNREAD_INT32, and the [1, 1, 1, 1]
-    bias) pass the mesh under both partitioners without gathering, and a vmap folds into
-    one call each way that equals a loop."""
+    the FFI calls do not read (numpy scalars, see cudnn.ffi_calls._UNREAD_INT32, and the
+    [1, 1, 1, 1] bias) pass the mesh under both partitioners without gathering, and a vmap
+    folds into one call each way that equals a loop."""
     from jax._src import config as jax_config
 
     monkeypatch.setattr(cudnn_library, "available", lambda: None)
@@ -645,7 +646,7 @@ def test_cudnn_sink_gradient_rows_match_the_xla_backend(rng, case):
                                          row(sequence, r), row(do, r))[1] for r in range(b)])
 
     spec = AttentionSpec.from_config(config)
-    static = cudnn._static(spec, 1 / math.sqrt(d), False, False, s, s)
+    static = cudnn.graph_key._static(spec, 1 / math.sqrt(d), False, False, s, s)
     tokens = reference.describe_tokens(sequence, b, s, s, use_sequence=sequence is not None,
                                        bottom_right=False)
     visible = reference.visible_keys(tokens, causal=True, window=(-1, -1))[:, None]
@@ -656,7 +657,7 @@ def test_cudnn_sink_gradient_rows_match_the_xla_backend(rng, case):
     if static.segments:
         args = CanonicalArgs(q=q, k=k, v=v, tokens=sequence.token_info(spec, s, s),
                              sequence=sequence)
-        slots = np.asarray(cudnn._segments(static, args).slots)
+        slots = np.asarray(cudnn.segments._segments(static, args).slots)
         slots_per_row, positions = static.batch_per_row, static.max_seqlen_q or s
         stats = np.full((b, slots_per_row, h, positions), np.nan)
         for r, j in np.ndindex(b, slots_per_row):
@@ -665,8 +666,8 @@ def test_cudnn_sink_gradient_rows_match_the_xla_backend(rng, case):
         stats = stats.reshape(b * slots_per_row, h, positions, 1)
     else:
         slots, stats = np.zeros((b, 4, 1), np.int32), lse[..., None]
-    got = cudnn._sink_gradient_rows(static, offset, jnp.asarray(slots), o,
-                                    jnp.asarray(stats, jnp.float32), do)
+    got = cudnn.ffi_calls._sink_gradient_rows(static, offset, jnp.asarray(slots), o,
+                                              jnp.asarray(stats, jnp.float32), do)
     assert_close(got, expected, 1e-5, "dsink per row")
     ref = reference.reference_attention((q, k, v), config, softmax_offset=offset,
                                         sequence=sequence, dout=do)
@@ -850,9 +851,9 @@ def test_cudnn_glue_grad_inside_shard_map(rng, fake_cudnn, monkeypatch):
     """cuDNN's custom_vjp and partitioning glue (with jax.numpy for its FFI calls) under
     jax.grad inside jax.shard_map: bias and sink gradients too, k/v replicated over heads."""
     monkeypatch.setattr(cudnn_library, "available", lambda: None)
-    monkeypatch.setattr(cudnn, "_forward_ffi", _typed_like_an_ffi_call(_fake_forward))
-    monkeypatch.setattr(cudnn, "_backward_ffi", _typed_like_an_ffi_call(_fake_backward))
-    cudnn._folding_op.cache_clear()
+    monkeypatch.setattr(cudnn.ffi_calls, "_forward_ffi", _typed_like_an_ffi_call(_fake_forward))
+    monkeypatch.setattr(cudnn.ffi_calls, "_backward_ffi", _typed_like_an_ffi_call(_fake_backward))
+    cudnn.ffi_calls._folding_op.cache_clear()
     mesh = make_mesh("2x2")
     spec = AttentionSpec.from_config(make_config(backend="cudnn", mask="causal",
                                                  softmax="learnable", bias="post_scale_bias"))

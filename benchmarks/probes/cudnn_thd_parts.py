@@ -33,19 +33,20 @@ from fusedattn.ops.backends.base import CanonicalArgs
 def parts(q, k, v, causal: bool) -> dict:
     b, t, h, d = q.shape
     spec = AttentionSpec.from_config(thd_config(causal, t))
-    static = cudnn._static(spec, d ** -0.5, dropout=False, has_bias=False, seqlen_q=t,
-                           seqlen_kv=t)
+    static = cudnn.graph_key._static(spec, d ** -0.5, dropout=False, has_bias=False,
+                                     seqlen_q=t, seqlen_kv=t)
     sequence = thd_descriptor(b, t)
 
     @jax.jit
     def slots(q, k, v, sequence):
-        return cudnn._segments(static, CanonicalArgs(q, k, v, tokens=None, sequence=sequence))
+        return cudnn.segments._segments(static, CanonicalArgs(q, k, v, tokens=None,
+                                                              sequence=sequence))
 
     table = slots(q, k, v, sequence).slots
     bias, rng = jnp.zeros((1, 1, 1, 1), q.dtype), jnp.zeros((4,), jnp.uint32)
     sink = jnp.zeros((h,), jnp.float32)
     def ffi(training):
-        forward = cudnn._folding_op(static, False, training=training)
+        forward = cudnn.ffi_calls._folding_op(static, False, training=training)
         call = jax.jit(lambda q, k, v, table: forward(q, k, v, bias, table, rng, sink)[0])
         return lambda: call(q, k, v, table)
 

@@ -54,7 +54,7 @@ class AttentionSpec:
     # (base.guard); the kernels' NaN marks and the eager error stay either way.
     check_bounds: bool = True
     small_seq_enabled: bool = False
-    # Context parallelism (ops/context_parallel.py): the mesh axis the sequence is
+    # Context parallelism (ops/context_parallel/): the mesh axis the sequence is
     # sharded over (None: off), how K/V reach the queries, and the causal reordering.
     context_axis: str | None = None
     context_strategy: ContextParallelStrategy = ContextParallelStrategy.RING
