@@ -1,0 +1,220 @@
+// The flash forward kernel for Hopper (sm_90a): the same results as the sm_80 kernel
+// (../forward.cuh: o, and lse for the backward) from warpgroup matrix products.
+//
+// A block owns kM = 128 queries of one (batch row, head) and has three warpgroups:
+//   warpgroup 0, the producer: one thread loads the Q tile once, then the K and V tiles
+//     that the queries can see (../spans.cuh) with TMA into a ring of two stages; each
+//     stage completes on its own mbarriers (K and V apart, so that S = Q K^T starts
+//     while V is still in flight) and is released by the consumers through an "empty"
+//     mbarrier. With each stage it publishes the tile's index and whether every pair is
+//     visible; an index of -1 ends the loop.
+//   warpgroups 1 and 2, the consumers, 64 queries each: S = Q K^T by wgmma from shared
+//     memory, the online softmax of ../softmax_tile.cuh in float32 registers, then
+//     O += P V by wgmma with P from registers and V from shared memory.
+// setmaxnreg moves registers from the producer to the consumers.
+#ifndef FUSEDATTN_FLASH_SM90_FORWARD_CUH_
+#define FUSEDATTN_FLASH_SM90_FORWARD_CUH_
+
+#include "../softmax_tile.cuh"
+#include "primitives.cuh"
+
+namespace fusedattn {
+namespace flash {
+namespace sm90 {
+
+template <int D>
+struct ForwardTiles {
+  static constexpr int kM = 128;                 // queries per block
+  static constexpr int kConsumerRows = 64;       // per consumer warpgroup
+  static constexpr int kN = D == 256 ? 64 : 128;  // keys per tile (registers: S kN/2, O D/2 floats a thread)
+  static constexpr int kStages = 2;
+  static constexpr int kThreads = 384;
+  static constexpr int kConsumerThreads = 256;
+  static constexpr int kAtoms = D / kAtomColumns;
+  static constexpr int kQBytes = kM * D * 2;
+  static constexpr int kTileBytes = kN * D * 2;  // one K or V tile
+  static constexpr int kKOffset = kQBytes;
+  static constexpr int kVOffset = kKOffset + kStages * kTileBytes;
+  static constexpr int kControlOffset = kVOffset + kStages * kTileBytes;
+  // 1024: room to align the start (the swizzle atoms need 1024-byte alignment).
+  static constexpr int kSharedBytes = kControlOffset + 128 + 1024;
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+};
+
+// The kernel's arguments: the call, and TMA descriptors of q, k and v, each a 4-d tensor
+// (head dim, heads, sequence, batch) read in boxes of (64, 1, rows, 1) with 128-byte
+// swizzling (rows: kM for q, kN for k and v). Passed as a __grid_constant__ parameter.
+struct ForwardArgs {
+  CUtensorMap q_map;
+  CUtensorMap k_map;
+  CUtensorMap v_map;
+  FlashArgs a;
+};
+
+// The barriers and the published tiles, after the operand tiles in shared memory.
+struct Control {
+  uint64_t q_full;
+  uint64_t k_full[2];
+  uint64_t v_full[2];
+  uint64_t empty[2];
+  int32_t tile[2];  // key tile of the stage, -1: no more
+  int32_t full[2];  // every (query, key) pair of the tile is visible
+};
+
+template <int D>
+__device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, Control* control, int64_t b,
+                                        int64_t h, int64_t m0) {
+  using T = ForwardTiles<D>;
+  const FlashArgs& a = args.a;
+  const AttentionParams& p = a.p;
+  const HeadContext c = head_context(a, b, h);
+  const int g = static_cast<int>(kv_head_of(h, p.heads, p.kv_heads));
+  prefetch_tensor_map(&args.q_map);
+  prefetch_tensor_map(&args.k_map);
+  prefetch_tensor_map(&args.v_map);
+  mbarrier_arrive_expect_tx(smem_address(&control->q_full), T::kQBytes);
+#pragma unroll
+  for (int atom = 0; atom < T::kAtoms; ++atom) {
+    tma_load_4d(base + atom * T::kM * kAtomRowBytes, &args.q_map, smem_address(&control->q_full), atom * kAtomColumns,
+                static_cast<int>(h), static_cast<int>(m0), static_cast<int>(b));
+  }
+  const Span q_span = tile_span(c.q_spans, c.n_q_spans, m0, T::kM);
+  const int n_tiles = static_cast<int>((p.seqlen_kv + T::kN - 1) / T::kN);
+  int t = 0;
+  for (int i = 0;; ++i, ++t) {
+    TileRelation r{false, false};
+    for (; t < n_tiles; ++t) {
+      r = relate(p.mask, q_span, tile_span(c.kv_spans, c.n_kv_spans, static_cast<int64_t>(t) * T::kN, T::kN));
+      if (r.any) break;
+    }
+    const int s = i % T::kStages;
+    if (i >= T::kStages) mbarrier_wait(smem_address(&control->empty[s]), (i / T::kStages - 1) & 1);
+    control->tile[s] = t < n_tiles ? t : -1;
+    control->full[s] = r.full;
+    if (t >= n_tiles) {
+      mbarrier_arrive(smem_address(&control->k_full[s]));
+      return;
+    }
+    const uint32_t k_dst = base + T::kKOffset + s * T::kTileBytes, v_dst = base + T::kVOffset + s * T::kTileBytes;
+    mbarrier_arrive_expect_tx(smem_address(&control->k_full[s]), T::kTileBytes);
+#pragma unroll
+    for (int atom = 0; atom < T::kAtoms; ++atom) {
+      tma_load_4d(k_dst + atom * T::kN * kAtomRowBytes, &args.k_map, smem_address(&control->k_full[s]),
+                  atom * kAtomColumns, g, t * T::kN, static_cast<int>(b));
+    }
+    mbarrier_arrive_expect_tx(smem_address(&control->v_full[s]), T::kTileBytes);
+#pragma unroll
+    for (int atom = 0; atom < T::kAtoms; ++atom) {
+      tma_load_4d(v_dst + atom * T::kN * kAtomRowBytes, &args.v_map, smem_address(&control->v_full[s]),
+                  atom * kAtomColumns, g, t * T::kN, static_cast<int>(b));
+    }
+  }
+}
+
+// One consumer warpgroup (index cw, 0 or 1): queries m0 + 64 cw .. + 63.
+template <ElementType ET, int D>
+__device__ __forceinline__ void consume(const FlashArgs& a, uint32_t base, Control* control, int64_t b, int64_t h,
+                                        int64_t m0, int cw) {
+  using T = ForwardTiles<D>;
+  const AttentionParams& p = a.p;
+  const HeadContext c = head_context(a, b, h);
+  const int warp = (threadIdx.x / 32) % 4;
+  const FragmentCoords at{m0 + T::kConsumerRows * cw + 16 * warp, 0, static_cast<int>(threadIdx.x % 32)};
+  const QueryToken query[2] = {query_token(c, at.row(0), p.seqlen_q), query_token(c, at.row(2), p.seqlen_q)};
+  SoftmaxState state[2];
+  state[0].init();
+  state[1].init();
+  float o[D / 8][4];
+  zero(o);
+  const uint32_t q_rows = base + cw * T::kConsumerRows * kAtomRowBytes;
+
+  mbarrier_wait(smem_address(&control->q_full), 0);
+  for (int i = 0;; ++i) {
+    const int s = i % T::kStages;
+    const uint32_t parity = (i / T::kStages) & 1;
+    mbarrier_wait(smem_address(&control->k_full[s]), parity);
+    const int t = control->tile[s];
+    const bool full = control->full[s] != 0;
+    if (t < 0) break;
+    const uint32_t k_tile = base + T::kKOffset + s * T::kTileBytes, v_tile = base + T::kVOffset + s * T::kTileBytes;
+
+    float scores[T::kN / 8][4];
+    fence_accumulators(scores);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const uint32_t column = (ks % 4) * 32;  // 16 columns of the atom, in bytes
+      gmma_ss<ET, T::kN>(k_major_descriptor(q_rows + (ks / 4) * T::kM * kAtomRowBytes + column),
+                         k_major_descriptor(k_tile + (ks / 4) * T::kN * kAtomRowBytes + column), scores, ks > 0);
+    }
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+    fence_accumulators(scores);
+
+    const FragmentCoords kv{at.row0, static_cast<int64_t>(t) * T::kN, at.lane};
+    softmax_tile<T::kN, D>(scores, o, state, a, c, query, h, kv, full);
+
+    uint32_t weights[T::kN / 16][4];  // P as the A operand, packed before the products start
+#pragma unroll
+    for (int ks = 0; ks < T::kN / 16; ++ks) {
+      weights[ks][0] = pack2<ET>(scores[2 * ks][0], scores[2 * ks][1]);
+      weights[ks][1] = pack2<ET>(scores[2 * ks][2], scores[2 * ks][3]);
+      weights[ks][2] = pack2<ET>(scores[2 * ks + 1][0], scores[2 * ks + 1][1]);
+      weights[ks][3] = pack2<ET>(scores[2 * ks + 1][2], scores[2 * ks + 1][3]);
+    }
+    mbarrier_wait(smem_address(&control->v_full[s]), parity);
+    fence_accumulators(o);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int ks = 0; ks < T::kN / 16; ++ks) {
+      gmma_rs<ET, D>(weights[ks], mn_major_descriptor(v_tile + ks * 16 * kAtomRowBytes, T::kN * kAtomRowBytes), o);
+    }
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+    fence_accumulators(o);
+    mbarrier_arrive(smem_address(&control->empty[s]));
+  }
+  const int64_t q_stride = p.heads * D;
+  finish_rows<ET, D>(o, state, p, c.sink, a.o + (b * p.seqlen_q * p.heads + h) * D, q_stride, at,
+                     a.lse + (b * p.heads + h) * p.seqlen_q);
+}
+
+template <ElementType ET, int D>
+__global__ void __launch_bounds__(ForwardTiles<D>::kThreads, 1) forward_kernel(const __grid_constant__ ForwardArgs args) {
+  using T = ForwardTiles<D>;
+  extern __shared__ unsigned char smem[];
+  const AttentionParams& p = args.a.p;
+  const uint32_t unaligned = smem_address(smem);
+  const uint32_t base = (unaligned + 1023) & ~1023u;
+  Control* control = reinterpret_cast<Control*>(smem + (base - unaligned) + T::kControlOffset);
+  const int64_t n_q_tiles = (p.seqlen_q + T::kM - 1) / T::kM;
+  const int64_t bh = blockIdx.x / n_q_tiles;
+  const int64_t m0 = (n_q_tiles - 1 - blockIdx.x % n_q_tiles) * T::kM;  // causal: longest rows first
+  const int64_t h = bh % p.heads, b = bh / p.heads;
+
+  if (threadIdx.x == 0) {
+    mbarrier_init(smem_address(&control->q_full), 1);
+    for (int s = 0; s < T::kStages; ++s) {
+      mbarrier_init(smem_address(&control->k_full[s]), 1);
+      mbarrier_init(smem_address(&control->v_full[s]), 1);
+      mbarrier_init(smem_address(&control->empty[s]), T::kConsumerThreads);
+    }
+    mbarrier_init_fence();
+  }
+  __syncthreads();
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    registers_decrease<T::kProducerRegisters>();
+    if (threadIdx.x == 0) produce<D>(args, base, control, b, h, m0);
+  } else {
+    registers_increase<T::kConsumerRegisters>();
+    consume<ET, D>(args.a, base, control, b, h, m0, warpgroup - 1);
+  }
+}
+
+}  // namespace sm90
+}  // namespace flash
+}  // namespace fusedattn
+
+#endif  // FUSEDATTN_FLASH_SM90_FORWARD_CUH_
