@@ -12,12 +12,13 @@ skipped and fully visible tiles and the masked ones between them.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_config
+from conftest import assert_close, make_config, poison_like
 from test_flash_gpu import check, compare_thd_with_xla
-from test_flash_host import make_args, make_spec
+from test_flash_host import make_args, make_spec, reference
 
 from fusedattn.ops import _library, explain
 from fusedattn.ops.backends import flash
@@ -82,6 +83,29 @@ def test_softmax_variants_and_dropout(rng, softmax):
                      kind="packed", softmax=softmax,
                      seed=rng.integers(0, 2**32, 2, dtype=np.uint64).astype(np.uint32))
     check(rng, make_spec("packed", softmax, dropout_rate=0.2), args)
+
+
+@pytest.mark.parametrize("softmax", ["vanilla", "learnable"])
+@pytest.mark.parametrize("kind", ["padding_causal_bottom_right", "packed"])
+def test_lse_for_the_backward_equals_the_reference(rng, softmax, kind):
+    """The log-sum-exp the forward saves (+inf for a row with no visible key), directly."""
+    needs_sm90(128)
+    args = make_args(rng, b=3, sq=200, skv=300, h=4, h_kv=2, d=128, dtype=jnp.bfloat16, kind=kind,
+                     softmax=softmax)
+    spec = make_spec(kind, softmax)
+    scale = 0.125
+    offset = (args.softmax_offset if args.softmax_offset is not None
+              else jnp.zeros((4,), jnp.float32))
+    poison_like(args.q, jnp.zeros((3, 4, 200), jnp.float32))
+    _, lse = jax.jit(flash._forward_call, static_argnums=0)(
+        flash._static(spec, scale, spec.softmax, False), args.q, args.k, args.v, offset,
+        jnp.zeros((2,), jnp.uint32), tuple(args.tokens))
+    lse = np.asarray(lse, np.float64)
+    want = reference(args, spec, scale, jnp.zeros(args.q.shape, args.q.dtype))["lse"]
+    empty = np.isinf(want)
+    assert empty.any() and (~empty).any()
+    assert np.array_equal(np.isposinf(lse), empty)
+    assert_close(lse[~empty], want[~empty], 1e-4, "lse")
 
 
 def test_long_causal_pipeline(rng):
