@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, make_config, poison_like
+from conftest import assert_close, make_config, poison_like, tolerance
 from test_flash_gpu import check, compare_thd_with_xla
 from test_flash_host import make_args, make_spec, reference
 
@@ -106,6 +106,34 @@ def test_lse_for_the_backward_equals_the_reference(rng, softmax, kind):
     assert empty.any() and (~empty).any()
     assert np.array_equal(np.isposinf(lse), empty)
     assert_close(lse[~empty], want[~empty], 1e-4, "lse")
+
+
+@pytest.mark.parametrize("kind", ["padding", "packed_bottom_right"])
+def test_garbage_in_padding_keys_reaches_no_output(rng, kind):
+    """NaN and Inf in the keys and values of padding tokens (segment id 0): the forward's
+    output and lse equal those of zeros there (padding V rows are zeroed in shared memory,
+    K's garbage is masked by selection)."""
+    needs_sm90(128)
+    args = make_args(rng, b=3, sq=190, skv=333, h=4, h_kv=2, d=128, dtype=jnp.bfloat16, kind=kind)
+    padding = (np.asarray(args.tokens.kv_seg) == 0)[:, :, None, None]
+    assert padding.any()
+    garbage = np.where(rng.random(args.k.shape) < 0.5, np.nan, np.inf)
+    clean = args._replace(k=jnp.where(padding, 0, args.k), v=jnp.where(padding, 0, args.v))
+    dirty = args._replace(k=jnp.where(padding, garbage, args.k).astype(args.k.dtype),
+                          v=jnp.where(padding, -garbage, args.v).astype(args.v.dtype))
+    spec = make_spec(kind)
+    forward = jax.jit(flash._forward_call, static_argnums=0)
+    results = []
+    for case in (clean, dirty):
+        poison_like(case.q, jnp.zeros((3, 4, 190), jnp.float32))
+        results.append(forward(flash._static(spec, 0.1, spec.softmax, False), case.q, case.k,
+                               case.v, jnp.zeros((4,), jnp.float32), jnp.zeros((2,), jnp.uint32),
+                               tuple(case.tokens)))
+    (o_clean, lse_clean), (o_dirty, lse_dirty) = results
+    assert np.array_equal(np.asarray(o_clean), np.asarray(o_dirty))
+    assert np.array_equal(np.asarray(lse_clean), np.asarray(lse_dirty))
+    want = reference(clean, spec, 0.1, jnp.zeros(args.q.shape, args.q.dtype))
+    assert_close(o_dirty, want["o"], tolerance(jnp.bfloat16), "o")
 
 
 def test_long_causal_pipeline(rng):

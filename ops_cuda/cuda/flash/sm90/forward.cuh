@@ -10,7 +10,9 @@
 //     visible; an index of -1 ends the loop.
 //   warpgroups 1 and 2, the consumers, 64 queries each: S = Q K^T by wgmma from shared
 //     memory, the online softmax of ../softmax_tile.cuh in float32 registers, then
-//     O += P V by wgmma with P from registers and V from shared memory.
+//     O += P V by wgmma with P from registers and V from shared memory. In a tile with
+//     padding keys they first zero those keys' V rows (garbage there, even NaN, reaches
+//     no output; K's garbage is masked by selection).
 // setmaxnreg moves registers from the producer to the consumers.
 #ifndef FUSEDATTN_FLASH_SM90_FORWARD_CUH_
 #define FUSEDATTN_FLASH_SM90_FORWARD_CUH_
@@ -42,6 +44,8 @@ struct ForwardTiles {
   static constexpr int kConsumerRegisters = 240;
 };
 
+constexpr int kConsumersBarrier = 1;  // named barrier of the two consumer warpgroups
+
 // The kernel's arguments: the call, and TMA descriptors of q, k and v, each a 4-d tensor
 // (head dim, heads, sequence, batch) read in boxes of (64, 1, rows, 1) with 128-byte
 // swizzling (rows: kM for q, kN for k and v). Passed as a __grid_constant__ parameter.
@@ -58,9 +62,32 @@ struct Control {
   uint64_t k_full[2];
   uint64_t v_full[2];
   uint64_t empty[2];
-  int32_t tile[2];  // key tile of the stage, -1: no more
-  int32_t full[2];  // every (query, key) pair of the tile is visible
+  int32_t tile[2];    // key tile of the stage, -1: no more
+  int32_t full[2];    // every (query, key) pair of the tile is visible
+  int32_t padded[2];  // the tile may hold padding keys (segment id 0) within the sequence
 };
+
+// Zeroes the V rows of the padding keys (segment id 0) of the tile at v_tile (keys j0 ..
+// j0 + kN - 1), so that whatever they hold (even NaN or Inf) meets only zero weights: keys
+// that no query sees contribute nothing, as in the xla backend. Rows past the sequence end
+// are zero already (TMA). All consumer threads take part (index: consumer_thread); the
+// caller orders the stores before the products (fence_proxy_async, a barrier).
+template <int D>
+__device__ __forceinline__ void zero_padding_values(uint32_t v_tile, const int32_t* kv_seg, int64_t j0,
+                                                    int64_t seqlen_kv, int consumer_thread) {
+  using T = ForwardTiles<D>;
+  constexpr int kRowChunks = T::kAtoms * kAtomRowBytes / 16;  // 16-byte chunks of a key's row
+  static_assert(T::kN * kRowChunks % T::kConsumerThreads == 0, "whole passes");
+#pragma unroll
+  for (int k = 0; k < T::kN * kRowChunks / T::kConsumerThreads; ++k) {
+    const int chunk = consumer_thread + k * T::kConsumerThreads;
+    const int row = chunk / kRowChunks, column = chunk % kRowChunks;
+    const int64_t j = j0 + row;
+    if (j < seqlen_kv && kv_seg[j] == 0) {
+      store_zero_16(v_tile + (column / 8) * T::kN * kAtomRowBytes + row * kAtomRowBytes + (column % 8) * 16);
+    }
+  }
+}
 
 template <int D>
 __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, Control* control, int64_t b,
@@ -84,14 +111,17 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
   int t = 0;
   for (int i = 0;; ++i, ++t) {
     TileRelation r{false, false};
+    Span kv_span = empty_span();
     for (; t < n_tiles; ++t) {
-      r = relate(p.mask, q_span, tile_span(c.kv_spans, c.n_kv_spans, static_cast<int64_t>(t) * T::kN, T::kN));
+      kv_span = tile_span(c.kv_spans, c.n_kv_spans, static_cast<int64_t>(t) * T::kN, T::kN);
+      r = relate(p.mask, q_span, kv_span);
       if (r.any) break;
     }
     const int s = i % T::kStages;
     if (i >= T::kStages) mbarrier_wait(smem_address(&control->empty[s]), (i / T::kStages - 1) & 1);
     control->tile[s] = t < n_tiles ? t : -1;
     control->full[s] = r.full;
+    control->padded[s] = !kv_span.complete;
     if (t >= n_tiles) {
       mbarrier_arrive(smem_address(&control->k_full[s]));
       return;
@@ -135,7 +165,7 @@ __device__ __forceinline__ void consume(const FlashArgs& a, uint32_t base, Contr
     const uint32_t parity = (i / T::kStages) & 1;
     mbarrier_wait(smem_address(&control->k_full[s]), parity);
     const int t = control->tile[s];
-    const bool full = control->full[s] != 0;
+    const bool full = control->full[s] != 0, padded = control->padded[s] != 0;
     if (t < 0) break;
     const uint32_t k_tile = base + T::kKOffset + s * T::kTileBytes, v_tile = base + T::kVOffset + s * T::kTileBytes;
 
@@ -164,6 +194,12 @@ __device__ __forceinline__ void consume(const FlashArgs& a, uint32_t base, Contr
       weights[ks][3] = pack2<ET>(scores[2 * ks + 1][2], scores[2 * ks + 1][3]);
     }
     mbarrier_wait(smem_address(&control->v_full[s]), parity);
+    if (padded) {
+      zero_padding_values<D>(v_tile, c.kv_seg, static_cast<int64_t>(t) * T::kN, p.seqlen_kv,
+                             static_cast<int>(threadIdx.x) - 128);
+      fence_proxy_async();
+      named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
+    }
     fence_accumulators(o);
     cute::warpgroup_arrive();
 #pragma unroll
