@@ -2,8 +2,9 @@
 // (../forward.cuh: o, and lse for the backward) from warpgroup matrix products.
 //
 // A block owns kM = 128 queries of one (batch row, head) and has three warpgroups:
-//   warpgroup 0, the producer: one thread loads the Q tile once, then the K and V tiles
-//     that the queries can see (../spans.cuh) with TMA into a ring of two stages; each
+//   warpgroup 0, the producer: one warp finds the K and V tiles that the queries can see
+//     (../spans.cuh; 32 tiles at a time, a lane each) and one thread loads the Q tile
+//     once, then those K and V tiles, with TMA into a ring of two stages; each
 //     stage completes on its own mbarriers (K and V apart, so that S = Q K^T starts
 //     while V is still in flight) and is released by the consumers through an "empty"
 //     mbarrier. With each stage it publishes the tile's index and whether every pair is
@@ -78,7 +79,7 @@ __device__ __forceinline__ void zero_padding_values(uint32_t v_tile, const int32
   using T = ForwardTiles<D>;
   constexpr int kRowChunks = T::kAtoms * kAtomRowBytes / 16;  // 16-byte chunks of a key's row
   static_assert(T::kN * kRowChunks % T::kConsumerThreads == 0, "whole passes");
-#pragma unroll
+#pragma unroll 1
   for (int k = 0; k < T::kN * kRowChunks / T::kConsumerThreads; ++k) {
     const int chunk = consumer_thread + k * T::kConsumerThreads;
     const int row = chunk / kRowChunks, column = chunk % kRowChunks;
@@ -89,6 +90,41 @@ __device__ __forceinline__ void zero_padding_values(uint32_t v_tile, const int32
   }
 }
 
+// The producer warp's view of the key tiles: the relations of the 32 tiles from `first`
+// (one lane each, spans.cuh), as bit masks; refilled when the search leaves them.
+struct TileScan {
+  int first;
+  uint32_t any, full, padded;
+};
+
+// The first tile t > after with relation(t).any, or n_tiles; warp-wide (every lane gets it).
+template <int D>
+__device__ __forceinline__ int next_visible(TileScan& scan, int after, int n_tiles, const MaskParams& mask,
+                                            const Span& q_span, const HeadContext& c) {
+  using T = ForwardTiles<D>;
+  for (int t = after + 1; t < n_tiles;) {
+    if (t >= scan.first + 32) {
+      scan.first = t;
+      const int mine = t + static_cast<int>(threadIdx.x % 32);
+      TileRelation r{false, false};
+      bool complete = true;
+      if (mine < n_tiles) {
+        const Span kv = tile_span(c.kv_spans, c.n_kv_spans, static_cast<int64_t>(mine) * T::kN, T::kN);
+        r = relate(mask, q_span, kv);
+        complete = kv.complete != 0;
+      }
+      scan.any = __ballot_sync(0xffffffffu, r.any);
+      scan.full = __ballot_sync(0xffffffffu, r.full);
+      scan.padded = __ballot_sync(0xffffffffu, !complete);
+    }
+    const uint32_t ahead = scan.any >> (t - scan.first);
+    if (ahead) return t + __ffs(ahead) - 1;
+    t = scan.first + 32;
+  }
+  return n_tiles;
+}
+
+// The producer: warp 0 (lane 0 issues the copies and publishes the tiles).
 template <int D>
 __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, Control* control, int64_t b,
                                         int64_t h, int64_t m0) {
@@ -97,48 +133,51 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
   const AttentionParams& p = a.p;
   const HeadContext c = head_context(a, b, h);
   const int g = static_cast<int>(kv_head_of(h, p.heads, p.kv_heads));
-  prefetch_tensor_map(&args.q_map);
-  prefetch_tensor_map(&args.k_map);
-  prefetch_tensor_map(&args.v_map);
-  mbarrier_arrive_expect_tx(smem_address(&control->q_full), T::kQBytes);
+  const bool leader = threadIdx.x == 0;
+  if (leader) {
+    prefetch_tensor_map(&args.q_map);
+    prefetch_tensor_map(&args.k_map);
+    prefetch_tensor_map(&args.v_map);
+    mbarrier_arrive_expect_tx(smem_address(&control->q_full), T::kQBytes);
 #pragma unroll
-  for (int atom = 0; atom < T::kAtoms; ++atom) {
-    tma_load_4d(base + atom * T::kM * kAtomRowBytes, &args.q_map, smem_address(&control->q_full), atom * kAtomColumns,
-                static_cast<int>(h), static_cast<int>(m0), static_cast<int>(b));
+    for (int atom = 0; atom < T::kAtoms; ++atom) {
+      tma_load_4d(base + atom * T::kM * kAtomRowBytes, &args.q_map, smem_address(&control->q_full),
+                  atom * kAtomColumns, static_cast<int>(h), static_cast<int>(m0), static_cast<int>(b));
+    }
   }
   const Span q_span = tile_span(c.q_spans, c.n_q_spans, m0, T::kM);
   const int n_tiles = static_cast<int>((p.seqlen_kv + T::kN - 1) / T::kN);
-  int t = 0;
-  for (int i = 0;; ++i, ++t) {
-    TileRelation r{false, false};
-    Span kv_span = empty_span();
-    for (; t < n_tiles; ++t) {
-      kv_span = tile_span(c.kv_spans, c.n_kv_spans, static_cast<int64_t>(t) * T::kN, T::kN);
-      r = relate(p.mask, q_span, kv_span);
-      if (r.any) break;
-    }
+  TileScan scan{-32, 0u, 0u, 0u};
+  int t = -1;
+  for (int i = 0;; ++i) {
+    t = next_visible<D>(scan, t, n_tiles, p.mask, q_span, c);
     const int s = i % T::kStages;
     if (i >= T::kStages) mbarrier_wait(smem_address(&control->empty[s]), (i / T::kStages - 1) & 1);
-    control->tile[s] = t < n_tiles ? t : -1;
-    control->full[s] = r.full;
-    control->padded[s] = !kv_span.complete;
-    if (t >= n_tiles) {
+    if (leader && t >= n_tiles) {
+      control->tile[s] = -1;
       mbarrier_arrive(smem_address(&control->k_full[s]));
-      return;
-    }
-    const uint32_t k_dst = base + T::kKOffset + s * T::kTileBytes, v_dst = base + T::kVOffset + s * T::kTileBytes;
-    mbarrier_arrive_expect_tx(smem_address(&control->k_full[s]), T::kTileBytes);
+    } else if (leader) {
+      const int bit = t - scan.first;
+      control->tile[s] = t;
+      control->full[s] = (scan.full >> bit) & 1u;
+      control->padded[s] = (scan.padded >> bit) & 1u;
+      const uint32_t k_dst = base + T::kKOffset + s * T::kTileBytes;
+      const uint32_t v_dst = base + T::kVOffset + s * T::kTileBytes;
+      mbarrier_arrive_expect_tx(smem_address(&control->k_full[s]), T::kTileBytes);
 #pragma unroll
-    for (int atom = 0; atom < T::kAtoms; ++atom) {
-      tma_load_4d(k_dst + atom * T::kN * kAtomRowBytes, &args.k_map, smem_address(&control->k_full[s]),
-                  atom * kAtomColumns, g, t * T::kN, static_cast<int>(b));
-    }
-    mbarrier_arrive_expect_tx(smem_address(&control->v_full[s]), T::kTileBytes);
+      for (int atom = 0; atom < T::kAtoms; ++atom) {
+        tma_load_4d(k_dst + atom * T::kN * kAtomRowBytes, &args.k_map, smem_address(&control->k_full[s]),
+                    atom * kAtomColumns, g, t * T::kN, static_cast<int>(b));
+      }
+      mbarrier_arrive_expect_tx(smem_address(&control->v_full[s]), T::kTileBytes);
 #pragma unroll
-    for (int atom = 0; atom < T::kAtoms; ++atom) {
-      tma_load_4d(v_dst + atom * T::kN * kAtomRowBytes, &args.v_map, smem_address(&control->v_full[s]),
-                  atom * kAtomColumns, g, t * T::kN, static_cast<int>(b));
+      for (int atom = 0; atom < T::kAtoms; ++atom) {
+        tma_load_4d(v_dst + atom * T::kN * kAtomRowBytes, &args.v_map, smem_address(&control->v_full[s]),
+                    atom * kAtomColumns, g, t * T::kN, static_cast<int>(b));
+      }
     }
+    __syncwarp();  // the lanes stay in step (next_visible is warp-wide)
+    if (t >= n_tiles) return;
   }
 }
 
@@ -242,7 +281,7 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads, 1) forward_kernel(c
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     registers_decrease<T::kProducerRegisters>();
-    if (threadIdx.x == 0) produce<D>(args, base, control, b, h, m0);
+    if (threadIdx.x < 32) produce<D>(args, base, control, b, h, m0);
   } else {
     registers_increase<T::kConsumerRegisters>();
     consume<ET, D>(args.a, base, control, b, h, m0, warpgroup - 1);
