@@ -29,16 +29,17 @@ def device(monkeypatch):
     return set_device
 
 
-@pytest.mark.parametrize("capability,head_dims,d,expected", [
-    ((9, 0), {64, 128, 256}, 128, "sm90"),
-    ((9, 0), {128}, 64, "sm80"),       # a head dim the library has no sm_90a kernel for
-    ((9, 0), set(), 128, "sm80"),      # a library built without sm_90
-    ((8, 0), {64, 128, 256}, 128, "sm80"),
-    ((10, 0), {64, 128, 256}, 128, "sm80"),  # wgmma is sm_90a only
+@pytest.mark.parametrize("capability,head_dims,d,skv,expected", [
+    ((9, 0), {64, 128, 256}, 128, 1, "sm90"),
+    ((9, 0), {128}, 64, 300, "sm80"),     # a head dim the library has no sm_90a kernel for
+    ((9, 0), set(), 128, 300, "sm80"),    # a library built without sm_90
+    ((9, 0), {128}, 128, 0, "sm80"),      # no keys: TMA describes no empty tensor
+    ((8, 0), {64, 128, 256}, 128, 300, "sm80"),
+    ((10, 0), {64, 128, 256}, 128, 300, "sm80"),  # wgmma is sm_90a only
 ])
-def test_the_forward_kernel_rule(device, capability, head_dims, d, expected):
+def test_the_forward_kernel_rule(device, capability, head_dims, d, skv, expected):
     device(capability, head_dims)
-    assert flash._cuda_forward_kernel(d) == expected
+    assert flash._cuda_forward_kernel(d, skv) == expected
 
 
 def test_kernel_text_names_both_passes(device):

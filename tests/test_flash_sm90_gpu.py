@@ -36,7 +36,7 @@ def needs_sm90(d: int) -> None:
                     f"{compute_capability()}")
     if d not in _library.flash_sm90_head_dims("cuda"):
         pytest.skip(f"no sm_90a flash forward for head dim {d} in this build")
-    assert flash._cuda_forward_kernel(d) == "sm90"
+    assert flash._cuda_forward_kernel(d, 1) == "sm90"
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

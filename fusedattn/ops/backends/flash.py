@@ -209,12 +209,14 @@ def _cuda_reason(shapes: CallShapes | None) -> str | None:
     return None
 
 
-def _cuda_forward_kernel(head_dim: int) -> str:
-    """"sm90" or "sm80": the forward kernel a CUDA call of this head dim gets. The rule of
+def _cuda_forward_kernel(head_dim: int, seqlen_kv: int) -> str:
+    """"sm90" or "sm80": the forward kernel of a CUDA call. The rule of
     ops_cuda/cuda/flash/flash.cu (forward_kernel_of): the sm_90a (wgmma) kernel on a device
-    of compute capability 9.0 where the library holds it for the head dim, else the sm_80
-    (mma.sync) kernel; the backward is the sm_80 kernels' on every device."""
-    if compute_capability() == (9, 0) and head_dim in _library.flash_sm90_head_dims("cuda"):
+    of compute capability 9.0 where the library holds it for the head dim and there is at
+    least one key (TMA describes no empty tensor), else the sm_80 (mma.sync) kernel; the
+    backward is the sm_80 kernels' on every device."""
+    if (compute_capability() == (9, 0) and head_dim in _library.flash_sm90_head_dims("cuda")
+            and seqlen_kv > 0):
         return "sm90"
     return "sm80"
 
@@ -252,7 +254,7 @@ class FlashBackend:
         """Which kernels serve a call on CUDA (for explain); None elsewhere."""
         if (platform or "").lower() not in ("gpu", "cuda") or shapes is None:
             return None
-        if _cuda_forward_kernel(shapes.head_dim_qk) == "sm90":
+        if _cuda_forward_kernel(shapes.head_dim_qk, shapes.seqlen_kv) == "sm90":
             return "flash: sm90 wgmma forward, sm80 backward"
         return "flash: sm80 mma.sync forward and backward"
 

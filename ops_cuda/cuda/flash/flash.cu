@@ -68,12 +68,13 @@ enum class ForwardKernel { kSm80, kSm90 };
 
 // The rule that picks the forward kernel of a call (fusedattn/ops/backends/flash.py,
 // _cuda_forward_kernel, states the same): the sm_90a kernel on a device of compute
-// capability exactly 9.0 when this library holds it for the call's head dim (every call
-// the handler accepts otherwise: masks, windows, packing, GQA, softmax variants, dropout);
-// the sm_80 kernel otherwise.
+// capability exactly 9.0 when this library holds it for the call's head dim and there is
+// at least one key (TMA describes no empty tensor); it serves every call the handler
+// accepts otherwise (masks, windows, packing, GQA, softmax variants, dropout). The sm_80
+// kernel otherwise.
 ffi::Error forward_kernel_of(const char* op, const AttentionParams& p, ForwardKernel* kernel) {
   *kernel = ForwardKernel::kSm80;
-  if (kSm90HeadDims == 0 || !head_dim_built(p.head_dim)) return ffi::Error::Success();
+  if (kSm90HeadDims == 0 || !head_dim_built(p.head_dim) || p.seqlen_kv == 0) return ffi::Error::Success();
   int device = 0, major = 0, minor = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
