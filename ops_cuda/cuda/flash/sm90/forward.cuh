@@ -14,7 +14,9 @@
 //     O += P V by wgmma with P from registers and V from shared memory. In a tile with
 //     padding keys they first zero those keys' V rows (garbage there, even NaN, reaches
 //     no output; K's garbage is masked by selection).
-// setmaxnreg moves registers from the producer to the consumers.
+// The consumers take turns issuing S = Q K^T (named barriers), so that one's softmax runs
+// while the other's products do. setmaxnreg moves registers from the producer to the
+// consumers.
 #ifndef FUSEDATTN_FLASH_SM90_FORWARD_CUH_
 #define FUSEDATTN_FLASH_SM90_FORWARD_CUH_
 
@@ -46,6 +48,9 @@ struct ForwardTiles {
 };
 
 constexpr int kConsumersBarrier = 1;  // named barrier of the two consumer warpgroups
+// Named barriers 2 and 3: consumer warpgroup 0's and 1's turn to issue S = Q K^T. The
+// turns alternate, so that one warpgroup's softmax overlaps the other's products.
+constexpr int kTurnBarrier = 2;
 
 // The kernel's arguments: the call, and TMA descriptors of q, k and v, each a 4-d tensor
 // (head dim, heads, sequence, batch) read in boxes of (64, 1, rows, 1) with 128-byte
@@ -198,6 +203,7 @@ __device__ __forceinline__ void consume(const FlashArgs& a, uint32_t base, Contr
   zero(o);
   const uint32_t q_rows = base + cw * T::kConsumerRows * kAtomRowBytes;
 
+  if (cw == 1) named_barrier_arrive(kTurnBarrier, T::kConsumerThreads);  // warpgroup 0 starts
   mbarrier_wait(smem_address(&control->q_full), 0);
   for (int i = 0;; ++i) {
     const int s = i % T::kStages;
@@ -210,6 +216,7 @@ __device__ __forceinline__ void consume(const FlashArgs& a, uint32_t base, Contr
 
     float scores[T::kN / 8][4];
     fence_accumulators(scores);
+    named_barrier_sync(kTurnBarrier + cw, T::kConsumerThreads);
     cute::warpgroup_arrive();
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
@@ -218,6 +225,8 @@ __device__ __forceinline__ void consume(const FlashArgs& a, uint32_t base, Contr
                          k_major_descriptor(k_tile + (ks / 4) * T::kN * kAtomRowBytes + column), scores, ks > 0);
     }
     cute::warpgroup_commit_batch();
+    // The other warpgroup's turn (the last turn of warpgroup 1 is never taken).
+    named_barrier_arrive(kTurnBarrier + 1 - cw, T::kConsumerThreads);
     cute::warpgroup_wait<0>();
     fence_accumulators(scores);
 
