@@ -14,16 +14,17 @@ namespace fusedattn {
 namespace flash {
 
 // One key tile of a warp's 16 rows: scores [16 x kN] (fragments) become the weights
-// exp(s - m) (dropout applied) that O += P V takes; o [16 x D] and the row statistics are
-// rescaled to the new running max. `full`: every (query, key) pair of the tile is visible;
-// otherwise masked elements are set to -inf by selection (never arithmetic), so that
-// anything K or V hold there contributes nothing. kv: the fragment's coordinates (rows:
-// queries, columns: keys).
-template <int kN, int D>
-__device__ __forceinline__ void softmax_tile(float (&scores)[kN / 8][4], float (&o)[D / 8][4],
-                                             SoftmaxState (&state)[2], const FlashArgs& a, const HeadContext& c,
-                                             const QueryToken (&query)[2], int64_t h, FragmentCoords kv,
-                                             bool full) {
+// exp(s - m) (dropout applied) that O += P V takes; the row statistics move to the new
+// running max, and factor[r] receives what the outputs accumulated so far must be
+// multiplied by (rescale_rows) for the lane's row r. `full`: every (query, key) pair of the
+// tile is visible; otherwise masked elements are set to -inf by selection (never
+// arithmetic), so that anything K holds there contributes nothing. kv: the fragment's
+// coordinates (rows: queries, columns: keys).
+template <int kN>
+__device__ __forceinline__ void softmax_weights(float (&scores)[kN / 8][4], SoftmaxState (&state)[2],
+                                                const FlashArgs& a, const HeadContext& c,
+                                                const QueryToken (&query)[2], int64_t h, FragmentCoords kv,
+                                                bool full, float (&factor)[2]) {
   const AttentionParams& p = a.p;
 #pragma unroll
   for (int n = 0; n < kN / 8; ++n) {
@@ -45,13 +46,8 @@ __device__ __forceinline__ void softmax_tile(float (&scores)[kN / 8][4], float (
   for (int r = 0; r < 2; ++r) {
     block_max[r] = fmaxf(block_max[r], __shfl_xor_sync(0xffffffffu, block_max[r], 1));
     block_max[r] = fmaxf(block_max[r], __shfl_xor_sync(0xffffffffu, block_max[r], 2));
-    const float factor = state[r].rescale(block_max[r]);
+    factor[r] = state[r].rescale(block_max[r]);
     state[r].any |= block_max[r] > -INFINITY;
-#pragma unroll
-    for (int d = 0; d < D / 8; ++d) {
-      o[d][2 * r] *= factor;
-      o[d][2 * r + 1] *= factor;
-    }
   }
   // exp(x - m) as exp2(x log2(e) - m log2(e)); masked x = -inf gives 0 (a row without a
   // visible key so far has m = -inf and every weight masked).
@@ -74,6 +70,27 @@ __device__ __forceinline__ void softmax_tile(float (&scores)[kN / 8][4], float (
       for (int e = 0; e < 4; ++e) scores[n][e] *= f[e];
     }
   }
+}
+
+// o [16 x D] (fragments) times the lane's row factors.
+template <int D>
+__device__ __forceinline__ void rescale_rows(float (&o)[D / 8][4], const float (&factor)[2]) {
+#pragma unroll
+  for (int d = 0; d < D / 8; ++d) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[d][e] *= factor[e / 2];
+  }
+}
+
+// softmax_weights, with o [16 x D] rescaled at once.
+template <int kN, int D>
+__device__ __forceinline__ void softmax_tile(float (&scores)[kN / 8][4], float (&o)[D / 8][4],
+                                             SoftmaxState (&state)[2], const FlashArgs& a, const HeadContext& c,
+                                             const QueryToken (&query)[2], int64_t h, FragmentCoords kv,
+                                             bool full) {
+  float factor[2];
+  softmax_weights<kN>(scores, state, a, c, query, h, kv, full, factor);
+  rescale_rows<D>(o, factor);
 }
 
 // The end of a warp's 16 rows: completes the row sums over the lane quads, folds the

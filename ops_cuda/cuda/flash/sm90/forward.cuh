@@ -4,19 +4,19 @@
 // A block owns kM = 128 queries of one (batch row, head) and has three warpgroups:
 //   warpgroup 0, the producer: one warp finds the K and V tiles that the queries can see
 //     (../spans.cuh; 32 tiles at a time, a lane each) and one thread loads the Q tile
-//     once, then those K and V tiles, with TMA into a ring of two stages; each
-//     stage completes on its own mbarriers (K and V apart, so that S = Q K^T starts
-//     while V is still in flight) and is released by the consumers through an "empty"
-//     mbarrier. With each stage it publishes the tile's index and whether every pair is
-//     visible; an index of -1 ends the loop.
-//   warpgroups 1 and 2, the consumers, 64 queries each: S = Q K^T by wgmma from shared
-//     memory, the online softmax of ../softmax_tile.cuh in float32 registers, then
-//     O += P V by wgmma with P from registers and V from shared memory. In a tile with
-//     padding keys they first zero those keys' V rows (garbage there, even NaN, reaches
-//     no output; K's garbage is masked by selection).
-// The consumers take turns issuing S = Q K^T (named barriers), so that one's softmax runs
-// while the other's products do. setmaxnreg moves registers from the producer to the
-// consumers.
+//     once, then those K and V tiles, with TMA into a ring of two stages; K and V
+//     complete on mbarriers of their own and are released by the consumers through
+//     "empty" mbarriers of their own (K as soon as S = Q K^T is done). With each K it
+//     publishes the tile's index, whether every pair is visible and whether the tile may
+//     hold padding keys; an index of -1 ends the loop.
+//   warpgroups 1 and 2, the consumers, 64 queries each (consume): S = Q K^T by wgmma from
+//     shared memory, the online softmax of ../softmax_tile.cuh in float32 registers,
+//     O += P V by wgmma with P from registers and V from shared memory; tile i's S is
+//     issued with tile i - 1's P V, and its softmax runs while that product does. The two
+//     take turns issuing (named barriers), so that one's softmax overlaps the other's
+//     products. In a tile with padding keys they first zero those keys' V rows (garbage
+//     there, even NaN, reaches no output; K's garbage is masked by selection).
+// setmaxnreg moves registers from the producer to the consumers.
 #ifndef FUSEDATTN_FLASH_SM90_FORWARD_CUH_
 #define FUSEDATTN_FLASH_SM90_FORWARD_CUH_
 
@@ -31,7 +31,9 @@ template <int D>
 struct ForwardTiles {
   static constexpr int kM = 128;                 // queries per block
   static constexpr int kConsumerRows = 64;       // per consumer warpgroup
-  static constexpr int kN = D == 256 ? 64 : 128;  // keys per tile (registers: S kN/2, O D/2 floats a thread)
+  // Keys per tile. Registers per consumer thread: S kN/2 floats, P kN/4, O D/2 (d256 with
+  // 64 keys spilled).
+  static constexpr int kN = D == 256 ? 32 : 128;
   static constexpr int kStages = 2;
   static constexpr int kThreads = 384;
   static constexpr int kConsumerThreads = 256;
@@ -67,10 +69,11 @@ struct Control {
   uint64_t q_full;
   uint64_t k_full[2];
   uint64_t v_full[2];
-  uint64_t empty[2];
-  int32_t tile[2];    // key tile of the stage, -1: no more
-  int32_t full[2];    // every (query, key) pair of the tile is visible
-  int32_t padded[2];  // the tile may hold padding keys (segment id 0) within the sequence
+  uint64_t k_empty[2];  // released by the consumers once S = Q K^T is done
+  uint64_t v_empty[2];  // released once O += P V is done
+  int32_t tile[2];      // key tile of the stage, -1: no more
+  int32_t full[2];      // every (query, key) pair of the tile is visible
+  int32_t padded[2];    // the tile may hold padding keys (segment id 0) within the sequence
 };
 
 // Zeroes the V rows of the padding keys (segment id 0) of the tile at v_tile (keys j0 ..
@@ -82,16 +85,16 @@ template <int D>
 __device__ __forceinline__ void zero_padding_values(uint32_t v_tile, const int32_t* kv_seg, int64_t j0,
                                                     int64_t seqlen_kv, int consumer_thread) {
   using T = ForwardTiles<D>;
-  constexpr int kRowChunks = T::kAtoms * kAtomRowBytes / 16;  // 16-byte chunks of a key's row
-  static_assert(T::kN * kRowChunks % T::kConsumerThreads == 0, "whole passes");
-#pragma unroll 1
-  for (int k = 0; k < T::kN * kRowChunks / T::kConsumerThreads; ++k) {
-    const int chunk = consumer_thread + k * T::kConsumerThreads;
-    const int row = chunk / kRowChunks, column = chunk % kRowChunks;
-    const int64_t j = j0 + row;
-    if (j < seqlen_kv && kv_seg[j] == 0) {
-      store_zero_16(v_tile + (column / 8) * T::kN * kAtomRowBytes + row * kAtomRowBytes + (column % 8) * 16);
-    }
+  // A key's row is kThreadsPerRow runs of kChunks 16-byte chunks, each within one atom.
+  constexpr int kThreadsPerRow = T::kConsumerThreads / T::kN;
+  constexpr int kChunks = T::kAtoms * kAtomRowBytes / 16 / kThreadsPerRow;
+  static_assert(kThreadsPerRow * T::kN == T::kConsumerThreads && 8 % kChunks == 0, "whole runs in an atom");
+  const int row = consumer_thread / kThreadsPerRow, first = (consumer_thread % kThreadsPerRow) * kChunks;
+  const int64_t j = j0 + row;
+  if (j < seqlen_kv && kv_seg[j] == 0) {
+    const uint32_t address = v_tile + (first / 8) * T::kN * kAtomRowBytes + row * kAtomRowBytes + (first % 8) * 16;
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) store_zero_16(address + 16 * k);
   }
 }
 
@@ -157,7 +160,8 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
   for (int i = 0;; ++i) {
     t = next_visible<D>(scan, t, n_tiles, p.mask, q_span, c);
     const int s = i % T::kStages;
-    if (i >= T::kStages) mbarrier_wait(smem_address(&control->empty[s]), (i / T::kStages - 1) & 1);
+    const uint32_t released = (i / T::kStages - 1) & 1;  // parity of the release of tile i - kStages
+    if (i >= T::kStages) mbarrier_wait(smem_address(&control->k_empty[s]), released);
     if (leader && t >= n_tiles) {
       control->tile[s] = -1;
       mbarrier_arrive(smem_address(&control->k_full[s]));
@@ -167,13 +171,16 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
       control->full[s] = (scan.full >> bit) & 1u;
       control->padded[s] = (scan.padded >> bit) & 1u;
       const uint32_t k_dst = base + T::kKOffset + s * T::kTileBytes;
-      const uint32_t v_dst = base + T::kVOffset + s * T::kTileBytes;
       mbarrier_arrive_expect_tx(smem_address(&control->k_full[s]), T::kTileBytes);
 #pragma unroll
       for (int atom = 0; atom < T::kAtoms; ++atom) {
         tma_load_4d(k_dst + atom * T::kN * kAtomRowBytes, &args.k_map, smem_address(&control->k_full[s]),
                     atom * kAtomColumns, g, t * T::kN, static_cast<int>(b));
       }
+    }
+    if (t < n_tiles && i >= T::kStages) mbarrier_wait(smem_address(&control->v_empty[s]), released);
+    if (leader && t < n_tiles) {
+      const uint32_t v_dst = base + T::kVOffset + s * T::kTileBytes;
       mbarrier_arrive_expect_tx(smem_address(&control->v_full[s]), T::kTileBytes);
 #pragma unroll
       for (int atom = 0; atom < T::kAtoms; ++atom) {
@@ -186,7 +193,10 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
   }
 }
 
-// One consumer warpgroup (index cw, 0 or 1): queries m0 + 64 cw .. + 63.
+// One consumer warpgroup (index cw, 0 or 1): queries m0 + 64 cw .. + 63. Tile i's
+// S = Q K^T is issued together with tile i - 1's O += P V, and its softmax runs while that
+// product does (O is rescaled once it is done). The first tile runs alone, so that the
+// loop always has the same products in flight (the compiler then keeps them asynchronous).
 template <ElementType ET, int D>
 __device__ __forceinline__ void consume(const FlashArgs& a, uint32_t base, Control* control, int64_t b, int64_t h,
                                         int64_t m0, int cw) {
@@ -201,21 +211,35 @@ __device__ __forceinline__ void consume(const FlashArgs& a, uint32_t base, Contr
   state[1].init();
   float o[D / 8][4];
   zero(o);
+  uint32_t weights[T::kN / 16][4];  // P of the previous tile, the A operand of its O += P V
   const uint32_t q_rows = base + cw * T::kConsumerRows * kAtomRowBytes;
+  const auto v_tile = [&](int s) { return base + T::kVOffset + s * T::kTileBytes; };
 
-  if (cw == 1) named_barrier_arrive(kTurnBarrier, T::kConsumerThreads);  // warpgroup 0 starts
-  mbarrier_wait(smem_address(&control->q_full), 0);
-  for (int i = 0;; ++i) {
+  // Waits for tile i's K; returns its index (-1: no more) and reads its flags.
+  const auto next_tile = [&](int i, bool* full, bool* padded) {
     const int s = i % T::kStages;
-    const uint32_t parity = (i / T::kStages) & 1;
-    mbarrier_wait(smem_address(&control->k_full[s]), parity);
-    const int t = control->tile[s];
-    const bool full = control->full[s] != 0, padded = control->padded[s] != 0;
-    if (t < 0) break;
-    const uint32_t k_tile = base + T::kKOffset + s * T::kTileBytes, v_tile = base + T::kVOffset + s * T::kTileBytes;
-
-    float scores[T::kN / 8][4];
+    mbarrier_wait(smem_address(&control->k_full[s]), (i / T::kStages) & 1);
+    *full = control->full[s] != 0;
+    *padded = control->padded[s] != 0;
+    return control->tile[s];
+  };
+  // Waits for tile i's V (tile index t) and zeroes its padding rows, both warpgroups
+  // before either multiplies.
+  const auto ready_values = [&](int i, int t, bool padded) {
+    const int s = i % T::kStages;
+    mbarrier_wait(smem_address(&control->v_full[s]), (i / T::kStages) & 1);
+    if (padded) {
+      zero_padding_values<D>(v_tile(s), c.kv_seg, static_cast<int64_t>(t) * T::kN, p.seqlen_kv,
+                             static_cast<int>(threadIdx.x) - 128);
+      fence_proxy_async();
+      named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
+    }
+  };
+  // Takes this warpgroup's turn and issues S = Q K^T of tile i (one commit group).
+  const auto issue_scores = [&](int i, float (&scores)[T::kN / 8][4]) {
+    const uint32_t k_tile = base + T::kKOffset + (i % T::kStages) * T::kTileBytes;
     fence_accumulators(scores);
+    fence_accumulators(o);
     named_barrier_sync(kTurnBarrier + cw, T::kConsumerThreads);
     cute::warpgroup_arrive();
 #pragma unroll
@@ -225,15 +249,26 @@ __device__ __forceinline__ void consume(const FlashArgs& a, uint32_t base, Contr
                          k_major_descriptor(k_tile + (ks / 4) * T::kN * kAtomRowBytes + column), scores, ks > 0);
     }
     cute::warpgroup_commit_batch();
-    // The other warpgroup's turn (the last turn of warpgroup 1 is never taken).
-    named_barrier_arrive(kTurnBarrier + 1 - cw, T::kConsumerThreads);
-    cute::warpgroup_wait<0>();
+  };
+  // O += P V of tile i (one commit group).
+  const auto issue_values = [&](int i) {
+#pragma unroll
+    for (int ks = 0; ks < T::kN / 16; ++ks) {
+      gmma_rs<ET, D>(weights[ks],
+                     mn_major_descriptor(v_tile(i % T::kStages) + ks * 16 * kAtomRowBytes, T::kN * kAtomRowBytes), o);
+    }
+    cute::warpgroup_commit_batch();
+  };
+  // Tile t's scores (done) -> weights; K of tile i released. O is rescaled after `retire`
+  // has waited for the product in flight.
+  const auto soften = [&](int i, int t, bool full, float (&scores)[T::kN / 8][4], auto retire) {
     fence_accumulators(scores);
-
+    mbarrier_arrive(smem_address(&control->k_empty[i % T::kStages]));
     const FragmentCoords kv{at.row0, static_cast<int64_t>(t) * T::kN, at.lane};
-    softmax_tile<T::kN, D>(scores, o, state, a, c, query, h, kv, full);
-
-    uint32_t weights[T::kN / 16][4];  // P as the A operand, packed before the products start
+    float factor[2];
+    softmax_weights<T::kN>(scores, state, a, c, query, h, kv, full, factor);
+    retire();
+    rescale_rows<D>(o, factor);
 #pragma unroll
     for (int ks = 0; ks < T::kN / 16; ++ks) {
       weights[ks][0] = pack2<ET>(scores[2 * ks][0], scores[2 * ks][1]);
@@ -241,23 +276,46 @@ __device__ __forceinline__ void consume(const FlashArgs& a, uint32_t base, Contr
       weights[ks][2] = pack2<ET>(scores[2 * ks + 1][0], scores[2 * ks + 1][1]);
       weights[ks][3] = pack2<ET>(scores[2 * ks + 1][2], scores[2 * ks + 1][3]);
     }
-    mbarrier_wait(smem_address(&control->v_full[s]), parity);
-    if (padded) {
-      zero_padding_values<D>(v_tile, c.kv_seg, static_cast<int64_t>(t) * T::kN, p.seqlen_kv,
-                             static_cast<int>(threadIdx.x) - 128);
-      fence_proxy_async();
-      named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
+  };
+
+  if (cw == 1) named_barrier_arrive(kTurnBarrier, T::kConsumerThreads);  // warpgroup 0 starts
+  mbarrier_wait(smem_address(&control->q_full), 0);
+  bool full, padded;
+  int t = next_tile(0, &full, &padded);
+  if (t >= 0) {
+    float scores[T::kN / 8][4];
+    issue_scores(0, scores);
+    named_barrier_arrive(kTurnBarrier + 1 - cw, T::kConsumerThreads);  // the other's turn
+    cute::warpgroup_wait<0>();
+    soften(0, t, full, scores, [] {});
+  }
+  int i = 1;
+  for (; t >= 0; ++i) {
+    ready_values(i - 1, t, padded);
+    const int previous = t;
+    t = next_tile(i, &full, &padded);
+    if (t < 0) {
+      t = previous;  // the last tile, whose O += P V follows
+      break;
     }
+    float scores[T::kN / 8][4];
+    issue_scores(i, scores);
+    issue_values(i - 1);
+    // The other warpgroup's turn (warpgroup 1's last turn is never taken).
+    named_barrier_arrive(kTurnBarrier + 1 - cw, T::kConsumerThreads);
+    cute::warpgroup_wait<1>();
+    soften(i, t, full, scores, [&] {
+      cute::warpgroup_wait<0>();
+      fence_accumulators(o);
+      mbarrier_arrive(smem_address(&control->v_empty[(i - 1) % T::kStages]));
+    });
+  }
+  if (t >= 0) {  // the last tile's O += P V (its V made ready at the loop's last pass)
     fence_accumulators(o);
     cute::warpgroup_arrive();
-#pragma unroll
-    for (int ks = 0; ks < T::kN / 16; ++ks) {
-      gmma_rs<ET, D>(weights[ks], mn_major_descriptor(v_tile + ks * 16 * kAtomRowBytes, T::kN * kAtomRowBytes), o);
-    }
-    cute::warpgroup_commit_batch();
+    issue_values(i - 1);
     cute::warpgroup_wait<0>();
     fence_accumulators(o);
-    mbarrier_arrive(smem_address(&control->empty[s]));
   }
   const int64_t q_stride = p.heads * D;
   finish_rows<ET, D>(o, state, p, c.sink, a.o + (b * p.seqlen_q * p.heads + h) * D, q_stride, at,
@@ -282,7 +340,8 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads, 1) forward_kernel(c
     for (int s = 0; s < T::kStages; ++s) {
       mbarrier_init(smem_address(&control->k_full[s]), 1);
       mbarrier_init(smem_address(&control->v_full[s]), 1);
-      mbarrier_init(smem_address(&control->empty[s]), T::kConsumerThreads);
+      mbarrier_init(smem_address(&control->k_empty[s]), T::kConsumerThreads);
+      mbarrier_init(smem_address(&control->v_empty[s]), T::kConsumerThreads);
     }
     mbarrier_init_fence();
   }

@@ -142,9 +142,11 @@ struct Gmma;
     using RS = cute::SM90::GMMA::MMA_64x##N##x16_F32##TYPES##_RS<cute::SM90::GMMA::Major::K,                   \
                                                                  cute::SM90::GMMA::Major::MN>;                 \
   };
+FUSEDATTN_SM90_GMMA(ElementType::kBF16, BF16BF16, 32)
 FUSEDATTN_SM90_GMMA(ElementType::kBF16, BF16BF16, 64)
 FUSEDATTN_SM90_GMMA(ElementType::kBF16, BF16BF16, 128)
 FUSEDATTN_SM90_GMMA(ElementType::kBF16, BF16BF16, 256)
+FUSEDATTN_SM90_GMMA(ElementType::kF16, F16F16, 32)
 FUSEDATTN_SM90_GMMA(ElementType::kF16, F16F16, 64)
 FUSEDATTN_SM90_GMMA(ElementType::kF16, F16F16, 128)
 FUSEDATTN_SM90_GMMA(ElementType::kF16, F16F16, 256)
