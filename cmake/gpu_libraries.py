@@ -4,6 +4,7 @@ Run by CMake with the build's interpreter (no fusedattn import, standard library
 
     python cmake/gpu_libraries.py decide --cuda SETTING --rocm SETTING --out FILE.cmake
     python cmake/gpu_libraries.py cudnn-headers
+    python cmake/gpu_libraries.py cutlass-headers
 
 `decide` writes a CMake file of set() commands (FUSEDATTN_BUILD_CUDA / _ROCM ON or OFF,
 FUSEDATTN_CUDA_FORCED / _ROCM_FORCED, FUSEDATTN_GPU_LIBRARIES_STATUS: one line saying what
@@ -17,7 +18,8 @@ the environment being installed into, or a GPU of that platform on this machine.
 Packages are found by path, not by import: pip's build isolation runs the build with a
 sys.path that hides the target environment's packages, but sysconfig still names its
 site-packages. `cudnn-headers` prints the folder of cudnn_frontend.h and of cuDNN's cudnn.h
-(an empty line where not found), searched the same way.
+(an empty line where not found), searched the same way; `cutlass-headers` the include folder
+of the nvidia-cutlass wheel (cutlass_library/source/include, holding cute/ and cutlass/).
 """
 
 from __future__ import annotations
@@ -206,6 +208,15 @@ def cudnn_headers(roots: Sequence[str]) -> tuple[str, str]:
     return first("include", "cudnn_frontend.h"), first("nvidia", "cudnn", "include", "cudnn.h")
 
 
+def cutlass_headers(roots: Sequence[str]) -> str:
+    """The include folder of the nvidia-cutlass wheel's CUTLASS/CuTe headers, "" where absent."""
+    parts = ("cutlass_library", "source", "include")
+    for root in roots:
+        if os.path.isfile(os.path.join(root, *parts, "cute", "arch", "mma_sm90_gmma.hpp")):
+            return os.path.join(root, *parts)
+    return ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -214,10 +225,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     decide_parser.add_argument("--rocm", default="AUTO")
     decide_parser.add_argument("--out", required=True)
     commands.add_parser("cudnn-headers")
+    commands.add_parser("cutlass-headers")
     args = parser.parse_args(argv)
     roots = site_roots()
     if args.command == "cudnn-headers":
         print("\n".join(cudnn_headers(roots)))
+        return 0
+    if args.command == "cutlass-headers":
+        print(cutlass_headers(roots))
         return 0
     try:
         decisions = [decide(p, value, dict(os.environ), roots)

@@ -7,8 +7,9 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
-# Headers only, for compiling the cuDNN backend (libcudnn itself is loaded at run time).
-python -m pip install -q --no-deps nvidia-cudnn-frontend nvidia-cudnn-cu13
+# Headers only, for compiling the cuDNN backend (libcudnn itself is loaded at run time) and
+# the sm_90 flash kernels (CUTLASS/CuTe).
+python -m pip install -q --no-deps nvidia-cudnn-frontend nvidia-cudnn-cu13 nvidia-cutlass
 python -m pip install -q -e ".[test]"
 # One test process per core, at most four (each holds its own JAX runtime); a test file
 # stays in one process, so the computations its tests share compile once.

@@ -138,29 +138,42 @@ def test_random_shapes(data):
     check(rng, make_spec(kind), args)
 
 
-def test_through_fused_attn_with_thd_offsets_matches_xla(rng):
-    """The public op with a packed THD call (lengths + offsets): flash equals the xla backend."""
-    b, t_q, t_kv, h, d = 2, 96, 128, 4, 128
-    q_len = np.array([[30, 0, 50, -1], [10, 20, 5, 40]], np.int32)
-    kv_len = np.array([[40, 8, 60, -1], [10, 0, 40, 70]], np.int32)
-    q_off = np.array([[0, 30, 30, 80, -1], [0, 10, 30, 35, 75]], np.int32)
-    kv_off = np.array([[4, 44, 52, 112, -1], [0, 10, 10, 50, 120]], np.int32)
+def compare_thd_with_xla(rng, lengths_offsets, t_q, t_kv, h, h_kv, d, mask, window=(-1, -1)):
+    """The public op on a packed THD call (lengths + offsets as in
+    SequenceDescriptor.from_seqlens_and_offsets): flash's output and gradients equal the xla
+    backend's (each run on poisoned buffers). Returns the flash explanation."""
+    q_len, kv_len, q_off, kv_off = (np.array(x, np.int32) for x in lengths_offsets)
     sequence = SequenceDescriptor.from_seqlens_and_offsets(q_len, kv_len, q_off, kv_off)
+    sequence_config = {"format": "seqlens_offsets", "max_segments_per_seq": q_len.shape[1]}
+    b = q_len.shape[0]
     q = jnp.asarray(rng.standard_normal((b, t_q, h, d)), jnp.bfloat16)
-    k, v = (jnp.asarray(rng.standard_normal((b, t_kv, h, d)), jnp.bfloat16) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal((b, t_kv, h_kv, d)), jnp.bfloat16) for _ in range(2))
     results = {}
     for backend in ("flash", "xla"):
-        config = make_config(backend=backend, qkv_layout="thd_thd_thd", mask="padding_causal",
-                             sequence={"format": "seqlens_offsets", "max_segments_per_seq": 4})
+        config = make_config(backend=backend, qkv_layout="thd_thd_thd", mask=mask,
+                             window_size=window, sequence=sequence_config)
 
         def loss(q, k, v, config=config):
             out = fused_attn((q, k, v), config=config, sequence=sequence)
             return jnp.sum(out.astype(jnp.float32) ** 2), out
 
+        poison_like(q, q)
         (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
         results[backend] = (out,) + tuple(grads)
     for name, got, want in zip(("out", "dq", "dk", "dv"), results["flash"], results["xla"]):
         assert_close(got, want, tolerance(jnp.bfloat16), name)
+    config = make_config(backend="flash", qkv_layout="thd_thd_thd", mask=mask, window_size=window,
+                         sequence=sequence_config)
+    return explain((q, k, v), config=config, sequence=sequence)
+
+
+def test_through_fused_attn_with_thd_offsets_matches_xla(rng):
+    """The public op with a packed THD call (lengths + offsets): flash equals the xla backend."""
+    lengths_offsets = ([[30, 0, 50, -1], [10, 20, 5, 40]], [[40, 8, 60, -1], [10, 0, 40, 70]],
+                       [[0, 30, 30, 80, -1], [0, 10, 30, 35, 75]],
+                       [[4, 44, 52, 112, -1], [0, 10, 10, 50, 120]])
+    compare_thd_with_xla(rng, lengths_offsets, t_q=96, t_kv=128, h=4, h_kv=4, d=128,
+                         mask="padding_causal")
 
 
 def _shapes(**kw):

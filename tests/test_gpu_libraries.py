@@ -146,6 +146,16 @@ def test_cudnn_headers_are_found_in_any_root(tmp_path):
     assert gpu_libraries.cudnn_headers([str(tmp_path / "none")]) == ("", "")
 
 
+def test_cutlass_headers_are_found_in_any_root(tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    (first / "cutlass_library").mkdir(parents=True)  # a wheel without the headers
+    include = second / "cutlass_library" / "source" / "include"
+    (include / "cute" / "arch").mkdir(parents=True)
+    (include / "cute" / "arch" / "mma_sm90_gmma.hpp").write_text("")
+    assert gpu_libraries.cutlass_headers([str(first), str(second)]) == str(include)
+    assert gpu_libraries.cutlass_headers([str(first)]) == ""
+
+
 def test_the_rendered_cmake_quotes_the_reasons():
     decision = gpu_libraries.Decision("CUDA", False, False, 'a "quoted" $path\\x', "the default")
     text = gpu_libraries.render_cmake([decision])

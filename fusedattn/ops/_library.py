@@ -170,10 +170,21 @@ def load(platform: str) -> bool:
     return available(platform) is None
 
 
+def _head_dims(platform: str, symbol: str) -> frozenset[int]:
+    """The head dims of a bit mask (D / 64) that the loaded library's `symbol` returns."""
+    if available(platform) is not None:
+        return frozenset()
+    mask = getattr(_handles[_ffi_platform(platform)], symbol)()
+    return frozenset(d for d in (64, 128, 256) if mask & (d // 64))
+
+
 def flash_head_dims(platform: str = "cuda") -> frozenset[int]:
     """The head dims the loaded CUDA library's flash kernels were built for (empty when the
     library is not loaded)."""
-    if available(platform) is not None:
-        return frozenset()
-    mask = _handles[_ffi_platform(platform)].FusedattnFlashCudaHeadDims()
-    return frozenset(d for d in (64, 128, 256) if mask & (d // 64))
+    return _head_dims(platform, "FusedattnFlashCudaHeadDims")
+
+
+def flash_sm90_head_dims(platform: str = "cuda") -> frozenset[int]:
+    """The head dims of the loaded CUDA library's sm_90a (wgmma) flash forward kernel (empty
+    when the library is not loaded or was built without sm_90)."""
+    return _head_dims(platform, "FusedattnFlashCudaSm90HeadDims")

@@ -50,13 +50,17 @@ class Explanation:
     backend: str | None
     verdicts: dict[str, str | None]
     requested: str
+    # Which kernels a serving backend runs for the call, where it has several (its `kernel`).
+    kernels: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         width = max(map(len, self.verdicts))
         lines = [f"requested backend: {self.requested}; chosen: {self.backend or 'none'}"]
         for name, reason in self.verdicts.items():
             mark = "->" if name == self.backend else "  "
-            lines.append(f"{mark} {name:<{width}}  {'ok' if reason is None else reason}")
+            text = reason if reason is not None else (
+                f"ok ({self.kernels[name]})" if name in self.kernels else "ok")
+            lines.append(f"{mark} {name:<{width}}  {text}")
         return "\n".join(lines)
 
 
@@ -66,7 +70,14 @@ def explain_spec(spec: AttentionSpec, shapes: CallShapes, platform: str) -> Expl
         chosen = next((name for name, reason in verdicts.items() if reason is None), None)
     else:
         chosen = str(spec.backend) if verdicts[str(spec.backend)] is None else None
-    return Explanation(backend=chosen, verdicts=verdicts, requested=str(spec.backend))
+    kernels = {}
+    for name, reason in verdicts.items():
+        describe = getattr(BACKENDS[name], "kernel", None)
+        text = describe(shapes, platform) if reason is None and describe is not None else None
+        if text is not None:
+            kernels[name] = text
+    return Explanation(backend=chosen, verdicts=verdicts, requested=str(spec.backend),
+                       kernels=kernels)
 
 
 def select(spec: AttentionSpec, shapes: CallShapes, platform: str) -> Backend:

@@ -4,7 +4,10 @@ It serves platform "cpu" through the host build (ops_cuda/host/flash_host.cc)
 and CUDA GPUs of compute capability 8.0 and newer through the kernels of
 ops_cuda/cuda/flash (bfloat16 and float16, head dims 64, 128 and 256 with
 dv = d; mma.sync tensor-core tiles, tile skipping from the token vectors,
-a deterministic backward). The op is two XLA FFI calls around a `jax.custom_vjp`:
+a deterministic backward). On compute capability 9.0 the forward runs the
+sm_90a kernel of ops_cuda/cuda/flash/sm90 (wgmma, TMA) where the library
+holds it; explain() names the kernels a call gets (_cuda_forward_kernel).
+The op is two XLA FFI calls around a `jax.custom_vjp`:
 
     fusedattn_flash_fwd(q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos,
                         softmax_offset, seed) -> (o, lse)
@@ -206,6 +209,18 @@ def _cuda_reason(shapes: CallShapes | None) -> str | None:
     return None
 
 
+def _cuda_forward_kernel(head_dim: int, seqlen_kv: int) -> str:
+    """"sm90" or "sm80": the forward kernel of a CUDA call. The rule of
+    ops_cuda/cuda/flash/flash.cu (forward_kernel_of): the sm_90a (wgmma) kernel on a device
+    of compute capability 9.0 where the library holds it for the head dim and there is at
+    least one key (TMA describes no empty tensor), else the sm_80 (mma.sync) kernel; the
+    backward is the sm_80 kernels' on every device."""
+    if (compute_capability() == (9, 0) and head_dim in _library.flash_sm90_head_dims("cuda")
+            and seqlen_kv > 0):
+        return "sm90"
+    return "sm80"
+
+
 class FlashBackend:
     """The compiled kernels of this project: the host build on "cpu", CUDA kernels on NVIDIA
     GPUs (sm_80 and newer)."""
@@ -234,6 +249,14 @@ class FlashBackend:
         if reason is not None:
             return f"flash: {reason}"
         return None
+
+    def kernel(self, shapes: CallShapes | None, platform: str) -> str | None:
+        """Which kernels serve a call on CUDA (for explain); None elsewhere."""
+        if (platform or "").lower() not in ("gpu", "cuda") or shapes is None:
+            return None
+        if _cuda_forward_kernel(shapes.head_dim_qk, shapes.seqlen_kv) == "sm90":
+            return "flash: sm90 wgmma forward, sm80 backward"
+        return "flash: sm80 mma.sync forward and backward"
 
     def attention(self, spec: AttentionSpec, args: CanonicalArgs, scale: float) -> jax.Array:
         if spec.bias != BiasType.NO_BIAS or args.bias is not None:

@@ -2,7 +2,10 @@
 // contract as the host build, ops_cuda/host/flash_host.cc, see ffi_args.h),
 // summarise the token rows for tile skipping and launch the kernels of the
 // call's head dim. Serves bfloat16 and float16, head dims 64, 128 and 256 with
-// Dv = D (those this library was built with: FusedattnFlashCudaHeadDims).
+// Dv = D (those this library was built with: FusedattnFlashCudaHeadDims). The
+// forward runs the sm_90a (wgmma) kernel of sm90/ on devices of compute capability
+// 9.0 where the library holds it (forward_kernel_of), the sm_80 kernel elsewhere;
+// the backward is the sm_80 kernels' everywhere.
 // Scratch (the spans; the backward's softmax delta) lives in a uint8 workspace
 // result that XLA allocates, sized by fusedattn/ops/backends/flash.py
 // (_cuda_workspace_bytes): the handlers allocate nothing.
@@ -14,6 +17,9 @@
 #include "fusedattn/ffi_args.h"
 #include "launch.h"
 #include "xla/ffi/api/ffi.h"
+#ifdef FUSEDATTN_FLASH_SM90
+#include "sm90/launch.h"
+#endif
 
 namespace fusedattn {
 namespace flash {
@@ -34,6 +40,14 @@ constexpr int kBuiltHeadDims = 0
 #endif
     ;
 
+// The head dims of the sm_90a forward in this library (0 when built without sm_90).
+constexpr int kSm90HeadDims =
+#ifdef FUSEDATTN_FLASH_SM90
+    kBuiltHeadDims;
+#else
+    0;
+#endif
+
 bool head_dim_built(int64_t d) { return (d == 64 || d == 128 || d == 256) && (kBuiltHeadDims & (d / 64)); }
 
 // Calls f(head dim as a compile-time constant) for a built head dim.
@@ -48,6 +62,45 @@ void with_head_dim(int64_t d, F&& f) {
 #ifdef FUSEDATTN_FLASH_D256
   if (d == 256) f(std::integral_constant<int, 256>{});
 #endif
+}
+
+enum class ForwardKernel { kSm80, kSm90 };
+
+// The rule that picks the forward kernel of a call (fusedattn/ops/backends/flash.py,
+// _cuda_forward_kernel, states the same): the sm_90a kernel on a device of compute
+// capability exactly 9.0 when this library holds it for the call's head dim and there is
+// at least one key (TMA describes no empty tensor); it serves every call the handler
+// accepts otherwise (masks, windows, packing, GQA, softmax variants, dropout). The sm_80
+// kernel otherwise.
+ffi::Error forward_kernel_of(const char* op, const AttentionParams& p, ForwardKernel* kernel) {
+  *kernel = ForwardKernel::kSm80;
+  if (kSm90HeadDims == 0 || !head_dim_built(p.head_dim) || p.seqlen_kv == 0) return ffi::Error::Success();
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    return ffi::Error::Internal(std::string(op) + ": could not read the device's compute capability: " +
+                                cudaGetErrorString(cudaGetLastError()));
+  }
+  if (major == 9 && minor == 0) *kernel = ForwardKernel::kSm90;
+  return ffi::Error::Success();
+}
+
+// Launches the forward kernel of the call's head dim and the given kind.
+ffi::Error launch_forward_kernel(const char* op, gpuStream_t stream, const FlashArgs& a, ElementType type,
+                                 ForwardKernel kernel) {
+  std::string error;
+  with_head_dim(a.p.head_dim, [&](auto d) {
+#ifdef FUSEDATTN_FLASH_SM90
+    if (kernel == ForwardKernel::kSm90) {
+      error = sm90::launch_forward<decltype(d)::value>(stream, a, type);
+      return;
+    }
+#endif
+    launch_forward<decltype(d)::value>(stream, a, type);
+  });
+  if (!error.empty()) return ffi::Error::Internal(std::string(op) + ": the sm_90a forward could not launch: " + error);
+  return launch_status(op);
 }
 
 // What the CUDA kernels add to the op's contract: 16-bit floats, Dv = D, a built head dim.
@@ -134,10 +187,10 @@ ffi::Error FlashFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   FlashArgs a = common_args(p, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed);
   a.o = static_cast<uint16_t*>(o->untyped_data());
   a.lse = lse->typed_data<float>();
+  ForwardKernel kernel;
+  if (auto e = forward_kernel_of(kOp, p, &kernel); e.failure()) return e;
   summarise(stream, workspace->untyped_data(), &a);
-  with_head_dim(p.head_dim,
-                [&](auto d) { launch_forward<decltype(d)::value>(stream, a, element_type_of(q.element_type())); });
-  return launch_status(kOp);
+  return launch_forward_kernel(kOp, stream, a, element_type_of(q.element_type()), kernel);
 }
 
 ffi::Error FlashBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
@@ -201,4 +254,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnFlashBwdCuda, fusedattn::flash::FlashBwdI
 // 2: 128, 4: 256); read by fusedattn/ops/backends/flash.py.
 extern "C" __attribute__((visibility("default"))) int FusedattnFlashCudaHeadDims() {
   return fusedattn::flash::kBuiltHeadDims;
+}
+
+// The head dims of the sm_90a forward kernel in this library (the same bit mask; 0 when it
+// was built without sm_90); read by fusedattn/ops/backends/flash.py.
+extern "C" __attribute__((visibility("default"))) int FusedattnFlashCudaSm90HeadDims() {
+  return fusedattn::flash::kSm90HeadDims;
 }

@@ -8,10 +8,9 @@
 #ifndef FUSEDATTN_FLASH_FORWARD_CUH_
 #define FUSEDATTN_FLASH_FORWARD_CUH_
 
-#include <cmath>
-
 #include "params.cuh"
 #include "pipeline.cuh"
+#include "softmax_tile.cuh"
 
 namespace fusedattn {
 namespace flash {
@@ -71,75 +70,13 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads) forward_kernel(cons
     zero(scores);
     warp_rows_times_rows<ET, D, T::kN>(scores, q_tile, 16 * warp, k_tile(s));
     const FragmentCoords kv{at.row0, static_cast<int64_t>(t) * T::kN, at.lane};
-#pragma unroll
-    for (int n = 0; n < T::kN / 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) scores[n][e] *= p.scale;
-    }
-    if (!full) {
-      mask_fragment(scores, -INFINITY, [&](int n, int e) {
-        return key_visible(p.mask, c, query[e / 2], kv.col(n, e), p.seqlen_kv);
-      });
-    }
-    float block_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int n = 0; n < T::kN / 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) block_max[e / 2] = fmaxf(block_max[e / 2], scores[n][e]);
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      block_max[r] = fmaxf(block_max[r], __shfl_xor_sync(0xffffffffu, block_max[r], 1));
-      block_max[r] = fmaxf(block_max[r], __shfl_xor_sync(0xffffffffu, block_max[r], 2));
-      const float factor = state[r].rescale(block_max[r]);
-      state[r].any |= block_max[r] > -INFINITY;
-#pragma unroll
-      for (int d = 0; d < D / 8; ++d) {
-        o[d][2 * r] *= factor;
-        o[d][2 * r + 1] *= factor;
-      }
-    }
-    // exp(x - m) as exp2(x log2(e) - m log2(e)); masked x = -inf gives 0 (a row without a
-    // visible key so far has m = -inf and every weight masked).
-    const float m_log2[2] = {state[0].any ? state[0].m * kLog2e : 0.0f, state[1].any ? state[1].m * kLog2e : 0.0f};
-#pragma unroll
-    for (int n = 0; n < T::kN / 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float w = exp2f(scores[n][e] * kLog2e - m_log2[e / 2]);
-        state[e / 2].l += w;
-        scores[n][e] = w;
-      }
-    }
-    if (p.dropout) {
-#pragma unroll
-      for (int n = 0; n < T::kN / 8; ++n) {
-        float f[4];
-        dropout_fragment(p, c, h, kv.row(0), kv.col(n, 0), f);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) scores[n][e] *= f[e];
-      }
-    }
+    softmax_tile<T::kN, D>(scores, o, state, a, c, query, h, kv, full);
     warp_regs_times_rows<ET, T::kN, D>(o, scores, v_tile(s), 0);
   };
   stream_tiles<T::kThreads>(n_kv_tiles, relation, load, compute);
 
-  float inverse[2];
-  float lse[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    state[r].l += __shfl_xor_sync(0xffffffffu, state[r].l, 1);
-    state[r].l += __shfl_xor_sync(0xffffffffu, state[r].l, 2);
-    lse[r] = state[r].finalize(p.softmax_type, c.sink, &inverse[r]);
-  }
-  store_rows<ET>(o, inverse, a.o + q_offset, q_stride, at, p.seqlen_q);
-  if (at.lane % 4 == 0) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int64_t i = at.row(2 * r);
-      if (i < p.seqlen_q) a.lse[(b * p.heads + h) * p.seqlen_q + i] = lse[r];
-    }
-  }
+  finish_rows<ET, D>(o, state, p, c.sink, a.o + q_offset, q_stride, at,
+                     a.lse + (b * p.heads + h) * p.seqlen_q);
 }
 
 }  // namespace flash

@@ -1,0 +1,363 @@
+// The flash forward kernel for Hopper (sm_90a): the same results as the sm_80 kernel
+// (../forward.cuh: o, and lse for the backward) from warpgroup matrix products.
+//
+// A block owns kM = 128 queries of one (batch row, head) and has three warpgroups:
+//   warpgroup 0, the producer: one warp finds the K and V tiles that the queries can see
+//     (../spans.cuh; 32 tiles at a time, a lane each) and one thread loads the Q tile
+//     once, then those K and V tiles, with TMA into a ring of two stages; K and V
+//     complete on mbarriers of their own and are released by the consumers through
+//     "empty" mbarriers of their own (K as soon as S = Q K^T is done). With each K it
+//     publishes the tile's index, whether every pair is visible and whether the tile may
+//     hold padding keys; an index of -1 ends the loop.
+//   warpgroups 1 and 2, the consumers, 64 queries each (consume): S = Q K^T by wgmma from
+//     shared memory, the online softmax of ../softmax_tile.cuh in float32 registers,
+//     O += P V by wgmma with P from registers and V from shared memory; tile i's S is
+//     issued with tile i - 1's P V, and its softmax runs while that product does. The two
+//     take turns issuing (named barriers), so that one's softmax overlaps the other's
+//     products. In a tile with padding keys they first zero those keys' V rows (garbage
+//     there, even NaN, reaches no output; K's garbage is masked by selection).
+// setmaxnreg moves registers from the producer to the consumers.
+#ifndef FUSEDATTN_FLASH_SM90_FORWARD_CUH_
+#define FUSEDATTN_FLASH_SM90_FORWARD_CUH_
+
+#include "../softmax_tile.cuh"
+#include "primitives.cuh"
+
+namespace fusedattn {
+namespace flash {
+namespace sm90 {
+
+template <int D>
+struct ForwardTiles {
+  static constexpr int kM = 128;                 // queries per block
+  static constexpr int kConsumerRows = 64;       // per consumer warpgroup
+  // Keys per tile. Registers per consumer thread: S kN/2 floats, P kN/4, O D/2 (d256 with
+  // 64 keys spilled).
+  static constexpr int kN = D == 256 ? 32 : 128;
+  static constexpr int kStages = 2;
+  static constexpr int kThreads = 384;
+  static constexpr int kConsumerThreads = 256;
+  static constexpr int kAtoms = D / kAtomColumns;
+  static constexpr int kQBytes = kM * D * 2;
+  static constexpr int kTileBytes = kN * D * 2;  // one K or V tile
+  static constexpr int kKOffset = kQBytes;
+  static constexpr int kVOffset = kKOffset + kStages * kTileBytes;
+  static constexpr int kControlOffset = kVOffset + kStages * kTileBytes;
+  // 1024: room to align the start (the swizzle atoms need 1024-byte alignment).
+  static constexpr int kSharedBytes = kControlOffset + 128 + 1024;
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+};
+
+constexpr int kConsumersBarrier = 1;  // named barrier of the two consumer warpgroups
+// Named barriers 2 and 3: consumer warpgroup 0's and 1's turn to issue S = Q K^T. The
+// turns alternate, so that one warpgroup's softmax overlaps the other's products.
+constexpr int kTurnBarrier = 2;
+
+// The kernel's arguments: the call, and TMA descriptors of q, k and v, each a 4-d tensor
+// (head dim, heads, sequence, batch) read in boxes of (64, 1, rows, 1) with 128-byte
+// swizzling (rows: kM for q, kN for k and v). Passed as a __grid_constant__ parameter.
+struct ForwardArgs {
+  CUtensorMap q_map;
+  CUtensorMap k_map;
+  CUtensorMap v_map;
+  FlashArgs a;
+};
+
+// The barriers and the published tiles, after the operand tiles in shared memory.
+struct Control {
+  uint64_t q_full;
+  uint64_t k_full[2];
+  uint64_t v_full[2];
+  uint64_t k_empty[2];  // released by the consumers once S = Q K^T is done
+  uint64_t v_empty[2];  // released once O += P V is done
+  int32_t tile[2];      // key tile of the stage, -1: no more
+  int32_t full[2];      // every (query, key) pair of the tile is visible
+  int32_t padded[2];    // the tile may hold padding keys (segment id 0) within the sequence
+};
+
+// Zeroes the V rows of the padding keys (segment id 0) of the tile at v_tile (keys j0 ..
+// j0 + kN - 1), so that whatever they hold (even NaN or Inf) meets only zero weights: keys
+// that no query sees contribute nothing, as in the xla backend. Rows past the sequence end
+// are zero already (TMA). All consumer threads take part (index: consumer_thread); the
+// caller orders the stores before the products (fence_proxy_async, a barrier).
+template <int D>
+__device__ __forceinline__ void zero_padding_values(uint32_t v_tile, const int32_t* kv_seg, int64_t j0,
+                                                    int64_t seqlen_kv, int consumer_thread) {
+  using T = ForwardTiles<D>;
+  // A key's row is kThreadsPerRow runs of kChunks 16-byte chunks, each within one atom.
+  constexpr int kThreadsPerRow = T::kConsumerThreads / T::kN;
+  constexpr int kChunks = T::kAtoms * kAtomRowBytes / 16 / kThreadsPerRow;
+  static_assert(kThreadsPerRow * T::kN == T::kConsumerThreads && 8 % kChunks == 0, "whole runs in an atom");
+  const int row = consumer_thread / kThreadsPerRow, first = (consumer_thread % kThreadsPerRow) * kChunks;
+  const int64_t j = j0 + row;
+  if (j < seqlen_kv && kv_seg[j] == 0) {
+    const uint32_t address = v_tile + (first / 8) * T::kN * kAtomRowBytes + row * kAtomRowBytes + (first % 8) * 16;
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) store_zero_16(address + 16 * k);
+  }
+}
+
+// The producer warp's view of the key tiles: the relations of the 32 tiles from `first`
+// (one lane each, spans.cuh), as bit masks; refilled when the search leaves them.
+struct TileScan {
+  int first;
+  uint32_t any, full, padded;
+};
+
+// The first tile t > after with relation(t).any, or n_tiles; warp-wide (every lane gets it).
+template <int D>
+__device__ __forceinline__ int next_visible(TileScan& scan, int after, int n_tiles, const MaskParams& mask,
+                                            const Span& q_span, const HeadContext& c) {
+  using T = ForwardTiles<D>;
+  for (int t = after + 1; t < n_tiles;) {
+    if (t >= scan.first + 32) {
+      scan.first = t;
+      const int mine = t + static_cast<int>(threadIdx.x % 32);
+      TileRelation r{false, false};
+      bool complete = true;
+      if (mine < n_tiles) {
+        const Span kv = tile_span(c.kv_spans, c.n_kv_spans, static_cast<int64_t>(mine) * T::kN, T::kN);
+        r = relate(mask, q_span, kv);
+        complete = kv.complete != 0;
+      }
+      scan.any = __ballot_sync(0xffffffffu, r.any);
+      scan.full = __ballot_sync(0xffffffffu, r.full);
+      scan.padded = __ballot_sync(0xffffffffu, !complete);
+    }
+    const uint32_t ahead = scan.any >> (t - scan.first);
+    if (ahead) return t + __ffs(ahead) - 1;
+    t = scan.first + 32;
+  }
+  return n_tiles;
+}
+
+// The producer: warp 0 (lane 0 issues the copies and publishes the tiles).
+template <int D>
+__device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, Control* control, int64_t b,
+                                        int64_t h, int64_t m0) {
+  using T = ForwardTiles<D>;
+  const FlashArgs& a = args.a;
+  const AttentionParams& p = a.p;
+  const HeadContext c = head_context(a, b, h);
+  const int g = static_cast<int>(kv_head_of(h, p.heads, p.kv_heads));
+  const bool leader = threadIdx.x == 0;
+  if (leader) {
+    prefetch_tensor_map(&args.q_map);
+    prefetch_tensor_map(&args.k_map);
+    prefetch_tensor_map(&args.v_map);
+    mbarrier_arrive_expect_tx(smem_address(&control->q_full), T::kQBytes);
+#pragma unroll
+    for (int atom = 0; atom < T::kAtoms; ++atom) {
+      tma_load_4d(base + atom * T::kM * kAtomRowBytes, &args.q_map, smem_address(&control->q_full),
+                  atom * kAtomColumns, static_cast<int>(h), static_cast<int>(m0), static_cast<int>(b));
+    }
+  }
+  const Span q_span = tile_span(c.q_spans, c.n_q_spans, m0, T::kM);
+  const int n_tiles = static_cast<int>((p.seqlen_kv + T::kN - 1) / T::kN);
+  TileScan scan{-32, 0u, 0u, 0u};
+  int t = -1;
+  for (int i = 0;; ++i) {
+    t = next_visible<D>(scan, t, n_tiles, p.mask, q_span, c);
+    const int s = i % T::kStages;
+    const uint32_t released = (i / T::kStages - 1) & 1;  // parity of the release of tile i - kStages
+    if (i >= T::kStages) mbarrier_wait(smem_address(&control->k_empty[s]), released);
+    if (leader && t >= n_tiles) {
+      control->tile[s] = -1;
+      mbarrier_arrive(smem_address(&control->k_full[s]));
+    } else if (leader) {
+      const int bit = t - scan.first;
+      control->tile[s] = t;
+      control->full[s] = (scan.full >> bit) & 1u;
+      control->padded[s] = (scan.padded >> bit) & 1u;
+      const uint32_t k_dst = base + T::kKOffset + s * T::kTileBytes;
+      mbarrier_arrive_expect_tx(smem_address(&control->k_full[s]), T::kTileBytes);
+#pragma unroll
+      for (int atom = 0; atom < T::kAtoms; ++atom) {
+        tma_load_4d(k_dst + atom * T::kN * kAtomRowBytes, &args.k_map, smem_address(&control->k_full[s]),
+                    atom * kAtomColumns, g, t * T::kN, static_cast<int>(b));
+      }
+    }
+    if (t < n_tiles && i >= T::kStages) mbarrier_wait(smem_address(&control->v_empty[s]), released);
+    if (leader && t < n_tiles) {
+      const uint32_t v_dst = base + T::kVOffset + s * T::kTileBytes;
+      mbarrier_arrive_expect_tx(smem_address(&control->v_full[s]), T::kTileBytes);
+#pragma unroll
+      for (int atom = 0; atom < T::kAtoms; ++atom) {
+        tma_load_4d(v_dst + atom * T::kN * kAtomRowBytes, &args.v_map, smem_address(&control->v_full[s]),
+                    atom * kAtomColumns, g, t * T::kN, static_cast<int>(b));
+      }
+    }
+    __syncwarp();  // the lanes stay in step (next_visible is warp-wide)
+    if (t >= n_tiles) return;
+  }
+}
+
+// One consumer warpgroup (index cw, 0 or 1): queries m0 + 64 cw .. + 63. Tile i's
+// S = Q K^T is issued together with tile i - 1's O += P V, and its softmax runs while that
+// product does (O is rescaled once it is done). The first tile runs alone, so that the
+// loop always has the same products in flight (the compiler then keeps them asynchronous).
+template <ElementType ET, int D>
+__device__ __forceinline__ void consume(const FlashArgs& a, uint32_t base, Control* control, int64_t b, int64_t h,
+                                        int64_t m0, int cw) {
+  using T = ForwardTiles<D>;
+  const AttentionParams& p = a.p;
+  const HeadContext c = head_context(a, b, h);
+  const int warp = (threadIdx.x / 32) % 4;
+  const FragmentCoords at{m0 + T::kConsumerRows * cw + 16 * warp, 0, static_cast<int>(threadIdx.x % 32)};
+  const QueryToken query[2] = {query_token(c, at.row(0), p.seqlen_q), query_token(c, at.row(2), p.seqlen_q)};
+  SoftmaxState state[2];
+  state[0].init();
+  state[1].init();
+  float o[D / 8][4];
+  zero(o);
+  uint32_t weights[T::kN / 16][4];  // P of the previous tile, the A operand of its O += P V
+  const uint32_t q_rows = base + cw * T::kConsumerRows * kAtomRowBytes;
+  const auto v_tile = [&](int s) { return base + T::kVOffset + s * T::kTileBytes; };
+
+  // Waits for tile i's K; returns its index (-1: no more) and reads its flags.
+  const auto next_tile = [&](int i, bool* full, bool* padded) {
+    const int s = i % T::kStages;
+    mbarrier_wait(smem_address(&control->k_full[s]), (i / T::kStages) & 1);
+    *full = control->full[s] != 0;
+    *padded = control->padded[s] != 0;
+    return control->tile[s];
+  };
+  // Waits for tile i's V (tile index t) and zeroes its padding rows, both warpgroups
+  // before either multiplies.
+  const auto ready_values = [&](int i, int t, bool padded) {
+    const int s = i % T::kStages;
+    mbarrier_wait(smem_address(&control->v_full[s]), (i / T::kStages) & 1);
+    if (padded) {
+      zero_padding_values<D>(v_tile(s), c.kv_seg, static_cast<int64_t>(t) * T::kN, p.seqlen_kv,
+                             static_cast<int>(threadIdx.x) - 128);
+      fence_proxy_async();
+      named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
+    }
+  };
+  // Takes this warpgroup's turn and issues S = Q K^T of tile i (one commit group).
+  const auto issue_scores = [&](int i, float (&scores)[T::kN / 8][4]) {
+    const uint32_t k_tile = base + T::kKOffset + (i % T::kStages) * T::kTileBytes;
+    fence_accumulators(scores);
+    fence_accumulators(o);
+    named_barrier_sync(kTurnBarrier + cw, T::kConsumerThreads);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const uint32_t column = (ks % 4) * 32;  // 16 columns of the atom, in bytes
+      gmma_ss<ET, T::kN>(k_major_descriptor(q_rows + (ks / 4) * T::kM * kAtomRowBytes + column),
+                         k_major_descriptor(k_tile + (ks / 4) * T::kN * kAtomRowBytes + column), scores, ks > 0);
+    }
+    cute::warpgroup_commit_batch();
+  };
+  // O += P V of tile i (one commit group).
+  const auto issue_values = [&](int i) {
+#pragma unroll
+    for (int ks = 0; ks < T::kN / 16; ++ks) {
+      gmma_rs<ET, D>(weights[ks],
+                     mn_major_descriptor(v_tile(i % T::kStages) + ks * 16 * kAtomRowBytes, T::kN * kAtomRowBytes), o);
+    }
+    cute::warpgroup_commit_batch();
+  };
+  // Tile t's scores (done) -> weights; K of tile i released. O is rescaled after `retire`
+  // has waited for the product in flight.
+  const auto soften = [&](int i, int t, bool full, float (&scores)[T::kN / 8][4], auto retire) {
+    fence_accumulators(scores);
+    mbarrier_arrive(smem_address(&control->k_empty[i % T::kStages]));
+    const FragmentCoords kv{at.row0, static_cast<int64_t>(t) * T::kN, at.lane};
+    float factor[2];
+    softmax_weights<T::kN>(scores, state, a, c, query, h, kv, full, factor);
+    retire();
+    rescale_rows<D>(o, factor);
+#pragma unroll
+    for (int ks = 0; ks < T::kN / 16; ++ks) {
+      weights[ks][0] = pack2<ET>(scores[2 * ks][0], scores[2 * ks][1]);
+      weights[ks][1] = pack2<ET>(scores[2 * ks][2], scores[2 * ks][3]);
+      weights[ks][2] = pack2<ET>(scores[2 * ks + 1][0], scores[2 * ks + 1][1]);
+      weights[ks][3] = pack2<ET>(scores[2 * ks + 1][2], scores[2 * ks + 1][3]);
+    }
+  };
+
+  if (cw == 1) named_barrier_arrive(kTurnBarrier, T::kConsumerThreads);  // warpgroup 0 starts
+  mbarrier_wait(smem_address(&control->q_full), 0);
+  bool full, padded;
+  int t = next_tile(0, &full, &padded);
+  if (t >= 0) {
+    float scores[T::kN / 8][4];
+    issue_scores(0, scores);
+    named_barrier_arrive(kTurnBarrier + 1 - cw, T::kConsumerThreads);  // the other's turn
+    cute::warpgroup_wait<0>();
+    soften(0, t, full, scores, [] {});
+  }
+  int i = 1;
+  for (; t >= 0; ++i) {
+    ready_values(i - 1, t, padded);
+    const int previous = t;
+    t = next_tile(i, &full, &padded);
+    if (t < 0) {
+      t = previous;  // the last tile, whose O += P V follows
+      break;
+    }
+    float scores[T::kN / 8][4];
+    issue_scores(i, scores);
+    issue_values(i - 1);
+    // The other warpgroup's turn (warpgroup 1's last turn is never taken).
+    named_barrier_arrive(kTurnBarrier + 1 - cw, T::kConsumerThreads);
+    cute::warpgroup_wait<1>();
+    soften(i, t, full, scores, [&] {
+      cute::warpgroup_wait<0>();
+      fence_accumulators(o);
+      mbarrier_arrive(smem_address(&control->v_empty[(i - 1) % T::kStages]));
+    });
+  }
+  if (t >= 0) {  // the last tile's O += P V (its V made ready at the loop's last pass)
+    fence_accumulators(o);
+    cute::warpgroup_arrive();
+    issue_values(i - 1);
+    cute::warpgroup_wait<0>();
+    fence_accumulators(o);
+  }
+  const int64_t q_stride = p.heads * D;
+  finish_rows<ET, D>(o, state, p, c.sink, a.o + (b * p.seqlen_q * p.heads + h) * D, q_stride, at,
+                     a.lse + (b * p.heads + h) * p.seqlen_q);
+}
+
+template <ElementType ET, int D>
+__global__ void __launch_bounds__(ForwardTiles<D>::kThreads, 1) forward_kernel(const __grid_constant__ ForwardArgs args) {
+  using T = ForwardTiles<D>;
+  extern __shared__ unsigned char smem[];
+  const AttentionParams& p = args.a.p;
+  const uint32_t unaligned = smem_address(smem);
+  const uint32_t base = (unaligned + 1023) & ~1023u;
+  Control* control = reinterpret_cast<Control*>(smem + (base - unaligned) + T::kControlOffset);
+  const int64_t n_q_tiles = (p.seqlen_q + T::kM - 1) / T::kM;
+  const int64_t bh = blockIdx.x / n_q_tiles;
+  const int64_t m0 = (n_q_tiles - 1 - blockIdx.x % n_q_tiles) * T::kM;  // causal: longest rows first
+  const int64_t h = bh % p.heads, b = bh / p.heads;
+
+  if (threadIdx.x == 0) {
+    mbarrier_init(smem_address(&control->q_full), 1);
+    for (int s = 0; s < T::kStages; ++s) {
+      mbarrier_init(smem_address(&control->k_full[s]), 1);
+      mbarrier_init(smem_address(&control->v_full[s]), 1);
+      mbarrier_init(smem_address(&control->k_empty[s]), T::kConsumerThreads);
+      mbarrier_init(smem_address(&control->v_empty[s]), T::kConsumerThreads);
+    }
+    mbarrier_init_fence();
+  }
+  __syncthreads();
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    registers_decrease<T::kProducerRegisters>();
+    if (threadIdx.x < 32) produce<D>(args, base, control, b, h, m0);
+  } else {
+    registers_increase<T::kConsumerRegisters>();
+    consume<ET, D>(args.a, base, control, b, h, m0, warpgroup - 1);
+  }
+}
+
+}  // namespace sm90
+}  // namespace flash
+}  // namespace fusedattn
+
+#endif  // FUSEDATTN_FLASH_SM90_FORWARD_CUH_

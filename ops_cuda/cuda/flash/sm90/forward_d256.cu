@@ -1,0 +1,12 @@
+// The Hopper flash forward for head dim 256 (see kernels.cuh).
+#include "kernels.cuh"
+
+namespace fusedattn {
+namespace flash {
+namespace sm90 {
+
+template std::string launch_forward<256>(gpuStream_t, const FlashArgs&, ElementType);
+
+}  // namespace sm90
+}  // namespace flash
+}  // namespace fusedattn
