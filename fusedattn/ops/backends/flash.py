@@ -45,7 +45,7 @@ import numpy as np
 
 from fusedattn.ops import _library
 from fusedattn.ops.backends import partitioning
-from fusedattn.ops.backends.base import (CallShapes, CanonicalArgs, compute_capability,
+from fusedattn.ops.backends.base import (CallShapes, CanonicalArgs, cuda_library_reason,
                                          current_platform)
 from fusedattn.ops.enums import BiasType, SoftmaxType
 from fusedattn.ops.spec import AttentionSpec
@@ -183,15 +183,9 @@ _CUDA_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 def _cuda_reason(shapes: CallShapes | None) -> str | None:
     """Why the CUDA kernels cannot serve a call (None: they can)."""
-    reason = _library.available("cuda")
-    if reason is not None:
-        return f"flash: {reason}"
-    major, minor = compute_capability()
-    if major < 8:
-        return (f"flash: the CUDA kernels need compute capability 8.0 or newer, this GPU has "
-                f"{major}.{minor}; use backend='xla'")
-    if shapes is None:
-        return None
+    reason = cuda_library_reason("flash")
+    if reason is not None or shapes is None:
+        return reason
     if jnp.dtype(shapes.dtype) not in _CUDA_DTYPES:
         return (f"flash: the CUDA kernels take bfloat16 or float16 inputs, got "
                 f"{jnp.dtype(shapes.dtype).name}; cast q, k and v, or use backend='cudnn' or 'xla'")
