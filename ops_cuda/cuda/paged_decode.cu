@@ -16,8 +16,9 @@
 // workspace; a second kernel combines them by log-sum-exp and folds the softmax sink in.
 //
 // Workspace (a uint8 result XLA allocates; decode.py sizes it, this file reads how many
-// splits it holds from its size): int32 ok[S] (256-byte aligned), then per split float32
-// m[rows], l[rows] and acc[rows, Dv] with rows = B * Sq * H (row (b, i, h) = (b Sq + i) H + h).
+// splits it holds from its size): int32 ok[S], float32 m[splits, rows], l[splits, rows] and
+// acc[splits, rows, Dv], each part 256-byte aligned, with rows = B * Sq * H (row (b, i, h)
+// = (b Sq + i) H + h).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -483,11 +484,13 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(DecodeArgs a) 
 
 int64_t align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
-// Bytes of one split's partials, and of the ok flags ahead of them.
-int64_t split_bytes(const PagedParams& p) {
-  return p.batch * p.seqlen_q * p.heads * (p.head_dim_v + 2) * static_cast<int64_t>(sizeof(float));
+// Bytes of the workspace for `splits` splits (the ok flags alone for one).
+int64_t workspace_bytes(const PagedParams& p, int64_t splits) {
+  const int64_t flags = align256(p.sequences * static_cast<int64_t>(sizeof(int32_t)));
+  if (splits <= 1) return flags;
+  const int64_t stats = splits * p.batch * p.seqlen_q * p.heads * static_cast<int64_t>(sizeof(float));
+  return flags + 2 * align256(stats) + stats * p.head_dim_v;
 }
-int64_t flag_bytes(const PagedParams& p) { return align256(p.sequences * static_cast<int64_t>(sizeof(int32_t))); }
 
 ffi::Error check_kernel_support(const char* op, const PagedParams& p, ffi::DataType dtype) {
   if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) {
@@ -507,7 +510,7 @@ ffi::Error check_kernel_support(const char* op, const PagedParams& p, ffi::DataT
 
 // How many splits to run: enough CTAs for one full wave of the GPU, no more than the
 // workspace holds, and at least kMinSplitKeys keys (of the table's capacity) each.
-int choose_splits(const PagedParams& p, int64_t ctas, int resident_per_sm, int64_t workspace_bytes) {
+int choose_splits(const PagedParams& p, int64_t ctas, int resident_per_sm, int64_t workspace_size) {
   int device = 0, sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
@@ -515,9 +518,10 @@ int choose_splits(const PagedParams& p, int64_t ctas, int resident_per_sm, int64
   }
   const int64_t resident = static_cast<int64_t>(sms) * std::max(resident_per_sm, 1);
   if (ctas >= resident) return 1;
-  const int64_t held = (workspace_bytes - flag_bytes(p)) / split_bytes(p);
   const int64_t keys = (p.pages_per_seq * p.page_size + kMinSplitKeys - 1) / kMinSplitKeys;
-  return static_cast<int>(std::max<int64_t>(1, std::min({resident / ctas, held, keys, int64_t{65535}})));
+  int64_t splits = std::min({resident / ctas, keys, int64_t{65535}});
+  while (splits > 1 && workspace_bytes(p, splits) > workspace_size) --splits;
+  return static_cast<int>(std::max<int64_t>(splits, 1));
 }
 
 template <ElementType ET, int D>
@@ -542,11 +546,12 @@ ffi::Error launch(const char* op, gpuStream_t stream, DecodeArgs a, ffi::Result<
   a.splits = choose_splits(p, ctas, resident_per_sm, workspace->dimensions()[0]);
   if (a.splits > 1) {
     char* base = static_cast<char*>(workspace->untyped_data());
+    const int64_t flags = workspace_bytes(p, 1);
+    const int64_t stats = align256(a.splits * p.batch * p.seqlen_q * p.heads * static_cast<int64_t>(sizeof(float)));
     a.ok = reinterpret_cast<int32_t*>(base);
-    const int64_t rows = p.batch * p.seqlen_q * p.heads;
-    a.part_m = reinterpret_cast<float*>(base + flag_bytes(p));
-    a.part_l = a.part_m + a.splits * rows;
-    a.part_acc = a.part_l + a.splits * rows;
+    a.part_m = reinterpret_cast<float*>(base + flags);
+    a.part_l = reinterpret_cast<float*>(base + flags + stats);
+    a.part_acc = reinterpret_cast<float*>(base + flags + 2 * stats);
   }
   if (p.sequences != p.batch &&
       gpuMemsetAsync(a.o, 0, p.batch * p.seqlen_q * p.heads * p.head_dim_v * sizeof(uint16_t), stream) !=
@@ -577,8 +582,8 @@ ffi::Error PagedDecodeFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
   }
   if (auto e = check_kernel_support(kOp, p, q.element_type()); e.failure()) return e;
   if (workspace->element_type() != ffi::DataType::U8 || workspace->dimensions().size() != 1 ||
-      workspace->dimensions()[0] < flag_bytes(p)) {
-    return invalid(kOp, "the workspace result must be uint8 [>= " + std::to_string(flag_bytes(p)) + "], got " +
+      workspace->dimensions()[0] < workspace_bytes(p, 1)) {
+    return invalid(kOp, "the workspace result must be uint8 [>= " + std::to_string(workspace_bytes(p, 1)) + "], got " +
                             dtype_name(workspace->element_type()) + " " + dims_string(workspace->dimensions()));
   }
   if (p.batch == 0 || p.seqlen_q == 0 || p.heads == 0) return ffi::Error::Success();

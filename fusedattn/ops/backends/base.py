@@ -121,6 +121,11 @@ def compute_capability() -> tuple[int, int]:
     return int(major or 0), int(minor or 0)
 
 
+def align256(size: int) -> int:
+    """`size` rounded up to a multiple of 256 (the CUDA handlers' workspace parts)."""
+    return -(-size // 256) * 256
+
+
 def cuda_library_reason(backend: str) -> str | None:
     """Why the project's CUDA op library cannot run `backend`'s kernels on the default
     device: not built or loaded, or a GPU older than compute capability 8.0 (the kernels

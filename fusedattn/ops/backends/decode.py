@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fusedattn.ops import _library
-from fusedattn.ops.backends.base import CallShapes, cuda_library_reason, current_platform
+from fusedattn.ops.backends.base import (CallShapes, align256, cuda_library_reason,
+                                         current_platform)
 from fusedattn.ops.enums import SoftmaxType
 from fusedattn.ops.paged import PagedArgs
 from fusedattn.ops.spec import AttentionSpec
@@ -43,25 +44,28 @@ _CUDA_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _CUDA_HEAD_DIMS = (64, 128, 256)
 
 # The CUDA kernel's workspace (ops_cuda/cuda/paged_decode.cu reads how many splits it holds
-# from its size): int32 [S] flags, 256-byte aligned, then per split float32 m and l
-# [b * sq * h] and the accumulators [b * sq * h, dv]. The kernel splits only while its
-# CTAs (at least S * h_kv) fill less than one wave of the GPU, so a bound on any GPU's
-# resident CTAs bounds the splits; each split gets at least _MIN_SPLIT_KEYS keys.
+# from its size): int32 [S] flags, then float32 m and l [splits, b * sq * h] and the
+# accumulators [splits, b * sq * h, dv], each part 256-byte aligned. The kernel splits only
+# while its CTAs (at least S * h_kv) fill less than one wave of the GPU, so a bound on any
+# GPU's resident CTAs bounds the splits; each split gets at least _MIN_SPLIT_KEYS keys.
 _MAX_RESIDENT_CTAS = 2048
 _MIN_SPLIT_KEYS = 256  # the kernel's kMinSplitKeys
 
 
 def cuda_workspace_bytes(q_shape, kv_heads: int, head_dim_v: int, sequences: int,
                          capacity: int) -> int:
-    """Bytes of the CUDA kernel's workspace for q [b, sq, h, d], `sequences` table rows of
-    `capacity` keys each."""
+    """Bytes of the CUDA kernel's workspace for q [b, sq, h, d] and `sequences` page-table
+    rows of `capacity` keys each."""
     b, sq, h = q_shape[:3]
-    flags = -(-max(sequences, 1) * 4 // 256) * 256
+    flags = align256(max(sequences, 1) * 4)
     ctas = sequences * kv_heads
     if ctas == 0 or ctas >= _MAX_RESIDENT_CTAS:
         return flags
     splits = min(-(-_MAX_RESIDENT_CTAS // ctas), -(-capacity // _MIN_SPLIT_KEYS))
-    return flags + (splits * b * sq * h * (head_dim_v + 2) * 4 if splits > 1 else 0)
+    if splits <= 1:
+        return flags
+    stats = splits * b * sq * h * 4
+    return flags + 2 * align256(stats) + stats * head_dim_v
 
 
 def _cuda_reason(dtype, head_dim: int, head_dim_v: int) -> str | None:

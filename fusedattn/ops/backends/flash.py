@@ -45,8 +45,8 @@ import numpy as np
 
 from fusedattn.ops import _library
 from fusedattn.ops.backends import partitioning
-from fusedattn.ops.backends.base import (CallShapes, CanonicalArgs, cuda_library_reason,
-                                         current_platform)
+from fusedattn.ops.backends.base import (CallShapes, CanonicalArgs, align256,
+                                         cuda_library_reason, current_platform)
 from fusedattn.ops.enums import BiasType, SoftmaxType
 from fusedattn.ops.spec import AttentionSpec
 
@@ -90,10 +90,6 @@ _SPAN_TOKENS = 32
 _SPAN_BYTES = 32
 
 
-def _align256(size: int) -> int:
-    return -(-size // 256) * 256
-
-
 def _cuda_workspace(q, k, tokens, backward: bool) -> tuple[jax.ShapeDtypeStruct, ...]:
     """() on the host; the workspace result's shape on CUDA."""
     if current_platform() != "cuda":
@@ -102,9 +98,9 @@ def _cuda_workspace(q, k, tokens, backward: bool) -> tuple[jax.ShapeDtypeStruct,
     skv = k.shape[1]
     token_rows = math.prod(tokens.shape[:-1])
     spans = -(-sq // _SPAN_TOKENS) + -(-skv // _SPAN_TOKENS)  # ceil(sq / 32) + ceil(skv / 32)
-    size = _align256(token_rows * spans * _SPAN_BYTES)
+    size = align256(token_rows * spans * _SPAN_BYTES)
     if backward:
-        size += _align256(b * h * sq * 4)
+        size += align256(b * h * sq * 4)
     return (jax.ShapeDtypeStruct((size,), jnp.uint8),)
 
 
