@@ -2,17 +2,20 @@
 // math and broken-data rules: fusedattn/paged.h; the same semantics as the host build,
 // ops_cuda/host/paged_decode_host.cc). bfloat16 and float16, head dims 64, 128, 256, Dv = D.
 //
-// One CTA per (sequence, K/V head, split) holds every query row of that K/V head's group
-// (heads x queries, at most kRows; larger groups take several head chunks) and streams the
-// sequence's keys in tiles of kKeys through shared memory: 16-byte cp.async copies of whole
-// key rows (the 16-byte chunks of one row go to neighbouring threads), the next tile in flight
-// while the current one is computed, so each K/V byte of a sequence is read once per head
-// chunk. Per tile: scores on CUDA cores in float32 (a thread per key and row lane), an online
-// softmax per row (a warp per row), then P V into per-thread float32 accumulators.
+// One CTA (4 warps) per (sequence, K/V head, split) holds every query row of that K/V
+// head's group (heads x queries: up to 32 rows, 16 at D = 256; larger groups take several
+// head chunks) and streams the sequence's visible keys in tiles of 64 through shared memory:
+// 16-byte cp.async copies of whole key rows (a row's chunks go to neighbouring threads, so
+// each warp reads 512 contiguous bytes at a time), kStages - 1 tiles in flight while one is
+// computed, so each K/V byte of a sequence is read once per head chunk. Each warp takes 16
+// keys of a tile: S = Q K^T and O += P V on tensor cores (mma.sync m16n8k16, float32
+// accumulators, P rounded to the input type as in the flash kernels; primitives of
+// ops_cuda/cuda/flash/mma.cuh) with its own online softmax; the four warps' (m, l, O) are
+// merged through shared memory at the end.
 //
 // Flash-decoding: when the CTAs of the call would not fill the GPU (its SM count times the
 // kernel's resident CTAs per SM), each (sequence, head) range of keys is split over up to
-// `splits` CTAs whose unnormalised partials (running max m, sum l, accumulators) go to the
+// `splits` CTAs whose unnormalised partials (max m, sum l, accumulators) go to the
 // workspace; a second kernel combines them by log-sum-exp and folds the softmax sink in.
 //
 // Workspace (a uint8 result XLA allocates; decode.py sizes it, this file reads how many
@@ -32,7 +35,7 @@
 #include "fusedattn/paged.h"
 #include "fusedattn/paged_decode_ffi.h"
 #include "fusedattn/softmax.h"
-#include "flash/mma.cuh"  // cp.async
+#include "flash/mma.cuh"  // cp.async, ldmatrix, mma.sync and the swizzled tiles
 #include "xla/ffi/api/ffi.h"
 
 namespace fusedattn {
@@ -44,32 +47,30 @@ using flash::cp_async_16;
 using flash::cp_async_commit;
 using flash::cp_async_wait;
 using flash::smem_address;
+using flash::SwizzledTile;
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
+constexpr int kKeys = 16 * kWarps;   // keys per tile, 16 per warp
 constexpr int kMaxQueries = 8;       // queries of a sequence per pass (decode.py's MAX_QUERIES)
-constexpr int kRows = 32;            // query rows (heads x queries) per CTA
 constexpr int kMinSplitKeys = 256;   // fewest keys a split is given
 constexpr int kCombineThreads = 128;
 
-// Tile shapes of head dim D: kKeys keys per tile, key rows padded by 16 bytes in shared
-// memory (so the eight rows a quarter warp reads at one chunk fall in eight bank groups).
+// Shapes of head dim D: kRows query rows in kRows / 16 row tiles, kStages K/V tiles.
+// D = 256 keeps one row tile (its accumulators) and two stages (sm_80's 163 KB).
 template <int D>
 struct Tiling {
-  static constexpr int kKeys = D >= 256 ? 32 : 64;
-  static constexpr int kStages = 2;
-  static constexpr int kChunks = D / 8;             // 16-byte chunks of a key row
-  static constexpr int kPitch = D + 8;              // shared row pitch, elements
-  static constexpr int kScoreLanes = kThreads / kKeys;
-  static constexpr int kScoreRows = kRows / kScoreLanes;
-  static constexpr int kCols = D / 4;               // P V phase: thread -> (4 columns, row lane)
-  static constexpr int kOutLanes = kThreads / kCols;
-  static constexpr int kOutRows = kRows / kOutLanes;
-  static constexpr int kTileElements = kKeys * kPitch;  // one K or V tile
-  static constexpr size_t kSharedBytes = sizeof(uint16_t) * kStages * 2 * kTileElements +
-                                         sizeof(float) * (kRows * D + kRows * kKeys + 3 * kRows);
-  static_assert(kThreads % kKeys == 0 && kRows % kScoreLanes == 0, "score phase mapping");
-  static_assert(kThreads % kCols == 0 && kRows % kOutLanes == 0, "P V phase mapping");
+  static constexpr int kRowTiles = D >= 256 ? 1 : 2;
+  static constexpr int kRows = 16 * kRowTiles;
+  static constexpr int kStages = D >= 256 ? 2 : D >= 128 ? 3 : 4;
+  static constexpr int kChunks = D / 8;                     // 16-byte chunks of a row
+  static constexpr int kTileBytes = kKeys * D * 2;          // one K or V tile
+  static constexpr int kQBytes = kRows * D * 2;
+  static constexpr int kMergeBytes = kWarps * kRows * D * 4;  // the warps' O, after the loop
+  static constexpr int kStatBytes = 2 * kWarps * kRows * 4;   // the warps' m and l
+  static constexpr size_t kSharedBytes = kStages * 2 * kTileBytes + kQBytes + kStatBytes;
+  static_assert(kMergeBytes <= kStages * 2 * kTileBytes, "the merge reuses the stages");
+  static_assert(kKeys * kChunks % kThreads == 0, "whole load passes");
 };
 
 struct DecodeArgs {
@@ -83,6 +84,7 @@ struct DecodeArgs {
   const int32_t* kv_len;
   const float* offset;
   uint16_t* o;
+  int page_shift;     // log2(page_size) when a power of two, else -1
   int heads_per_cta;  // query heads of one CTA (a chunk of a K/V head's group)
   int head_chunks;    // chunks per group
   int splits;         // CTAs per (sequence, head chunk) along the keys
@@ -94,47 +96,12 @@ struct DecodeArgs {
 };
 
 template <ElementType ET>
-__device__ __forceinline__ float to_float(uint16_t x) {
-  if constexpr (ET == ElementType::kBF16) {
-    return __uint_as_float(static_cast<uint32_t>(x) << 16);
-  } else {
-    return __half2float(__ushort_as_half(x));
-  }
-}
-
-template <ElementType ET>
 __device__ __forceinline__ uint16_t from_float(float x) {
   if constexpr (ET == ElementType::kBF16) {
     return __bfloat16_as_ushort(__float2bfloat16_rn(x));
   } else {
     return __half_as_ushort(__float2half_rn(x));
   }
-}
-
-// The two 16-bit elements of `word` as floats (low first).
-template <ElementType ET>
-__device__ __forceinline__ void unpack2(uint32_t word, float* out) {
-  out[0] = to_float<ET>(static_cast<uint16_t>(word & 0xffffu));
-  out[1] = to_float<ET>(static_cast<uint16_t>(word >> 16));
-}
-
-template <ElementType ET>
-__device__ __forceinline__ void unpack(uint4 raw, float (&out)[8]) {
-  unpack2<ET>(raw.x, out);
-  unpack2<ET>(raw.y, out + 2);
-  unpack2<ET>(raw.z, out + 4);
-  unpack2<ET>(raw.w, out + 6);
-}
-
-template <ElementType ET>
-__device__ __forceinline__ void unpack(uint2 raw, float (&out)[4]) {
-  unpack2<ET>(raw.x, out);
-  unpack2<ET>(raw.y, out + 2);
-}
-
-template <ElementType ET>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  return from_float<ET>(lo) | (static_cast<uint32_t>(from_float<ET>(hi)) << 16);
 }
 
 __device__ __forceinline__ int64_t o_offset(const PagedParams& p, int64_t b, int64_t row, int64_t h) {
@@ -174,191 +141,216 @@ __device__ __forceinline__ KeyRange visible_range(const PagedParams& p, int32_t 
   return {static_cast<int32_t>(lo), static_cast<int32_t>(std::max(hi, lo))};
 }
 
-// The shared-memory buffers of one CTA.
+// The shared-memory buffers of one CTA (swizzled tiles of 16-bit rows).
 template <int D>
 struct Shared {
-  uint16_t* kv;     // [kStages][2 (K, V)][kKeys][kPitch]
-  float* q;         // [kRows][D]
-  float* scores;    // [kRows][kKeys]: scores, then probabilities
-  float* row_m;     // [kRows] running max
-  float* row_l;     // [kRows] running sum of exp(s - m)
-  float* row_alpha; // [kRows] this tile's rescale factor
+  using T = Tiling<D>;
+  unsigned char* base;  // [kStages][K, V] tiles of kKeys rows; after the loop, the warps' O
+  SwizzledTile<T::kChunks> q;  // kRows rows
+  float* stat_m;               // [kWarps][kRows]
+  float* stat_l;               // [kWarps][kRows]
 
-  __device__ explicit Shared(unsigned char* base) {
-    using T = Tiling<D>;
-    kv = reinterpret_cast<uint16_t*>(base);
-    q = reinterpret_cast<float*>(kv + T::kStages * 2 * T::kTileElements);
-    scores = q + kRows * D;
-    row_m = scores + kRows * T::kKeys;
-    row_l = row_m + kRows;
-    row_alpha = row_l + kRows;
+  __device__ explicit Shared(unsigned char* raw) : base(raw) {
+    q.base = smem_address(raw + T::kStages * 2 * T::kTileBytes);
+    stat_m = reinterpret_cast<float*>(raw + T::kStages * 2 * T::kTileBytes + T::kQBytes);
+    stat_l = stat_m + kWarps * T::kRows;
   }
-  __device__ uint16_t* tile(int stage, int which) const {
-    return kv + (stage * 2 + which) * Tiling<D>::kTileElements;
+  // K (which = 0) or V (1) of `stage`, from key row `row0` on.
+  __device__ SwizzledTile<T::kChunks> tile(int stage, int which, int row0 = 0) const {
+    SwizzledTile<T::kChunks> t;
+    t.base = smem_address(base + (stage * 2 + which) * T::kTileBytes) + row0 * T::kChunks * 16;
+    return t;
   }
+  __device__ float* merge() const { return reinterpret_cast<float*>(base); }  // [kWarps][kRows][D]
 };
 
-// One pass of a CTA: query rows r = qi * nh + hh (query q0 + qi, head h0 + hh) over keys
-// [begin, end); leaves the rows' unnormalised accumulators in `acc` (thread's rows
-// r = lane_row + kOutLanes * i, columns 4 * col ..) and m, l in shared memory.
+// One pass of a CTA: query rows r = qi * nh + hh (query q0 + qi, head h0 + hh), r < rows,
+// over keys [begin, end); leaves each row's max m, sum l and unnormalised O in `out_*`
+// (merged over the warps). Block-wide.
 template <ElementType ET, int D>
 struct Pass {
   using T = Tiling<D>;
   const DecodeArgs& a;
   const Shared<D>& sh;
   const int32_t* table;
-  int g, h0, nh, q0, nq, rows, q_len, kv_len;
+  int g, h0, nh, q0, rows, q_len, kv_len;
   int64_t b, q_row0;
 
   __device__ void load_q() const {
     const PagedParams& p = a.p;
-    for (int e = threadIdx.x; e < rows * T::kChunks; e += kThreads) {
+    for (int e = threadIdx.x; e < T::kRows * T::kChunks; e += kThreads) {
       const int r = e / T::kChunks, c = e % T::kChunks;
-      const int64_t at = ((b * p.seqlen_q + q_row0 + r / nh) * p.heads + h0 + r % nh) * D + c * 8;
-      float qf[8];
-      unpack<ET>(*reinterpret_cast<const uint4*>(a.q + at), qf);
-      float* dst = sh.q + r * D + c * 8;
-      *reinterpret_cast<float4*>(dst) = make_float4(qf[0], qf[1], qf[2], qf[3]);
-      *reinterpret_cast<float4*>(dst + 4) = make_float4(qf[4], qf[5], qf[6], qf[7]);
-    }
-    for (int r = threadIdx.x; r < kRows; r += kThreads) {
-      sh.row_m[r] = -INFINITY;
-      sh.row_l[r] = 0.0f;
+      uint4 chunk = make_uint4(0, 0, 0, 0);
+      if (r < rows) {
+        const int64_t at = ((b * p.seqlen_q + q_row0 + r / nh) * p.heads + h0 + r % nh) * D + c * 8;
+        chunk = *reinterpret_cast<const uint4*>(a.q + at);
+      }
+      const uint32_t slot = sh.q.row(r) + static_cast<uint32_t>((c ^ (r % 8)) * 16);
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot), "r"(chunk.x), "r"(chunk.y),
+                   "r"(chunk.z), "r"(chunk.w));
     }
   }
 
-  // Issues the copies of the tile of keys [key0, key0 + kKeys) (those < end; the rest zero).
+  // Issues the copies of the tile of keys [key0, key0 + kKeys) into `stage` (keys >= end
+  // read as zeros).
   __device__ void load_tile(int32_t key0, int32_t end, int stage) const {
     const PagedParams& p = a.p;
-    const uint32_t k_dst = smem_address(sh.tile(stage, 0)), v_dst = smem_address(sh.tile(stage, 1));
-#pragma unroll 4
-    for (int e = threadIdx.x; e < T::kKeys * T::kChunks; e += kThreads) {
+    const SwizzledTile<T::kChunks> k_tile = sh.tile(stage, 0), v_tile = sh.tile(stage, 1);
+#pragma unroll
+    for (int i = 0; i < kKeys * T::kChunks / kThreads; ++i) {
+      const int e = static_cast<int>(threadIdx.x) + i * kThreads;
       const int j = e / T::kChunks, c = e % T::kChunks;
       const int32_t key = key0 + j;
       const bool valid = key < end;
-      const int64_t at = valid ? paged_kv_offset(table, key, g, c * 8, p.page_size, p.kv_heads, D) : 0;
-      const uint32_t slot = static_cast<uint32_t>((j * T::kPitch + c * 8) * sizeof(uint16_t));
-      cp_async_16(k_dst + slot, a.k + at, valid);
-      cp_async_16(v_dst + slot, a.v + at, valid);
+      int64_t at = 0;
+      if (valid) {
+        const uint32_t u = static_cast<uint32_t>(key), ps = static_cast<uint32_t>(p.page_size);
+        const uint32_t page = a.page_shift >= 0 ? u >> a.page_shift : u / ps;
+        const uint32_t slot = a.page_shift >= 0 ? u & (ps - 1) : u % ps;
+        at = ((static_cast<int64_t>(table[page]) * p.page_size + slot) * p.kv_heads + g) * D + c * 8;
+      }
+      const uint32_t offset = static_cast<uint32_t>((c ^ (j % 8)) * 16);
+      cp_async_16(k_tile.row(j) + offset, a.k + at, valid);
+      cp_async_16(v_tile.row(j) + offset, a.v + at, valid);
     }
   }
 
-  // Scores of the tile's keys for every row (masked: -inf), scaled.
-  __device__ void scores(int stage, int32_t key0, int32_t end) const {
+  // The warp's 16 keys of the tile in `stage` folded into its running (m, l, o).
+  __device__ void compute(int stage, int32_t key0, int32_t end, float (&m)[T::kRowTiles][2],
+                          float (&l)[T::kRowTiles][2], float (&o)[T::kRowTiles][D / 8][4]) const {
     const PagedParams& p = a.p;
-    const int j = threadIdx.x % T::kKeys, lane_row = threadIdx.x / T::kKeys;
-    const uint16_t* krow = sh.tile(stage, 0) + j * T::kPitch;
-    float dot[T::kScoreRows] = {};
-#pragma unroll 2
-    for (int c = 0; c < T::kChunks; ++c) {
-      float kf[8];
-      unpack<ET>(*reinterpret_cast<const uint4*>(krow + c * 8), kf);
-#pragma unroll
-      for (int i = 0; i < T::kScoreRows; ++i) {
-        const int r = lane_row + T::kScoreLanes * i;
-        if (r >= rows) break;
-        const float4 qa = *reinterpret_cast<const float4*>(sh.q + r * D + c * 8);
-        const float4 qb = *reinterpret_cast<const float4*>(sh.q + r * D + c * 8 + 4);
-        dot[i] += qa.x * kf[0] + qa.y * kf[1] + qa.z * kf[2] + qa.w * kf[3] + qb.x * kf[4] + qb.y * kf[5] +
-                  qb.z * kf[6] + qb.w * kf[7];
-      }
-    }
-    const int32_t key = key0 + j;
-#pragma unroll
-    for (int i = 0; i < T::kScoreRows; ++i) {
-      const int r = lane_row + T::kScoreLanes * i;
-      if (r >= rows) break;
-      const QueryToken qt = paged_query_token(p, q0 + r / nh, q_len, kv_len);
-      const bool seen = key < end && visible(p.mask, qt, 1, key);
-      sh.scores[r * T::kKeys + j] = seen ? p.scale * dot[i] : -INFINITY;
-    }
-  }
-
-  // The online softmax of the tile: scores -> exp(s - m_new), row_alpha = exp(m_old - m_new).
-  __device__ void softmax() const {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    constexpr int kPerLane = T::kKeys / 32;
-    for (int r = warp; r < rows; r += kWarps) {
-      float* s = sh.scores + r * T::kKeys;
-      float x[kPerLane];
-      float block_max = -INFINITY;
+    const SwizzledTile<T::kChunks> k_rows = sh.tile(stage, 0, 16 * warp), v_rows = sh.tile(stage, 1, 16 * warp);
 #pragma unroll
-      for (int u = 0; u < kPerLane; ++u) {
-        x[u] = s[lane + 32 * u];
-        block_max = fmaxf(block_max, x[u]);
+    for (int rt = 0; rt < T::kRowTiles; ++rt) {
+      if (16 * rt >= rows) break;
+      float s[2][4] = {};
+      flash::warp_rows_times_rows<ET, D, 16, T::kChunks, T::kChunks>(s, sh.q, 16 * rt, k_rows);
+      float block_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = 16 * rt + lane / 4 + 8 * half;
+        const QueryToken qt = paged_query_token(p, q0 + r / nh, q_len, kv_len);
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int32_t key = key0 + 16 * warp + 8 * t + 2 * (lane % 4) + e;
+            const bool seen = r < rows && key < end && visible(p.mask, qt, 1, key);
+            float& x = s[t][2 * half + e];
+            x = seen ? p.scale * x : -INFINITY;
+            block_max[half] = fmaxf(block_max[half], x);
+          }
+        }
       }
 #pragma unroll
-      for (int w = 16; w > 0; w /= 2) block_max = fmaxf(block_max, warp_shfl_xor(block_max, w));
-      const float m_old = sh.row_m[r];
-      const float m_new = fmaxf(m_old, block_max);
-      float sum = 0.0f;
+      for (int half = 0; half < 2; ++half) {
+        block_max[half] = fmaxf(block_max[half], warp_shfl_xor(block_max[half], 1));
+        block_max[half] = fmaxf(block_max[half], warp_shfl_xor(block_max[half], 2));
+        const float m_new = fmaxf(m[rt][half], block_max[half]);
+        const float alpha = m[rt][half] == -INFINITY ? 0.0f : expf(m[rt][half] - m_new);
+        m[rt][half] = m_new;
+        float sum = 0.0f;
 #pragma unroll
-      for (int u = 0; u < kPerLane; ++u) {
-        const float e = x[u] == -INFINITY ? 0.0f : expf(x[u] - m_new);
-        s[lane + 32 * u] = e;
-        sum += e;
-      }
+        for (int t = 0; t < 2; ++t) {
 #pragma unroll
-      for (int w = 16; w > 0; w /= 2) sum += warp_shfl_xor(sum, w);
-      if (lane == 0) {
-        const float alpha = m_old == -INFINITY ? 0.0f : expf(m_old - m_new);
-        sh.row_alpha[r] = alpha;
-        sh.row_m[r] = m_new;
-        sh.row_l[r] = sh.row_l[r] * alpha + sum;
+          for (int e = 0; e < 2; ++e) {
+            float& x = s[t][2 * half + e];
+            x = x == -INFINITY ? 0.0f : expf(x - m_new);
+            sum += x;
+          }
+        }
+        l[rt][half] = l[rt][half] * alpha + sum;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+          o[rt][dt][2 * half] *= alpha;
+          o[rt][dt][2 * half + 1] *= alpha;
+        }
       }
+      flash::warp_regs_times_rows<ET, 16, D, T::kChunks>(o[rt], s, v_rows, 0);
     }
   }
 
-  // acc = acc * alpha + P V for the thread's rows and columns.
-  __device__ void accumulate(int stage, float (&acc)[T::kOutRows][4]) const {
-    const int col = threadIdx.x % T::kCols, lane_row = threadIdx.x / T::kCols;
+  // Streams keys [begin, end) through the stages and merges the warps' results into
+  // out_m, out_l [kRows] and out_o [kRows][D] (the merge area; sh.merge()).
+  __device__ void run(int32_t begin, int32_t end, float* out_m, float* out_l) const {
+    const int n_tiles = end > begin ? (end - begin + kKeys - 1) / kKeys : 0;
+    float m[T::kRowTiles][2], l[T::kRowTiles][2], o[T::kRowTiles][D / 8][4];
 #pragma unroll
-    for (int i = 0; i < T::kOutRows; ++i) {
-      const int r = lane_row + T::kOutLanes * i;
-      if (r >= rows) break;
-      const float alpha = sh.row_alpha[r];
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[i][c] *= alpha;
+    for (int rt = 0; rt < T::kRowTiles; ++rt) {
+      m[rt][0] = m[rt][1] = -INFINITY;
+      l[rt][0] = l[rt][1] = 0.0f;
+      flash::zero(o[rt]);
     }
-    const uint16_t* vtile = sh.tile(stage, 1) + col * 4;
-#pragma unroll 4
-    for (int j = 0; j < T::kKeys; ++j) {
-      float vf[4];
-      unpack<ET>(*reinterpret_cast<const uint2*>(vtile + j * T::kPitch), vf);
-#pragma unroll
-      for (int i = 0; i < T::kOutRows; ++i) {
-        const int r = lane_row + T::kOutLanes * i;
-        if (r >= rows) break;
-        const float pr = sh.scores[r * T::kKeys + j];
-#pragma unroll
-        for (int c = 0; c < 4; ++c) acc[i][c] += pr * vf[c];
-      }
-    }
-  }
-
-  // Streams keys [begin, end) through the stages (cp.async, one tile ahead).
-  __device__ void run(int32_t begin, int32_t end, float (&acc)[T::kOutRows][4]) const {
-    const int n_tiles = end > begin ? (end - begin + T::kKeys - 1) / T::kKeys : 0;
 #pragma unroll
     for (int s = 0; s < T::kStages - 1; ++s) {
-      if (s < n_tiles) load_tile(begin + s * T::kKeys, end, s);
+      if (s < n_tiles) load_tile(begin + s * kKeys, end, s);
       cp_async_commit();
     }
     for (int t = 0; t < n_tiles; ++t) {
       cp_async_wait<T::kStages - 2>();
-      __syncthreads();  // tile t has landed; every thread is done with the stage refilled next
+      __syncthreads();  // tile t has landed; every warp is done with the stage refilled next
       const int ahead = t + T::kStages - 1;
-      if (ahead < n_tiles) load_tile(begin + ahead * T::kKeys, end, ahead % T::kStages);
+      if (ahead < n_tiles) load_tile(begin + ahead * kKeys, end, ahead % T::kStages);
       cp_async_commit();
-      const int stage = t % T::kStages;
-      const int32_t key0 = begin + t * T::kKeys;
-      scores(stage, key0, end);
-      __syncthreads();
-      softmax();
-      __syncthreads();
-      accumulate(stage, acc);
+      compute(t % T::kStages, begin + t * kKeys, end, m, l, o);
     }
     cp_async_wait<0>();
+    __syncthreads();  // the stages are free: the merge area overlays them
+    merge(m, l, o, out_m, out_l);
+  }
+
+  // The warps' (m, l, o) -> one (m, l, o) per row: out_m, out_l and sh.merge()[0][row][:].
+  __device__ void merge(float (&m)[T::kRowTiles][2], float (&l)[T::kRowTiles][2],
+                        const float (&o)[T::kRowTiles][D / 8][4], float* out_m, float* out_l) const {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float* merged = sh.merge();
+#pragma unroll
+    for (int rt = 0; rt < T::kRowTiles; ++rt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = 16 * rt + lane / 4 + 8 * half;
+        float sum = l[rt][half];
+        sum += warp_shfl_xor(sum, 1);
+        sum += warp_shfl_xor(sum, 2);
+        if (lane % 4 == 0) {
+          sh.stat_m[warp * T::kRows + r] = m[rt][half];
+          sh.stat_l[warp * T::kRows + r] = sum;
+        }
+        float* dst = merged + (warp * T::kRows + r) * D + 2 * (lane % 4);
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+          *reinterpret_cast<float2*>(dst + 8 * dt) = make_float2(o[rt][dt][2 * half], o[rt][dt][2 * half + 1]);
+        }
+      }
+    }
+    __syncthreads();
+    // Row r's factors exp(m_w - M) per warp; then O summed into warp 0's slot.
+    for (int e = threadIdx.x; e < rows * (D / 4); e += kThreads) {
+      const int r = e / (D / 4), c = e % (D / 4);
+      float mx = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, sh.stat_m[w * T::kRows + r]);
+      float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      float total = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float mw = sh.stat_m[w * T::kRows + r];
+        if (mw == -INFINITY) continue;
+        const float f = expf(mw - mx);
+        const float4 x = *reinterpret_cast<const float4*>(merged + (w * T::kRows + r) * D + 4 * c);
+        sum.x += f * x.x;
+        sum.y += f * x.y;
+        sum.z += f * x.z;
+        sum.w += f * x.w;
+        total += f * sh.stat_l[w * T::kRows + r];
+      }
+      *reinterpret_cast<float4*>(merged + r * D + 4 * c) = sum;  // warp 0's slot: read only by this thread
+      if (c == 0) {
+        out_m[r] = mx;
+        out_l[r] = total;
+      }
+    }
     __syncthreads();
   }
 };
@@ -377,7 +369,8 @@ __device__ bool sequence_ok(const PagedParams& p, const int32_t* table, int32_t 
 template <ElementType ET, int D>
 __global__ void __launch_bounds__(kThreads) paged_decode_kernel(DecodeArgs a) {
   using T = Tiling<D>;
-  extern __shared__ __align__(16) unsigned char shared_raw[];
+  extern __shared__ __align__(128) unsigned char shared_raw[];
+  __shared__ float row_m[T::kRows], row_l[T::kRows];
   const Shared<D> sh(shared_raw);
   const PagedParams& p = a.p;
   const int64_t s = blockIdx.x;
@@ -405,45 +398,40 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(DecodeArgs a) {
     if (split == 0) fill_rows<ET>(a, b, first, last, h0, nh, NAN);
     return;
   }
-  const int col = threadIdx.x % T::kCols, lane_row = threadIdx.x / T::kCols;
   for (int q0 = 0; q0 < q_len; q0 += kMaxQueries) {
     const int nq = std::min(q_len - q0, int{kMaxQueries});
-    const Pass<ET, D> pass{a, sh, table, g, h0, nh, q0, nq, nh * nq, q_len, kv_len, b,
+    const Pass<ET, D> pass{a, sh, table, g, h0, nh, q0, nh * nq, q_len, kv_len, b,
                            static_cast<int64_t>(q_start) + q0};
     pass.load_q();
     const KeyRange range = visible_range(p, q0, nq, q_len, kv_len);
     int32_t begin = range.lo, end = range.hi;
     if (a.splits > 1) {
-      const int32_t per = ((end - begin + a.splits - 1) / a.splits + T::kKeys - 1) / T::kKeys * T::kKeys;
+      const int32_t per = ((end - begin + a.splits - 1) / a.splits + kKeys - 1) / kKeys * kKeys;
       begin = std::min(end, begin + split * per);
       end = std::min(end, begin + per);
     }
-    float acc[T::kOutRows][4] = {};
-    __syncthreads();  // q and the row statistics are in place
-    pass.run(begin, end, acc);
-#pragma unroll
-    for (int i = 0; i < T::kOutRows; ++i) {
-      const int r = lane_row + T::kOutLanes * i;
-      if (r >= pass.rows) break;
+    pass.run(begin, end, row_m, row_l);  // its first barrier orders load_q's stores
+    const float* merged = sh.merge();
+    for (int e = threadIdx.x; e < pass.rows * (D / 4); e += kThreads) {
+      const int r = e / (D / 4), c = e % (D / 4);
       const int64_t row = pass.q_row0 + r / nh, h = h0 + r % nh;
-      const float m = sh.row_m[r], l = sh.row_l[r];
+      const float4 x = *reinterpret_cast<const float4*>(merged + r * D + 4 * c);
       if (a.splits > 1) {
         const int64_t at = (static_cast<int64_t>(split) * p.batch * p.seqlen_q + b * p.seqlen_q + row) * p.heads + h;
-        *reinterpret_cast<float4*>(a.part_acc + at * D + col * 4) = make_float4(acc[i][0], acc[i][1], acc[i][2],
-                                                                               acc[i][3]);
-        if (col == 0) {
-          a.part_m[at] = m;
-          a.part_l[at] = l;
+        *reinterpret_cast<float4*>(a.part_acc + at * D + 4 * c) = x;
+        if (c == 0) {
+          a.part_m[at] = row_m[r];
+          a.part_l[at] = row_l[r];
         }
       } else {
-        SoftmaxState st{m, l, m != -INFINITY};
+        SoftmaxState st{row_m[r], row_l[r], row_m[r] != -INFINITY};
         float inv = 0.0f;
         st.finalize(p.softmax_type, softmax_sink_logit(p.softmax_type, a.offset[h]), &inv);
-        *reinterpret_cast<uint2*>(a.o + o_offset(p, b, row, h) + col * 4) =
-            make_uint2(pack2<ET>(acc[i][0] * inv, acc[i][1] * inv), pack2<ET>(acc[i][2] * inv, acc[i][3] * inv));
+        *reinterpret_cast<uint2*>(a.o + o_offset(p, b, row, h) + 4 * c) =
+            make_uint2(flash::pack2<ET>(x.x * inv, x.y * inv), flash::pack2<ET>(x.z * inv, x.w * inv));
       }
     }
-    __syncthreads();  // before the next pass overwrites q and the statistics
+    __syncthreads();  // before the next pass overwrites q, the merge area and the statistics
   }
 }
 
@@ -540,7 +528,7 @@ ffi::Error launch(const char* op, gpuStream_t stream, DecodeArgs a, ffi::Result<
   }
   const int64_t group = p.heads / p.kv_heads;
   const int64_t queries = std::min<int64_t>(p.seqlen_q, kMaxQueries);
-  a.heads_per_cta = static_cast<int>(std::min<int64_t>(group, kRows / queries));
+  a.heads_per_cta = static_cast<int>(std::min<int64_t>(group, T::kRows / queries));
   a.head_chunks = static_cast<int>((group + a.heads_per_cta - 1) / a.heads_per_cta);
   const int64_t ctas = p.sequences * p.kv_heads * a.head_chunks;
   a.splits = choose_splits(p, ctas, resident_per_sm, workspace->dimensions()[0]);
@@ -589,6 +577,7 @@ ffi::Error PagedDecodeFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
   if (p.batch == 0 || p.seqlen_q == 0 || p.heads == 0) return ffi::Error::Success();
   DecodeArgs a{};
   a.p = p;
+  a.page_shift = (p.page_size & (p.page_size - 1)) == 0 ? __builtin_ctzll(static_cast<uint64_t>(p.page_size)) : -1;
   a.q = static_cast<const uint16_t*>(q.untyped_data());
   a.k = static_cast<const uint16_t*>(k.untyped_data());
   a.v = static_cast<const uint16_t*>(v.untyped_data());
