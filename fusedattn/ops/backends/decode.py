@@ -52,7 +52,7 @@ _MAX_RESIDENT_CTAS = 2048
 _MIN_SPLIT_KEYS = 256  # the kernel's kMinSplitKeys
 
 
-def cuda_workspace_bytes(q_shape, kv_heads: int, head_dim_v: int, sequences: int,
+def _cuda_workspace_bytes(q_shape, kv_heads: int, head_dim_v: int, sequences: int,
                          capacity: int) -> int:
     """Bytes of the CUDA kernel's workspace for q [b, sq, h, d] and `sequences` page-table
     rows of `capacity` keys each."""
@@ -179,7 +179,7 @@ class DecodeBackend:
         workspace = None
         if platform == "cuda":
             sequences, pages = args.page_table.shape
-            workspace = cuda_workspace_bytes(q.shape, h_kv, dv, sequences, pages * page_size)
+            workspace = _cuda_workspace_bytes(q.shape, h_kv, dv, sequences, pages * page_size)
         h = args.q.shape[2]
         offset = (jnp.zeros((h,), jnp.float32) if args.softmax_offset is None
                   else jnp.asarray(args.softmax_offset, jnp.float32))
