@@ -64,6 +64,28 @@ def mean_call_ms(fn, args: tuple, calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e3
 
 
+def interleaved_ms(fns: dict, args: tuple, repeats: int, iters: int,
+                   min_window_ms: float) -> tuple[dict, dict]:
+    """Median ms per call of each fn(*args) over `repeats` rounds; each round times every fn
+    once, in an order rotated from round to round. Returns ({name: ms}, {name: error}): fns
+    that fail are reported by their error."""
+    runnable, errors = {}, {}
+    for name, fn in fns.items():
+        try:
+            jax.block_until_ready(fn(*args))
+            runnable[name] = (fn, calls_per_repeat(fn, args, iters, min_window_ms))
+        except Exception as error:  # an implementation that cannot run the case
+            errors[name] = str(error).splitlines()[0][:300]
+    samples = {name: [] for name in runnable}
+    names = list(runnable)
+    for round_index in range(repeats):
+        shift = round_index % max(len(names), 1)
+        for name in names[shift:] + names[:shift]:
+            fn, calls = runnable[name]
+            samples[name].append(mean_call_ms(fn, args, calls))
+    return {name: statistics.median(times) for name, times in samples.items()}, errors
+
+
 def environment() -> dict:
     device = jax.devices()[0]
     versions = {"jax": jax.__version__, "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__")

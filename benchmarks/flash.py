@@ -19,16 +19,14 @@ a large bf16 matmul measured on the H200.
 
 from __future__ import annotations
 
-import statistics
-
 import jax
 import jax.numpy as jnp
 
 import fusedattn
 from fusedattn.ops import fused_attn
 
-from common import (H200_MEASURED_MATMUL_FLOPS, calls_per_repeat, mean_call_ms, parse_args, passes,
-                    random_normal, write_results)
+from common import (H200_MEASURED_MATMUL_FLOPS, interleaved_ms, parse_args, passes, random_normal,
+                    write_results)
 
 # (b, s, h, h_kv, d): the issue's six shapes, then d=64 and d=256.
 SHAPES = [(4, 2048, 16, 16, 128), (1, 8192, 16, 16, 128), (2, 4096, 32, 8, 128),
@@ -83,26 +81,6 @@ def add_arguments(parser):
 def flops(b, s, h, d, causal, pass_name):
     forward = 4 * b * h * s * s * d / (2 if causal else 1)
     return forward if pass_name == "fwd" else 3.5 * forward
-
-
-def interleaved_ms(fns: dict, args: tuple, repeats: int, iters: int, min_window_ms: float) -> dict:
-    """Median ms per call of each fn over `repeats` rounds; each round times every fn once,
-    in an order rotated from round to round. Fns that fail are reported by their error."""
-    runnable, errors = {}, {}
-    for name, fn in fns.items():
-        try:
-            jax.block_until_ready(fn(*args))
-            runnable[name] = (fn, calls_per_repeat(fn, args, iters, min_window_ms))
-        except Exception as error:  # an implementation that cannot run the case
-            errors[name] = str(error).splitlines()[0][:300]
-    samples = {name: [] for name in runnable}
-    names = list(runnable)
-    for round_index in range(repeats):
-        shift = round_index % max(len(names), 1)
-        for name in names[shift:] + names[:shift]:
-            fn, calls = runnable[name]
-            samples[name].append(mean_call_ms(fn, args, calls))
-    return {name: statistics.median(times) for name, times in samples.items()}, errors
 
 
 def main():

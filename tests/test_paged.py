@@ -202,7 +202,14 @@ def test_auto_picks_decode_for_decoding_and_xla_for_prefill(rng):
     assert "max_seqlen_q" in chosen.verdicts["decode"]
     on_gpu = explain((case.q, case.k, case.v), config=case.config(mask=mask),
                      sequence=case.sequence, page_table=case.table, platform="cuda")
-    assert "host (cpu) build" in on_gpu.verdicts["decode"]
+    missing = _library.available("cuda")
+    if missing is not None:
+        assert on_gpu.verdicts["decode"] == f"decode: {missing}"
+    else:  # the case is float32, which the CUDA kernel does not take
+        assert "takes bfloat16 or float16" in on_gpu.verdicts["decode"]
+    on_rocm = explain((case.q, case.k, case.v), config=case.config(mask=mask),
+                      sequence=case.sequence, page_table=case.table, platform="rocm")
+    assert "exists for cpu (host build) and CUDA GPUs" in on_rocm.verdicts["decode"]
 
 
 def test_decode_refuses_contiguous_layouts(rng):

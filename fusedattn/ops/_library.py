@@ -8,8 +8,9 @@ of FFI handler symbols, without any Python ABI:
     fusedattn/_lib/libfusedattn_rocm.so   likewise, with hipcc; platform "ROCM"
 
 The CUDA and ROCm libraries are built from the same sources (ops_cuda/cuda),
-so they export the same handlers, except the flash kernels (ops_cuda/cuda/flash),
-which the CUDA library alone has.
+so they export the same handlers, except the flash kernels (ops_cuda/cuda/flash)
+and the paged decode kernel (ops_cuda/cuda/paged_decode.cu), which the CUDA library
+alone has.
 
 `load(platform)` opens the platform's library once with ctypes and registers
 its handlers under the target names below with `jax.ffi.register_ffi_target`;
@@ -48,11 +49,13 @@ GPU_TARGETS = {
     "fusedattn_small_seq_bwd": "FusedattnSmallSeqBwdGpu",
 }
 
-# The flash kernels are CUDA only (mma.sync, cp.async): the ROCm library lacks them.
+# The flash and paged decode kernels are CUDA only (mma.sync, cp.async): the ROCm library
+# lacks them.
 CUDA_TARGETS = {
     **GPU_TARGETS,
     "fusedattn_flash_fwd": "FusedattnFlashFwdCuda",
     "fusedattn_flash_bwd": "FusedattnFlashBwdCuda",
+    "fusedattn_paged_decode_fwd": "FusedattnPagedDecodeFwdCuda",
 }
 
 # JAX platform name for register_ffi_target -> (library stem, targets, the compiler that

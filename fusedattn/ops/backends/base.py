@@ -101,8 +101,13 @@ class Backend(Protocol):
 
 
 def current_platform() -> str:
-    """"cpu", "cuda" or "rocm" (or another JAX platform name) of the default device."""
-    device = jax.devices()[0]
+    """"cpu", "cuda" or "rocm" (or another JAX platform name) of the default device: the one
+    `jax.default_device` sets, else the first device."""
+    device = jax.config.jax_default_device
+    if device is None:
+        device = jax.devices()[0]
+    elif isinstance(device, str):
+        device = jax.devices(device)[0]
     if device.platform == "gpu":
         version = device.client.platform_version.lower()
         return "rocm" if "rocm" in version or "hip" in version else "cuda"
@@ -114,6 +119,27 @@ def compute_capability() -> tuple[int, int]:
     text = getattr(jax.devices()[0], "compute_capability", "0.0")
     major, _, minor = str(text).partition(".")
     return int(major or 0), int(minor or 0)
+
+
+def align256(size: int) -> int:
+    """`size` rounded up to a multiple of 256 (the CUDA handlers' workspace parts)."""
+    return -(-size // 256) * 256
+
+
+def cuda_library_reason(backend: str) -> str | None:
+    """Why the project's CUDA op library cannot run `backend`'s kernels on the default
+    device: not built or loaded, or a GPU older than compute capability 8.0 (the kernels
+    use cp.async and mma.sync); None when it can."""
+    from fusedattn.ops import _library
+
+    reason = _library.available("cuda")
+    if reason is not None:
+        return f"{backend}: {reason}"
+    major, minor = compute_capability()
+    if major < 8:
+        return (f"{backend}: the CUDA kernels need compute capability 8.0 or newer, this GPU "
+                f"has {major}.{minor}; use backend='xla'")
+    return None
 
 
 def visible_mask(spec: AttentionSpec, tokens: TokenInfo) -> jax.Array:

@@ -48,8 +48,8 @@ import numpy as np
 
 from fusedattn.ops import _library
 from fusedattn.ops.backends import partitioning
-from fusedattn.ops.backends.base import (CallShapes, CanonicalArgs, compute_capability,
-                                         current_platform)
+from fusedattn.ops.backends.base import (CallShapes, CanonicalArgs, align256,
+                                         cuda_library_reason, current_platform)
 from fusedattn.ops.enums import BiasType, SoftmaxType
 from fusedattn.ops.spec import AttentionSpec
 
@@ -93,10 +93,6 @@ _SPAN_TOKENS = 32
 _SPAN_BYTES = 32
 
 
-def _align256(size: int) -> int:
-    return -(-size // 256) * 256
-
-
 def _cuda_workspace(q, k, tokens, backward: bool) -> tuple[jax.ShapeDtypeStruct, ...]:
     """() on the host; the workspace result's shape on CUDA."""
     if current_platform() != "cuda":
@@ -105,9 +101,9 @@ def _cuda_workspace(q, k, tokens, backward: bool) -> tuple[jax.ShapeDtypeStruct,
     skv = k.shape[1]
     token_rows = math.prod(tokens.shape[:-1])
     spans = -(-sq // _SPAN_TOKENS) + -(-skv // _SPAN_TOKENS)  # ceil(sq / 32) + ceil(skv / 32)
-    size = _align256(token_rows * spans * _SPAN_BYTES)
+    size = align256(token_rows * spans * _SPAN_BYTES)
     if backward:
-        size += _align256(b * h * sq * 4)
+        size += align256(b * h * sq * 4)
     return (jax.ShapeDtypeStruct((size,), jnp.uint8),)
 
 
@@ -186,15 +182,9 @@ _CUDA_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 def _cuda_reason(shapes: CallShapes | None) -> str | None:
     """Why the CUDA kernels cannot serve a call (None: they can)."""
-    reason = _library.available("cuda")
-    if reason is not None:
-        return f"flash: {reason}"
-    major, minor = compute_capability()
-    if major < 8:
-        return (f"flash: the CUDA kernels need compute capability 8.0 or newer, this GPU has "
-                f"{major}.{minor}; use backend='xla'")
-    if shapes is None:
-        return None
+    reason = cuda_library_reason("flash")
+    if reason is not None or shapes is None:
+        return reason
     if jnp.dtype(shapes.dtype) not in _CUDA_DTYPES:
         return (f"flash: the CUDA kernels take bfloat16 or float16 inputs, got "
                 f"{jnp.dtype(shapes.dtype).name}; cast q, k and v, or use backend='cudnn' or 'xla'")

@@ -52,14 +52,25 @@ FA_HOST_DEVICE FA_INLINE int64_t paged_kv_offset(const int32_t* table_row, int64
   return ((page * PS + j % PS) * Hkv + g) * Dx + d;
 }
 
-// Whether sequence s can be served: the caller's mark, the q range in its row, the key
-// count within the table, and every page it uses inside the pool.
+// The length part of paged_sequence_ok: the caller's mark, the q range in its row, and
+// the key count within the table.
+FA_HOST_DEVICE FA_INLINE bool paged_lengths_ok(const PagedParams& p, int32_t q_start, int32_t q_len,
+                                               int32_t kv_len) {
+  if (kv_len < 0 || q_start < 0 || static_cast<int64_t>(q_start) + q_len > p.seqlen_q) return false;
+  return kv_len <= p.pages_per_seq * p.page_size;
+}
+
+// Whether a page-table entry names a page of the pool.
+FA_HOST_DEVICE FA_INLINE bool paged_page_ok(const PagedParams& p, int32_t page) {
+  return page >= 0 && page < p.num_pages;
+}
+
+// Whether sequence s can be served: paged_lengths_ok, and every page it uses inside the pool.
 FA_HOST_DEVICE FA_INLINE bool paged_sequence_ok(const PagedParams& p, const int32_t* table_row, int32_t q_start,
                                                 int32_t q_len, int32_t kv_len) {
-  if (kv_len < 0 || q_start < 0 || static_cast<int64_t>(q_start) + q_len > p.seqlen_q) return false;
-  if (kv_len > p.pages_per_seq * p.page_size) return false;
+  if (!paged_lengths_ok(p, q_start, q_len, kv_len)) return false;
   for (int64_t i = 0; i * p.page_size < kv_len; ++i) {
-    if (table_row[i] < 0 || table_row[i] >= p.num_pages) return false;
+    if (!paged_page_ok(p, table_row[i])) return false;
   }
   return true;
 }

@@ -10,6 +10,8 @@
 //   attributes: scale f32, causal bool, bottom_right bool, window_left i64,
 //               window_right i64, softmax_type i32
 //   result: o [B, Sq, H, Dv] in q's dtype (paged.h says which rows hold what)
+//   the CUDA handler (ops_cuda/cuda/paged_decode.cu) binds one more result, its
+//   uint8 scratch workspace (sized by decode.py)
 #ifndef FUSEDATTN_PAGED_DECODE_FFI_H_
 #define FUSEDATTN_PAGED_DECODE_FFI_H_
 
@@ -90,10 +92,12 @@ inline ffi::Error parse_paged_decode_call(const char* op, const ffi::AnyBuffer& 
   return ffi::Error::Success();
 }
 
-// The op's FFI signature after the platform's own context: 8 operands, 1 result, the attributes.
-template <typename FfiBinding>
+// The op's FFI signature after the platform's own context: 8 operands, 1 result and
+// kWorkspaces scratch results, the attributes.
+template <int kWorkspaces = 0, typename FfiBinding>
 auto bind_paged_decode(FfiBinding&& binding) {
-  return bind_attrs(bind_buffers<8, 1>(std::forward<FfiBinding>(binding)), ffi::StructMember<float>("scale"),
+  return bind_attrs(bind_buffers<8, 1 + kWorkspaces>(std::forward<FfiBinding>(binding)),
+                    ffi::StructMember<float>("scale"),
                     ffi::StructMember<bool>("causal"), ffi::StructMember<bool>("bottom_right"),
                     ffi::StructMember<int64_t>("window_left"), ffi::StructMember<int64_t>("window_right"),
                     ffi::StructMember<int32_t>("softmax_type"));

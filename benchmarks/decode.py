@@ -1,0 +1,254 @@
+"""Decoding over a KV cache: our paged decode kernel against our contiguous path, XLA and
+FlashAttention-3's KV-cache kernel.
+
+Single-token and 4-token decode (s_q 1 and 4: the new tokens are the last of each
+sequence, bottom-right causal) at (b, s_kv) in (16, 8192), (64, 2048), (4, 32768),
+(128, 1024); 32 query heads over 8 K/V heads, d=128, bf16, every sequence s_kv keys long.
+Impls (pass "fwd"):
+
+- "contiguous": fusedattn.ops.fused_attn, backend "auto" (cuDNN on the H200), K/V
+  [b, s_kv, 8, 128], mask "causal_bottom_right".
+- "paged": fused_attn, backend "auto" (the "decode" kernel), layout
+  "paged_kv_bshd_bshd_bshd", page pools of b * s_kv / page pages, each sequence's
+  pages a random permutation of the pool (shape key "page": 16, 64, 256), mask
+  "padding_causal_bottom_right", config.sequence.check_bounds = False (the guard's
+  checkify effect costs each call JAX's slower dispatch; the NaN marks stay).
+- "jax_xla": jax.nn.dot_product_attention(implementation="xla") on the contiguous cache
+  with the bottom-right causal mask as a boolean array.
+- "fa3", "fa3_paged": flash_attn3_jax.flash_mha_with_kvcache on the contiguous cache and
+  on the same page pools and tables (is_causal: bottom-right aligned), num_splits from
+  FlashAttention's rule of thumb (enough CTAs for the GPU's SMs, at most 16); only where
+  the wheel is installed.
+
+"cudnn_paged" is not measured: our cudnn backend has no paged path (its explain verdict
+says so), so there is nothing of ours to time through cuDNN's paged SDPA.
+
+The byte floor of a call is the bytes it must move: the K/V it reads (b * s_kv * h_kv *
+d * 2 for each of K and V), q and the output, over --peak bytes/s (the H200's 4.8 TB/s);
+"fraction_of_floor" is floor time over measured time.
+
+    python benchmarks/decode.py --out benchmarks/results/decode.json
+    python benchmarks/decode.py --quick   # one small shape on any device, seconds on a CPU
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import fusedattn
+from fusedattn.ops import SequenceDescriptor, explain, fused_attn
+
+from common import H200_HBM_BYTES_PER_S, interleaved_ms, parse_args, random_normal, write_results
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+SHAPES = ((16, 8192), (64, 2048), (4, 32768), (128, 1024))
+QUICK_SHAPES = ((2, 256),)
+QUERIES = (1, 4)
+PAGE_SIZES = (16, 64, 256)
+IMPL_NAMES = ("contiguous", "paged", "jax_xla", "fa3", "fa3_paged")
+
+
+def add_arguments(parser):
+    parser.add_argument("--peak", type=float, default=H200_HBM_BYTES_PER_S,
+                        help="HBM bytes/s of the byte floor (default: the H200's 4.8e12)")
+    parser.add_argument("--impls", default=",".join(IMPL_NAMES),
+                        help=f"comma-separated subset of {','.join(IMPL_NAMES)}")
+
+
+def floor_bytes(b: int, s_kv: int, s_q: int, itemsize: int = 2) -> int:
+    """Bytes a decode call must move: K and V read once, q read, the output written."""
+    kv = 2 * b * s_kv * KV_HEADS * HEAD_DIM
+    q_and_out = 2 * b * s_q * HEADS * HEAD_DIM
+    return (kv + q_and_out) * itemsize
+
+
+def paged_cache(key, k, v, page: int):
+    """The contiguous cache [b, s_kv, h_kv, d] as page pools [b * s_kv / page, page, h_kv, d]
+    and an int32 table [b, s_kv / page] whose pages are a random permutation of the pool."""
+    b, s_kv = k.shape[:2]
+    pages = s_kv // page
+    order = jax.random.permutation(key, b * pages).astype(jnp.int32)
+    table = order.reshape(b, pages)
+    inverse = jnp.argsort(order)  # pool slot -> (sequence, page) it holds
+
+    def pool(x):
+        return x.reshape(b * pages, page, *x.shape[2:])[inverse]
+    return pool(k), pool(v), table
+
+
+def bottom_right_mask(s_q: int, s_kv: int):
+    """[1, 1, s_q, s_kv]: query i sees keys j <= s_kv - s_q + i."""
+    return (jnp.arange(s_kv)[None, :] <= s_kv - s_q + jnp.arange(s_q)[:, None])[None, None]
+
+
+def ours_contiguous():
+    config = fusedattn.configs.attention_config()
+    config.mask = "causal_bottom_right"
+    return jax.jit(lambda q, k, v: fused_attn((q, k, v), config=config))
+
+
+def paged_config(s_q: int):
+    config = fusedattn.configs.attention_config()
+    config.qkv_layout = "paged_kv_bshd_bshd_bshd"
+    config.mask = "padding_causal_bottom_right"
+    config.sequence.max_seqlen_q = s_q
+    config.sequence.check_bounds = False
+    return config
+
+
+def ours_paged(s_q: int):
+    config = paged_config(s_q)
+
+    @jax.jit
+    def attend(q, k_pages, v_pages, table, q_len, kv_len):
+        sequence = SequenceDescriptor.from_seqlens(q_len, kv_len)
+        return fused_attn((q, k_pages, v_pages), config=config, sequence=sequence,
+                          page_table=table)
+    return attend
+
+
+def jax_xla(s_q: int, s_kv: int):
+    mask = bottom_right_mask(s_q, s_kv)
+    return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask,
+                                                                implementation="xla"))
+
+
+def fa3_splits(b: int) -> int:
+    """FlashAttention's rule of thumb: split until b * h_kv * splits covers the SMs."""
+    sms = getattr(jax.devices()[0], "core_count", 132) or 132
+    return max(1, min(16, sms // (b * KV_HEADS)))
+
+
+def fa3(b: int, paged: bool):
+    from flash_attn3_jax import flash_mha_with_kvcache
+
+    splits = fa3_splits(b)
+    if paged:
+        return jax.jit(lambda q, k_pages, v_pages, table, kv_len: flash_mha_with_kvcache(
+            q, k_pages, v_pages, cache_seqlens=kv_len, page_table=table, is_causal=True,
+            num_splits=splits))
+    return jax.jit(lambda q, k, v: flash_mha_with_kvcache(q, k, v, is_causal=True,
+                                                          num_splits=splits))
+
+
+def fa3_available() -> str | None:
+    """None when flash_attn3_jax imports, else why not."""
+    try:
+        import flash_attn3_jax  # noqa: F401
+    except ImportError as error:
+        return f"flash_attn3_jax not installed ({error})"
+    return None
+
+
+def case_calls(b: int, s_kv: int, s_q: int, chosen: list[str]) -> list[tuple[int | None, dict]]:
+    """[(page or None, {impl: zero-argument call})] of one (b, s_kv, s_q) case."""
+    keys = jax.random.split(jax.random.key(b * 7 + s_kv + s_q), 4)
+    q = random_normal(keys[0], (b, s_q, HEADS, HEAD_DIM), jnp.bfloat16)
+    k = random_normal(keys[1], (b, s_kv, KV_HEADS, HEAD_DIM), jnp.bfloat16)
+    v = random_normal(keys[2], (b, s_kv, KV_HEADS, HEAD_DIM), jnp.bfloat16)
+    q_len = jnp.full((b,), s_q, jnp.int32)
+    kv_len = jnp.full((b,), s_kv, jnp.int32)
+    contiguous = {"contiguous": functools.partial(ours_contiguous(), q, k, v),
+                  "jax_xla": functools.partial(jax_xla(s_q, s_kv), q, k, v)}
+    if fa3_available() is None:
+        contiguous["fa3"] = functools.partial(fa3(b, paged=False), q, k, v)
+    calls = [(None, {n: f for n, f in contiguous.items() if n in chosen})]
+    for page in PAGE_SIZES:
+        if s_kv % page:
+            continue
+        k_pages, v_pages, table = paged_cache(keys[3], k, v, page)
+        paged = {"paged": functools.partial(ours_paged(s_q), q, k_pages, v_pages, table, q_len,
+                                            kv_len)}
+        if fa3_available() is None:
+            paged["fa3_paged"] = functools.partial(fa3(b, paged=True), q, k_pages, v_pages,
+                                                   table, kv_len)
+        calls.append((page, {n: f for n, f in paged.items() if n in chosen}))
+    return calls
+
+
+def paged_backend(b: int, s_kv: int, s_q: int, page: int) -> str:
+    """The backend "auto" picks for the paged impl's call (explain, on shapes only)."""
+    q = jax.ShapeDtypeStruct((b, s_q, HEADS, HEAD_DIM), jnp.bfloat16)
+    pool = jax.ShapeDtypeStruct((b * s_kv // page, page, KV_HEADS, HEAD_DIM), jnp.bfloat16)
+    sequence = SequenceDescriptor.from_seqlens(np.full(b, s_q, np.int32), np.full(b, s_kv, np.int32))
+    return explain((q, pool, pool), config=paged_config(s_q), sequence=sequence,
+                   page_table=jax.ShapeDtypeStruct((b, s_kv // page), jnp.int32)).backend
+
+
+def significant(x: float) -> float:
+    """x to 4 significant digits (quick runs on a CPU are far below the floor)."""
+    return float(f"{x:.4g}")
+
+
+def rows_of_case(b: int, s_kv: int, s_q: int, args) -> list[dict]:
+    chosen = args.impls.split(",")
+    floor_ms = floor_bytes(b, s_kv, s_q) / args.peak * 1e3
+    rows = []
+    for page, calls in case_calls(b, s_kv, s_q, chosen):
+        times, errors = interleaved_ms(calls, (), args.repeats, args.iters, args.min_window_ms)
+        for impl in calls:
+            row = {"name": f"b{b}_skv{s_kv}_sq{s_q}" + (f"_page{page}" if page else ""),
+                   "shape": {"b": b, "s_kv": s_kv, "s_q": s_q, "page": page},
+                   "impl": impl, "pass": "fwd", "floor_ms": significant(floor_ms)}
+            if impl == "paged":
+                row["backend"] = paged_backend(b, s_kv, s_q, page)
+            if impl.startswith("fa3"):
+                row["num_splits"] = fa3_splits(b)
+            if impl in times:
+                row.update(ms=significant(times[impl]),
+                           fraction_of_floor=significant(floor_ms / times[impl]))
+            else:
+                row.update(ms=None, unsupported=errors[impl])
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per paged row: its fraction of the floor, and speed against fa3_paged (same page) and
+    our contiguous path (same b, s_kv, s_q): the other's time over ours (> 1: paged faster)."""
+    def key(r, page):
+        return (r["shape"]["b"], r["shape"]["s_kv"], r["shape"]["s_q"], page)
+
+    by = {(key(r, r["shape"]["page"]), r["impl"]): r for r in rows if r.get("ms")}
+    out = []
+    for r in rows:
+        if r["impl"] != "paged" or not r.get("ms"):
+            continue
+        entry = {"name": r["name"], "fraction_of_floor": r["fraction_of_floor"]}
+        for peer, page in (("fa3_paged", r["shape"]["page"]), ("contiguous", None),
+                           ("jax_xla", None)):
+            other = by.get((key(r, page), peer))
+            entry[f"speed_vs_{peer}"] = round(other["ms"] / r["ms"], 3) if other else None
+        out.append(entry)
+    return out
+
+
+def main():
+    args = parse_args("benchmarks/results/decode.json", add_arguments)
+    unknown = sorted(set(args.impls.split(",")) - set(IMPL_NAMES))
+    if unknown:
+        raise SystemExit(f"--impls: unknown {', '.join(unknown)}; choose from {','.join(IMPL_NAMES)}")
+    rows = []
+    for b, s_kv in QUICK_SHAPES if args.quick else SHAPES:
+        for s_q in QUERIES:
+            rows += rows_of_case(b, s_kv, s_q, args)
+    summary = summarize(rows)
+    write_results(args.out, rows, summary=summary, heads=HEADS, kv_heads=KV_HEADS,
+                  head_dim=HEAD_DIM, dtype="bfloat16", peak_bytes_per_s=args.peak,
+                  fa3=fa3_available() or "installed",
+                  floor="K and V read once, q read, output written, at peak_bytes_per_s",
+                  method="interleaved rotated rounds, median per impl",
+                  quick=bool(args.quick))
+    for entry in summary:
+        print(entry)
+    if args.quick:
+        print("quick mode: a smoke run, not a measurement")
+
+
+if __name__ == "__main__":
+    main()

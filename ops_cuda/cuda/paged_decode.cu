@@ -1,0 +1,610 @@
+// The paged decode op for platform "CUDA" (contract: fusedattn/paged_decode_ffi.h, index
+// math and broken-data rules: fusedattn/paged.h; the same semantics as the host build,
+// ops_cuda/host/paged_decode_host.cc). bfloat16 and float16, head dims 64, 128, 256, Dv = D.
+//
+// One CTA (4 warps) per (sequence, K/V head, split) holds every query row of that K/V
+// head's group (heads x queries: up to 32 rows, 16 at D = 256; larger groups take several
+// head chunks) and streams the sequence's visible keys in tiles of 64 through shared memory:
+// 16-byte cp.async copies of whole key rows (a row's chunks go to neighbouring threads, so
+// each warp reads 512 contiguous bytes at a time), kStages - 1 tiles in flight while one is
+// computed, so each K/V byte of a sequence is read once per head chunk. Each warp takes 16
+// keys of a tile: S = Q K^T and O += P V on tensor cores (mma.sync m16n8k16, float32
+// accumulators, P rounded to the input type as in the flash kernels; primitives of
+// ops_cuda/cuda/flash/mma.cuh) with its own online softmax; the four warps' (m, l, O) are
+// merged through shared memory at the end.
+//
+// Flash-decoding: when the CTAs of the call would not fill the GPU (its SM count times the
+// kernel's resident CTAs per SM), each (sequence, head) range of keys is split over up to
+// `splits` CTAs whose unnormalised partials (max m, sum l, accumulators) go to the
+// workspace; a second kernel combines them by log-sum-exp and folds the softmax sink in.
+//
+// Workspace (a uint8 result XLA allocates; decode.py sizes it, this file reads how many
+// splits it holds from its size): int32 ok[S], float32 m[splits, rows], l[splits, rows] and
+// acc[splits, rows, Dv], each part 256-byte aligned, with rows = B * Sq * H (row (b, i, h)
+// = (b Sq + i) H + h).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "fusedattn/gpu_runtime.h"
+#include "fusedattn/ffi_args.h"
+#include "fusedattn/mask.h"
+#include "fusedattn/paged.h"
+#include "fusedattn/paged_decode_ffi.h"
+#include "fusedattn/softmax.h"
+#include "flash/mma.cuh"  // cp.async, ldmatrix, mma.sync and the swizzled tiles
+#include "xla/ffi/api/ffi.h"
+
+namespace fusedattn {
+namespace paged_decode {
+namespace {
+
+namespace ffi = xla::ffi;
+using flash::cp_async_16;
+using flash::cp_async_commit;
+using flash::cp_async_wait;
+using flash::smem_address;
+using flash::SwizzledTile;
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr int kKeys = 16 * kWarps;   // keys per tile, 16 per warp
+constexpr int kMaxQueries = 8;       // queries of a sequence per pass (decode.py's MAX_QUERIES)
+constexpr int kMinSplitKeys = 256;   // fewest keys a split is given
+constexpr int kCombineThreads = 128;
+
+// Shapes of head dim D: kRows query rows in kRows / 16 row tiles, kStages K/V tiles.
+// D = 256 keeps one row tile (its accumulators) and two stages (sm_80's 163 KB).
+template <int D>
+struct Tiling {
+  static constexpr int kRowTiles = D >= 256 ? 1 : 2;
+  static constexpr int kRows = 16 * kRowTiles;
+  static constexpr int kStages = D >= 256 ? 2 : D >= 128 ? 3 : 4;
+  static constexpr int kChunks = D / 8;                     // 16-byte chunks of a row
+  static constexpr int kTileBytes = kKeys * D * 2;          // one K or V tile
+  static constexpr int kQBytes = kRows * D * 2;
+  static constexpr int kMergeBytes = kWarps * kRows * D * 4;  // the warps' O, after the loop
+  static constexpr int kStatBytes = 2 * kWarps * kRows * 4;   // the warps' m and l
+  static constexpr size_t kSharedBytes = kStages * 2 * kTileBytes + kQBytes + kStatBytes;
+  static_assert(kMergeBytes <= kStages * 2 * kTileBytes, "the merge reuses the stages");
+  static_assert(kKeys * kChunks % kThreads == 0, "whole load passes");
+};
+
+struct DecodeArgs {
+  PagedParams p;
+  const uint16_t* q;
+  const uint16_t* k;
+  const uint16_t* v;
+  const int32_t* page_table;
+  const int32_t* q_start;
+  const int32_t* q_len;
+  const int32_t* kv_len;
+  const float* offset;
+  uint16_t* o;
+  int page_shift;     // log2(page_size) when a power of two, else -1
+  int heads_per_cta;  // query heads of one CTA (a chunk of a K/V head's group)
+  int head_chunks;    // chunks per group
+  int splits;         // CTAs per (sequence, head chunk) along the keys
+  // split > 1: the workspace's parts (see the top of this file)
+  int32_t* ok;
+  float* part_m;
+  float* part_l;
+  float* part_acc;
+};
+
+template <ElementType ET>
+__device__ __forceinline__ uint16_t from_float(float x) {
+  if constexpr (ET == ElementType::kBF16) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+  } else {
+    return __half_as_ushort(__float2half_rn(x));
+  }
+}
+
+__device__ __forceinline__ int64_t o_offset(const PagedParams& p, int64_t b, int64_t row, int64_t h) {
+  return ((b * p.seqlen_q + row) * p.heads + h) * p.head_dim_v;
+}
+
+// Sets rows [first, last) of q row b, heads [h0, h0 + nh), of o to `value`. Block-wide.
+template <ElementType ET>
+__device__ void fill_rows(const DecodeArgs& a, int64_t b, int64_t first, int64_t last, int h0, int nh,
+                          float value) {
+  const PagedParams& p = a.p;
+  const uint16_t bits = from_float<ET>(value);
+  const int64_t per_row = nh * p.head_dim_v;
+  for (int64_t e = threadIdx.x; e < (last - first) * per_row; e += kThreads) {
+    const int64_t row = first + e / per_row;
+    const int64_t rest = e % per_row;
+    a.o[o_offset(p, b, row, h0 + rest / p.head_dim_v) + rest % p.head_dim_v] = bits;
+  }
+}
+
+__device__ __forceinline__ int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; }
+
+// The query rows' key range [lo, hi) that any mask leaves visible, clipped to [0, kv_len).
+struct KeyRange {
+  int32_t lo, hi;
+};
+
+__device__ __forceinline__ KeyRange visible_range(const PagedParams& p, int32_t q0, int32_t nq, int32_t q_len,
+                                                  int32_t kv_len) {
+  const int64_t first = paged_query_token(p, q0, q_len, kv_len).diagonal;
+  const int64_t last = paged_query_token(p, q0 + nq - 1, q_len, kv_len).diagonal;
+  int64_t lo = 0, hi = kv_len;
+  if (p.mask.window_left >= 0) lo = std::max(lo, first - p.mask.window_left);
+  if (p.mask.causal) hi = std::min(hi, last + 1);
+  if (p.mask.window_right >= 0) hi = std::min(hi, last + p.mask.window_right + 1);
+  lo = std::min<int64_t>(lo, kv_len);
+  return {static_cast<int32_t>(lo), static_cast<int32_t>(std::max(hi, lo))};
+}
+
+// The shared-memory buffers of one CTA (swizzled tiles of 16-bit rows).
+template <int D>
+struct Shared {
+  using T = Tiling<D>;
+  unsigned char* base;  // [kStages][K, V] tiles of kKeys rows; after the loop, the warps' O
+  SwizzledTile<T::kChunks> q;  // kRows rows
+  float* stat_m;               // [kWarps][kRows]
+  float* stat_l;               // [kWarps][kRows]
+
+  __device__ explicit Shared(unsigned char* raw) : base(raw) {
+    q.base = smem_address(raw + T::kStages * 2 * T::kTileBytes);
+    stat_m = reinterpret_cast<float*>(raw + T::kStages * 2 * T::kTileBytes + T::kQBytes);
+    stat_l = stat_m + kWarps * T::kRows;
+  }
+  // K (which = 0) or V (1) of `stage`, from key row `row0` on.
+  __device__ SwizzledTile<T::kChunks> tile(int stage, int which, int row0 = 0) const {
+    SwizzledTile<T::kChunks> t;
+    t.base = smem_address(base + (stage * 2 + which) * T::kTileBytes) + row0 * T::kChunks * 16;
+    return t;
+  }
+  __device__ float* merge() const { return reinterpret_cast<float*>(base); }  // [kWarps][kRows][D]
+};
+
+// One pass of a CTA: query rows r = qi * nh + hh (query q0 + qi, head h0 + hh), r < rows,
+// over keys [begin, end); leaves each row's max m, sum l and unnormalised O in `out_*`
+// (merged over the warps). Block-wide.
+template <ElementType ET, int D>
+struct Pass {
+  using T = Tiling<D>;
+  const DecodeArgs& a;
+  const Shared<D>& sh;
+  const int32_t* table;
+  int g, h0, nh, q0, rows, q_len, kv_len;
+  int64_t b, q_row0;
+
+  __device__ void load_q() const {
+    const PagedParams& p = a.p;
+    for (int e = threadIdx.x; e < T::kRows * T::kChunks; e += kThreads) {
+      const int r = e / T::kChunks, c = e % T::kChunks;
+      uint4 chunk = make_uint4(0, 0, 0, 0);
+      if (r < rows) {
+        const int64_t at = ((b * p.seqlen_q + q_row0 + r / nh) * p.heads + h0 + r % nh) * D + c * 8;
+        chunk = *reinterpret_cast<const uint4*>(a.q + at);
+      }
+      const uint32_t slot = sh.q.row(r) + static_cast<uint32_t>((c ^ (r % 8)) * 16);
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot), "r"(chunk.x), "r"(chunk.y),
+                   "r"(chunk.z), "r"(chunk.w));
+    }
+  }
+
+  // Issues the copies of the tile of keys [key0, key0 + kKeys) into `stage` (keys >= end
+  // read as zeros).
+  __device__ void load_tile(int32_t key0, int32_t end, int stage) const {
+    const PagedParams& p = a.p;
+    const SwizzledTile<T::kChunks> k_tile = sh.tile(stage, 0), v_tile = sh.tile(stage, 1);
+#pragma unroll
+    for (int i = 0; i < kKeys * T::kChunks / kThreads; ++i) {
+      const int e = static_cast<int>(threadIdx.x) + i * kThreads;
+      const int j = e / T::kChunks, c = e % T::kChunks;
+      const int32_t key = key0 + j;
+      const bool valid = key < end;
+      int64_t at = 0;
+      if (valid) {
+        const uint32_t u = static_cast<uint32_t>(key), ps = static_cast<uint32_t>(p.page_size);
+        const uint32_t page = a.page_shift >= 0 ? u >> a.page_shift : u / ps;
+        const uint32_t slot = a.page_shift >= 0 ? u & (ps - 1) : u % ps;
+        at = ((static_cast<int64_t>(table[page]) * p.page_size + slot) * p.kv_heads + g) * D + c * 8;
+      }
+      const uint32_t offset = static_cast<uint32_t>((c ^ (j % 8)) * 16);
+      cp_async_16(k_tile.row(j) + offset, a.k + at, valid);
+      cp_async_16(v_tile.row(j) + offset, a.v + at, valid);
+    }
+  }
+
+  // The warp's 16 keys of the tile in `stage` folded into its running (m, l, o).
+  __device__ void compute(int stage, int32_t key0, int32_t end, float (&m)[T::kRowTiles][2],
+                          float (&l)[T::kRowTiles][2], float (&o)[T::kRowTiles][D / 8][4]) const {
+    const PagedParams& p = a.p;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const SwizzledTile<T::kChunks> k_rows = sh.tile(stage, 0, 16 * warp), v_rows = sh.tile(stage, 1, 16 * warp);
+#pragma unroll
+    for (int rt = 0; rt < T::kRowTiles; ++rt) {
+      if (16 * rt >= rows) break;
+      float s[2][4] = {};
+      flash::warp_rows_times_rows<ET, D, 16, T::kChunks, T::kChunks>(s, sh.q, 16 * rt, k_rows);
+      float block_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = 16 * rt + lane / 4 + 8 * half;
+        const QueryToken qt = paged_query_token(p, q0 + r / nh, q_len, kv_len);
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int32_t key = key0 + 16 * warp + 8 * t + 2 * (lane % 4) + e;
+            const bool seen = r < rows && key < end && visible(p.mask, qt, 1, key);
+            float& x = s[t][2 * half + e];
+            x = seen ? p.scale * x : -INFINITY;
+            block_max[half] = fmaxf(block_max[half], x);
+          }
+        }
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        block_max[half] = fmaxf(block_max[half], warp_shfl_xor(block_max[half], 1));
+        block_max[half] = fmaxf(block_max[half], warp_shfl_xor(block_max[half], 2));
+        const float m_new = fmaxf(m[rt][half], block_max[half]);
+        const float alpha = m[rt][half] == -INFINITY ? 0.0f : expf(m[rt][half] - m_new);
+        m[rt][half] = m_new;
+        float sum = 0.0f;
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& x = s[t][2 * half + e];
+            x = x == -INFINITY ? 0.0f : expf(x - m_new);
+            sum += x;
+          }
+        }
+        l[rt][half] = l[rt][half] * alpha + sum;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+          o[rt][dt][2 * half] *= alpha;
+          o[rt][dt][2 * half + 1] *= alpha;
+        }
+      }
+      flash::warp_regs_times_rows<ET, 16, D, T::kChunks>(o[rt], s, v_rows, 0);
+    }
+  }
+
+  // Streams keys [begin, end) through the stages and merges the warps' results into
+  // out_m, out_l [kRows] and out_o [kRows][D] (the merge area; sh.merge()).
+  __device__ void run(int32_t begin, int32_t end, float* out_m, float* out_l) const {
+    const int n_tiles = end > begin ? (end - begin + kKeys - 1) / kKeys : 0;
+    float m[T::kRowTiles][2], l[T::kRowTiles][2], o[T::kRowTiles][D / 8][4];
+#pragma unroll
+    for (int rt = 0; rt < T::kRowTiles; ++rt) {
+      m[rt][0] = m[rt][1] = -INFINITY;
+      l[rt][0] = l[rt][1] = 0.0f;
+      flash::zero(o[rt]);
+    }
+#pragma unroll
+    for (int s = 0; s < T::kStages - 1; ++s) {
+      if (s < n_tiles) load_tile(begin + s * kKeys, end, s);
+      cp_async_commit();
+    }
+    for (int t = 0; t < n_tiles; ++t) {
+      cp_async_wait<T::kStages - 2>();
+      __syncthreads();  // tile t has landed; every warp is done with the stage refilled next
+      const int ahead = t + T::kStages - 1;
+      if (ahead < n_tiles) load_tile(begin + ahead * kKeys, end, ahead % T::kStages);
+      cp_async_commit();
+      compute(t % T::kStages, begin + t * kKeys, end, m, l, o);
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the stages are free: the merge area overlays them
+    merge(m, l, o, out_m, out_l);
+  }
+
+  // The warps' (m, l, o) -> one (m, l, o) per row: out_m, out_l and sh.merge()[0][row][:].
+  __device__ void merge(float (&m)[T::kRowTiles][2], float (&l)[T::kRowTiles][2],
+                        const float (&o)[T::kRowTiles][D / 8][4], float* out_m, float* out_l) const {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float* merged = sh.merge();
+#pragma unroll
+    for (int rt = 0; rt < T::kRowTiles; ++rt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = 16 * rt + lane / 4 + 8 * half;
+        float sum = l[rt][half];
+        sum += warp_shfl_xor(sum, 1);
+        sum += warp_shfl_xor(sum, 2);
+        if (lane % 4 == 0) {
+          sh.stat_m[warp * T::kRows + r] = m[rt][half];
+          sh.stat_l[warp * T::kRows + r] = sum;
+        }
+        float* dst = merged + (warp * T::kRows + r) * D + 2 * (lane % 4);
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+          *reinterpret_cast<float2*>(dst + 8 * dt) = make_float2(o[rt][dt][2 * half], o[rt][dt][2 * half + 1]);
+        }
+      }
+    }
+    __syncthreads();
+    // Row r's factors exp(m_w - M) per warp; then O summed into warp 0's slot.
+    for (int e = threadIdx.x; e < rows * (D / 4); e += kThreads) {
+      const int r = e / (D / 4), c = e % (D / 4);
+      float mx = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, sh.stat_m[w * T::kRows + r]);
+      float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      float total = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float mw = sh.stat_m[w * T::kRows + r];
+        if (mw == -INFINITY) continue;
+        const float f = expf(mw - mx);
+        const float4 x = *reinterpret_cast<const float4*>(merged + (w * T::kRows + r) * D + 4 * c);
+        sum.x += f * x.x;
+        sum.y += f * x.y;
+        sum.z += f * x.z;
+        sum.w += f * x.w;
+        total += f * sh.stat_l[w * T::kRows + r];
+      }
+      *reinterpret_cast<float4*>(merged + r * D + 4 * c) = sum;  // warp 0's slot: read only by this thread
+      if (c == 0) {
+        out_m[r] = mx;
+        out_l[r] = total;
+      }
+    }
+    __syncthreads();
+  }
+};
+
+// Whether the sequence's data can be served (paged_sequence_ok), the pages checked by all
+// threads at once. Block-wide.
+__device__ bool sequence_ok(const PagedParams& p, const int32_t* table, int32_t q_start, int32_t q_len,
+                            int32_t kv_len) {
+  if (!paged_lengths_ok(p, q_start, q_len, kv_len)) return false;  // uniform over the block
+  bool bad = false;
+  for (int64_t i = threadIdx.x; i * p.page_size < kv_len; i += kThreads) bad |= !paged_page_ok(p, table[i]);
+  return !__syncthreads_or(bad);
+}
+
+// grid (S, Hkv * head_chunks, splits).
+template <ElementType ET, int D>
+__global__ void __launch_bounds__(kThreads) paged_decode_kernel(DecodeArgs a) {
+  using T = Tiling<D>;
+  extern __shared__ __align__(128) unsigned char shared_raw[];
+  __shared__ float row_m[T::kRows], row_l[T::kRows];
+  const Shared<D> sh(shared_raw);
+  const PagedParams& p = a.p;
+  const int64_t s = blockIdx.x;
+  const int g = blockIdx.y / a.head_chunks, chunk = blockIdx.y % a.head_chunks;
+  const int split = blockIdx.z;
+  const int group = static_cast<int>(p.heads / p.kv_heads);
+  const int h0 = g * group + chunk * a.heads_per_cta;
+  const int nh = std::min(a.heads_per_cta, group - chunk * a.heads_per_cta);
+  const int64_t b = paged_row_of(p, s);
+  const int32_t q_start = a.q_start[s], q_len = a.q_len[s], kv_len = a.kv_len[s];
+  const int32_t* table = a.page_table + s * p.pages_per_seq;
+
+  // The sequence's rows that lie in its q row; with one sequence per row (S = B) the
+  // others are zero here, with several the handler zeroed o beforehand.
+  const int64_t first = clamp64(q_start, 0, p.seqlen_q);
+  const int64_t last = q_len > 0 ? clamp64(static_cast<int64_t>(q_start) + q_len, first, p.seqlen_q) : first;
+  if (split == 0 && p.sequences == p.batch) {
+    fill_rows<ET>(a, b, 0, first, h0, nh, 0.0f);
+    fill_rows<ET>(a, b, last, p.seqlen_q, h0, nh, 0.0f);
+  }
+  if (q_len <= 0) return;
+  const bool ok = sequence_ok(p, table, q_start, q_len, kv_len);
+  if (a.splits > 1 && threadIdx.x == 0 && blockIdx.y == 0 && split == 0) a.ok[s] = ok;
+  if (!ok) {
+    if (split == 0) fill_rows<ET>(a, b, first, last, h0, nh, NAN);
+    return;
+  }
+  for (int q0 = 0; q0 < q_len; q0 += kMaxQueries) {
+    const int nq = std::min(q_len - q0, int{kMaxQueries});
+    const Pass<ET, D> pass{a, sh, table, g, h0, nh, q0, nh * nq, q_len, kv_len, b,
+                           static_cast<int64_t>(q_start) + q0};
+    pass.load_q();
+    const KeyRange range = visible_range(p, q0, nq, q_len, kv_len);
+    int32_t begin = range.lo, end = range.hi;
+    if (a.splits > 1) {
+      const int32_t per = ((end - begin + a.splits - 1) / a.splits + kKeys - 1) / kKeys * kKeys;
+      begin = std::min(end, begin + split * per);
+      end = std::min(end, begin + per);
+    }
+    pass.run(begin, end, row_m, row_l);  // its first barrier orders load_q's stores
+    const float* merged = sh.merge();
+    for (int e = threadIdx.x; e < pass.rows * (D / 4); e += kThreads) {
+      const int r = e / (D / 4), c = e % (D / 4);
+      const int64_t row = pass.q_row0 + r / nh, h = h0 + r % nh;
+      const float4 x = *reinterpret_cast<const float4*>(merged + r * D + 4 * c);
+      if (a.splits > 1) {
+        const int64_t at = (static_cast<int64_t>(split) * p.batch * p.seqlen_q + b * p.seqlen_q + row) * p.heads + h;
+        *reinterpret_cast<float4*>(a.part_acc + at * D + 4 * c) = x;
+        if (c == 0) {
+          a.part_m[at] = row_m[r];
+          a.part_l[at] = row_l[r];
+        }
+      } else {
+        SoftmaxState st{row_m[r], row_l[r], row_m[r] != -INFINITY};
+        float inv = 0.0f;
+        st.finalize(p.softmax_type, softmax_sink_logit(p.softmax_type, a.offset[h]), &inv);
+        *reinterpret_cast<uint2*>(a.o + o_offset(p, b, row, h) + 4 * c) =
+            make_uint2(flash::pack2<ET>(x.x * inv, x.y * inv), flash::pack2<ET>(x.z * inv, x.w * inv));
+      }
+    }
+    __syncthreads();  // before the next pass overwrites q, the merge area and the statistics
+  }
+}
+
+// grid (S, H): the output rows of sequence s, head h, from the splits' partials.
+template <ElementType ET>
+__global__ void __launch_bounds__(kCombineThreads) combine_kernel(DecodeArgs a) {
+  const PagedParams& p = a.p;
+  const int64_t s = blockIdx.x, h = blockIdx.y;
+  const int32_t q_len = a.q_len[s];
+  if (q_len <= 0 || !a.ok[s]) return;
+  const int64_t b = paged_row_of(p, s);
+  const int64_t rows = p.batch * p.seqlen_q * p.heads;
+  const float sink = softmax_sink_logit(p.softmax_type, a.offset[h]);
+  for (int32_t i = 0; i < q_len; ++i) {
+    const int64_t row = (b * p.seqlen_q + a.q_start[s] + i) * p.heads + h;
+    float m = -INFINITY;
+    for (int z = 0; z < a.splits; ++z) m = fmaxf(m, a.part_m[z * rows + row]);
+    float l = 0.0f;
+    for (int z = 0; z < a.splits; ++z) {
+      const float mz = a.part_m[z * rows + row];
+      if (mz != -INFINITY) l += a.part_l[z * rows + row] * expf(mz - m);
+    }
+    SoftmaxState st{m, l, m != -INFINITY};
+    float inv = 0.0f;
+    st.finalize(p.softmax_type, sink, &inv);
+    for (int64_t d = threadIdx.x; d < p.head_dim_v; d += kCombineThreads) {
+      float sum = 0.0f;
+      for (int z = 0; z < a.splits; ++z) {
+        const float mz = a.part_m[z * rows + row];
+        if (mz != -INFINITY) sum += a.part_acc[(z * rows + row) * p.head_dim_v + d] * expf(mz - m);
+      }
+      a.o[row * p.head_dim_v + d] = from_float<ET>(sum * inv);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------- host side
+
+int64_t align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// Bytes of the workspace for `splits` splits (the ok flags alone for one).
+int64_t workspace_bytes(const PagedParams& p, int64_t splits) {
+  const int64_t flags = align256(p.sequences * static_cast<int64_t>(sizeof(int32_t)));
+  if (splits <= 1) return flags;
+  const int64_t stats = splits * p.batch * p.seqlen_q * p.heads * static_cast<int64_t>(sizeof(float));
+  return flags + 2 * align256(stats) + stats * p.head_dim_v;
+}
+
+ffi::Error check_kernel_support(const char* op, const PagedParams& p, ffi::DataType dtype) {
+  if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) {
+    return invalid(op, std::string("the CUDA paged decode kernel takes bfloat16 or float16, got ") +
+                           dtype_name(dtype));
+  }
+  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) {
+    return invalid(op, "the CUDA paged decode kernel serves head dims 64, 128 and 256, got " +
+                           std::to_string(p.head_dim));
+  }
+  if (p.head_dim_v != p.head_dim) {
+    return invalid(op, "the CUDA paged decode kernel needs v's head dim equal to q's, got " +
+                           std::to_string(p.head_dim_v) + " and " + std::to_string(p.head_dim));
+  }
+  return ffi::Error::Success();
+}
+
+// How many splits to run: enough CTAs for one full wave of the GPU, no more than the
+// workspace holds, and at least kMinSplitKeys keys (of the table's capacity) each.
+int choose_splits(const PagedParams& p, int64_t ctas, int resident_per_sm, int64_t workspace_size) {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    return 1;
+  }
+  const int64_t resident = static_cast<int64_t>(sms) * std::max(resident_per_sm, 1);
+  if (ctas >= resident) return 1;
+  const int64_t keys = (p.pages_per_seq * p.page_size + kMinSplitKeys - 1) / kMinSplitKeys;
+  int64_t splits = std::min({resident / ctas, keys, int64_t{65535}});
+  while (splits > 1 && workspace_bytes(p, splits) > workspace_size) --splits;
+  return static_cast<int>(std::max<int64_t>(splits, 1));
+}
+
+template <ElementType ET, int D>
+ffi::Error launch(const char* op, gpuStream_t stream, DecodeArgs a, ffi::Result<ffi::AnyBuffer>& workspace) {
+  using T = Tiling<D>;
+  const PagedParams& p = a.p;
+  auto* kernel = paged_decode_kernel<ET, D>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(T::kSharedBytes)) != cudaSuccess) {
+    return launch_status(op);
+  }
+  int resident_per_sm = 1;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident_per_sm, kernel, kThreads, T::kSharedBytes) !=
+      cudaSuccess) {
+    return launch_status(op);
+  }
+  const int64_t group = p.heads / p.kv_heads;
+  const int64_t queries = std::min<int64_t>(p.seqlen_q, kMaxQueries);
+  a.heads_per_cta = static_cast<int>(std::min<int64_t>(group, T::kRows / queries));
+  a.head_chunks = static_cast<int>((group + a.heads_per_cta - 1) / a.heads_per_cta);
+  const int64_t ctas = p.sequences * p.kv_heads * a.head_chunks;
+  a.splits = choose_splits(p, ctas, resident_per_sm, workspace->dimensions()[0]);
+  if (a.splits > 1) {
+    char* base = static_cast<char*>(workspace->untyped_data());
+    const int64_t flags = workspace_bytes(p, 1);
+    const int64_t stats = align256(a.splits * p.batch * p.seqlen_q * p.heads * static_cast<int64_t>(sizeof(float)));
+    a.ok = reinterpret_cast<int32_t*>(base);
+    a.part_m = reinterpret_cast<float*>(base + flags);
+    a.part_l = reinterpret_cast<float*>(base + flags + stats);
+    a.part_acc = reinterpret_cast<float*>(base + flags + 2 * stats);
+  }
+  if (p.sequences != p.batch &&
+      gpuMemsetAsync(a.o, 0, p.batch * p.seqlen_q * p.heads * p.head_dim_v * sizeof(uint16_t), stream) !=
+          gpuSuccess) {
+    return launch_status(op);
+  }
+  const dim3 grid(static_cast<unsigned>(p.sequences), static_cast<unsigned>(p.kv_heads * a.head_chunks),
+                  static_cast<unsigned>(a.splits));
+  kernel<<<grid, kThreads, T::kSharedBytes, stream>>>(a);
+  if (a.splits > 1) {
+    combine_kernel<ET><<<dim3(static_cast<unsigned>(p.sequences), static_cast<unsigned>(p.heads)),
+                         kCombineThreads, 0, stream>>>(a);
+  }
+  return launch_status(op);
+}
+
+ffi::Error PagedDecodeFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                              ffi::AnyBuffer page_table, ffi::AnyBuffer q_start, ffi::AnyBuffer q_len,
+                              ffi::AnyBuffer kv_len, ffi::AnyBuffer softmax_offset, ffi::Result<ffi::AnyBuffer> o,
+                              ffi::Result<ffi::AnyBuffer> workspace, float scale, bool causal, bool bottom_right,
+                              int64_t window_left, int64_t window_right, int32_t softmax_type) {
+  constexpr const char* kOp = "fusedattn_paged_decode_fwd (CUDA)";
+  PagedParams p;
+  if (auto e = parse_paged_decode_call(kOp, q, k, v, page_table, q_start, q_len, kv_len, softmax_offset, o, scale,
+                                       causal, bottom_right, window_left, window_right, softmax_type, &p);
+      e.failure()) {
+    return e;
+  }
+  if (auto e = check_kernel_support(kOp, p, q.element_type()); e.failure()) return e;
+  if (workspace->element_type() != ffi::DataType::U8 || workspace->dimensions().size() != 1 ||
+      workspace->dimensions()[0] < workspace_bytes(p, 1)) {
+    return invalid(kOp, "the workspace result must be uint8 [>= " + std::to_string(workspace_bytes(p, 1)) + "], got " +
+                            dtype_name(workspace->element_type()) + " " + dims_string(workspace->dimensions()));
+  }
+  if (p.batch == 0 || p.seqlen_q == 0 || p.heads == 0) return ffi::Error::Success();
+  DecodeArgs a{};
+  a.p = p;
+  a.page_shift = (p.page_size & (p.page_size - 1)) == 0 ? __builtin_ctzll(static_cast<uint64_t>(p.page_size)) : -1;
+  a.q = static_cast<const uint16_t*>(q.untyped_data());
+  a.k = static_cast<const uint16_t*>(k.untyped_data());
+  a.v = static_cast<const uint16_t*>(v.untyped_data());
+  a.page_table = page_table.typed_data<int32_t>();
+  a.q_start = q_start.typed_data<int32_t>();
+  a.q_len = q_len.typed_data<int32_t>();
+  a.kv_len = kv_len.typed_data<int32_t>();
+  a.offset = softmax_offset.typed_data<float>();
+  a.o = static_cast<uint16_t*>(o->untyped_data());
+  const ElementType et = element_type_of(q.element_type());
+  auto by_dim = [&](auto et_constant) -> ffi::Error {
+    constexpr ElementType kET = decltype(et_constant)::value;
+    switch (p.head_dim) {
+      case 64: return launch<kET, 64>(kOp, stream, a, workspace);
+      case 128: return launch<kET, 128>(kOp, stream, a, workspace);
+      default: return launch<kET, 256>(kOp, stream, a, workspace);
+    }
+  };
+  return et == ElementType::kBF16 ? by_dim(std::integral_constant<ElementType, ElementType::kBF16>{})
+                                  : by_dim(std::integral_constant<ElementType, ElementType::kF16>{});
+}
+
+}  // namespace
+}  // namespace paged_decode
+}  // namespace fusedattn
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnPagedDecodeFwdCuda, fusedattn::paged_decode::PagedDecodeFwdImpl,
+                              fusedattn::bind_paged_decode<1>(
+                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<gpuStream_t>>()),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
