@@ -48,7 +48,7 @@ import numpy as np
 
 from fusedattn.ops import _library
 from fusedattn.ops.backends import partitioning
-from fusedattn.ops.backends.base import (CallShapes, CanonicalArgs, align256,
+from fusedattn.ops.backends.base import (CallShapes, CanonicalArgs, align256, compute_capability,
                                          cuda_library_reason, current_platform)
 from fusedattn.ops.enums import BiasType, SoftmaxType
 from fusedattn.ops.spec import AttentionSpec
