@@ -404,6 +404,7 @@ def _train(config, workdir: pathlib.Path, task: Task, title: str) -> dict:
     num_steps = tc.num_steps
     tx, schedule = make_optimizer(config.optim, num_steps)
     platform = jax.devices()[0].platform
+    devices = 1 if task.mesh is None else task.mesh.size   # MFU is per device
 
     opt_state = tx.init(task.trained(task.params))
     checkpoints = Checkpoints(workdir / "checkpoints", tc.keep_checkpoints)
@@ -489,7 +490,7 @@ def _train(config, workdir: pathlib.Path, task: Task, title: str) -> dict:
                     train_steps += interval_steps
                     if platform != "cpu" and task.flops_per_step:
                         record["mfu"] = (interval_steps * task.flops_per_step / elapsed
-                                         / tc.peak_flops)
+                                         / (tc.peak_flops * devices))
                 first_interval = False
                 if is_eval:
                     record.update(evaluate(params))
@@ -523,7 +524,7 @@ def _train(config, workdir: pathlib.Path, task: Task, title: str) -> dict:
         last = records[-1]   # also when resuming a run that had already finished
     if records:
         plot_losses(records, workdir / "loss.png", title, task.reference)
-    summary = _summary(records, last, train_seconds, train_steps, task, tc, platform)
+    summary = _summary(records, last, train_seconds, train_steps, task, tc, platform, devices)
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _print(_summary_line(summary, task.unit))
     return summary
@@ -563,7 +564,7 @@ def _non_finite_message(task: Task, params, step: int, dropout_root, checkpoint:
             "or look at the data of that step.")
 
 
-def _summary(records, last, seconds, steps, task: Task, tc, platform) -> dict:
+def _summary(records, last, seconds, steps, task: Task, tc, platform, devices: int) -> dict:
     # The first loss only when the record starts at step 1 (metrics.jsonl may have been
     # removed before a resume); otherwise it is unknown and the summary says so.
     first = records[0]["loss"] if records and records[0]["step"] == 1 else None
@@ -576,7 +577,7 @@ def _summary(records, last, seconds, steps, task: Task, tc, platform) -> dict:
     if steps:
         summary[f"{task.unit}_per_s"] = steps * task.tokens_per_step / seconds
         if platform != "cpu" and task.flops_per_step:
-            summary["mfu"] = steps * task.flops_per_step / seconds / tc.peak_flops
+            summary["mfu"] = steps * task.flops_per_step / seconds / (tc.peak_flops * devices)
     summary["platform"] = platform
     return summary
 
