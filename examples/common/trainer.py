@@ -439,6 +439,11 @@ def _train(config, workdir: pathlib.Path, task: Task, title: str) -> dict:
     train_step = _under_mesh(task.mesh, jax.jit(train_step, donate_argnums=(0, 1)))
     eval_step = _under_mesh(task.mesh, jax.jit(task.eval_fn))
     first_bad = jnp.asarray(-1, jnp.int32)   # 0-based index of the first non-finite step
+    if task.mesh is not None:
+        # The step's carried state starts on the mesh, replicated, as each step returns it:
+        # otherwise the second step compiles the training step again for the new placement.
+        on_mesh = jax.sharding.NamedSharding(task.mesh, jax.sharding.PartitionSpec())
+        params, opt_state, first_bad = jax.device_put((params, opt_state, first_bad), on_mesh)
 
     def stop_if_broken(first_bad_step: int) -> None:
         if first_bad_step >= 0:
