@@ -76,7 +76,7 @@ class CudnnBackend:
         major, minor = _compute_capability()
         if major < 8:
             return (f"cudnn: fused attention needs compute capability 8.0 or newer, this GPU has "
-                    f"{major}.{minor}")
+                    f"{major}.{minor}; use backend='xla'")
         if shapes is None:
             return None
         dropout = shapes.dropout and spec.dropout_rate > 0
