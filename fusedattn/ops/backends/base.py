@@ -92,6 +92,10 @@ class Backend(Protocol):
     """A backend: says whether it can serve a call, and serves it differentiably."""
 
     name: str
+    # The platforms where masked keys holding NaN/Inf contribute nothing (selected out, not
+    # multiplied by a zero probability); elsewhere fused_attn guards the call
+    # (fusedattn.ops.masked_values).
+    masked_values_exact_on: frozenset[str]
 
     def supports(self, spec: AttentionSpec, shapes: CallShapes, platform: str) -> str | None:
         """None when this backend can serve the call on `platform`, else the reason."""

@@ -216,6 +216,7 @@ class FlashBackend:
     GPUs (sm_80 and newer)."""
 
     name = "flash"
+    masked_values_exact_on = frozenset({"cpu"})  # the host kernels select masked keys out
 
     def supports(self, spec: AttentionSpec, shapes: CallShapes | None, platform: str) -> str | None:
         platform = (platform or "").lower()

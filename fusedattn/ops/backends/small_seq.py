@@ -74,6 +74,7 @@ def query_bound(spec: AttentionSpec, seqlen_q: int) -> int:
 
 class SmallSeqBackend:
     name = "small_seq"
+    masked_values_exact_on = frozenset({"cpu", "cuda", "rocm"})  # masked keys are never loaded
 
     def supports(self, spec: AttentionSpec, shapes: CallShapes, platform: str) -> str | None:
         if spec.mask not in (MaskType.NO_MASK, MaskType.PADDING):

@@ -193,6 +193,7 @@ class XlaBackend:
     """Serves every call on every platform."""
 
     name = "xla"
+    masked_values_exact_on = frozenset({"cpu", "cuda", "rocm"})
 
     def supports(self, spec: AttentionSpec, shapes: CallShapes, platform: str) -> str | None:
         return None

@@ -39,6 +39,7 @@ def _guard_message(spec: AttentionSpec, static: _Static) -> str:
 
 class CudnnBackend:
     name = "cudnn"
+    masked_values_exact_on = frozenset()
 
     def supports(self, spec: AttentionSpec, shapes: CallShapes | None, platform: str) -> str | None:
         platform = (platform or "").lower()
