@@ -28,14 +28,13 @@ BACKENDS = ("cudnn", "flash")
 
 @contextlib.contextmanager
 def unguarded(backend: str):
-    """The backend counted exact on this platform while tracing: fused_attn skips the guard."""
+    """The backend counted exact while tracing: fused_attn skips the guard."""
     serving = registry.BACKENDS[backend]
-    saved = serving.masked_values_exact_on
-    serving.masked_values_exact_on = saved | {registry.current_platform()}
+    serving.masked_values_exact = lambda spec, platform: True  # shadows the method
     try:
         yield
     finally:
-        serving.masked_values_exact_on = saved
+        del serving.masked_values_exact
 
 
 def attend(backend: str, causal: bool):

@@ -94,21 +94,28 @@ def test_guard_branches_once_under_vmap(rng):
     assert np.isnan(out[1, 9:]).all()
 
 
-def test_xla_and_host_backends_are_not_guarded():
-    from fusedattn.ops.backends import flash, xla
+def test_which_calls_are_guarded():
+    from fusedattn.ops.backends import cudnn, flash, xla
 
-    assert "cpu" in xla.BACKEND.masked_values_exact_on
-    assert "cuda" in xla.BACKEND.masked_values_exact_on
-    assert "cpu" in flash.FlashBackend.masked_values_exact_on
-    assert "cuda" not in flash.FlashBackend.masked_values_exact_on
+    def exact(backend, platform="cuda", **config):
+        return backend.masked_values_exact(AttentionSpec.from_config(make_config(**config)),
+                                           platform)
+
+    assert exact(xla.BACKEND, mask="causal") and exact(xla.BACKEND, "cpu", mask="causal")
+    assert exact(flash.BACKEND, "cpu", mask="causal")
+    assert not exact(flash.BACKEND, mask="padding")
+    assert exact(cudnn.BACKEND, mask="padding") and exact(cudnn.BACKEND, mask="no_mask")
+    assert not exact(cudnn.BACKEND, mask="causal")
+    assert not exact(cudnn.BACKEND, mask="no_mask", window_size=(4, 0))
 
 
 # --------------------------------------------------------------------------- GPU backends
 
+WINDOW = 8
 GPU_CASES = [
     ("flash", "causal", {}), ("flash", "causal_bottom_right", {}),
-    ("flash", "no_mask", {"window_size": (8, 0)}),
-    ("cudnn", "causal", {}), ("cudnn", "no_mask", {"window_size": (8, 0)}),
+    ("flash", "no_mask", {"window_size": (WINDOW, 0)}),
+    ("cudnn", "causal", {}), ("cudnn", "no_mask", {"window_size": (WINDOW, 0)}),
 ]
 
 
@@ -119,6 +126,7 @@ def test_gpu_backends_exclude_masked_non_finite_values(rng, backend, mask, extra
     b, s, h, d = 2, 200, 4, 64
     q, k, v = qkv(rng, (b, s, h, d), jnp.bfloat16)
     late = 150                                      # rows before it never see key 150
+    seen_by = slice(late, late + WINDOW + 1) if "window_size" in extra else slice(late, None)
     bad_v = v.at[:, late].set(value)
     config = make_config(backend=backend, mask=mask, **extra)
     reference = make_config(backend="xla", mask=mask, **extra)
@@ -129,7 +137,7 @@ def test_gpu_backends_exclude_masked_non_finite_values(rng, backend, mask, extra
     out = np.asarray(jax.jit(attend(config))(q, k, bad_v), np.float32)
     want = np.asarray(attend(reference)(q, k, bad_v), np.float32)
     assert np.array_equal(np.isnan(out), np.isnan(want))
-    assert np.isnan(out[:, late:]).all() and not np.isnan(out[:, :late]).any()
+    assert np.isnan(out[:, seen_by]).all() and not np.isnan(out[:, :late]).any()
     assert_close(out[:, :late], want[:, :late], tolerance(jnp.bfloat16))
     rows = slice(0, late)
     grads = jax.jit(jax.grad(loss_of_rows(attend(config), rows), argnums=(0, 1, 2)))(q, k, bad_v)
@@ -143,9 +151,9 @@ def test_gpu_backends_exclude_masked_non_finite_values(rng, backend, mask, extra
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["small_seq", "cudnn", "flash"])
 def test_gpu_backends_ignore_non_finite_padding(rng, backend):
-    b, s, h, d = 2, 24, 4, 64
+    b, s, h, d = 2, 16, 4, 64
     q, k, v = qkv(rng, (b, s, h, d), jnp.bfloat16)
-    lengths = np.array([10, 24], np.int32)
+    lengths = np.array([10, 16], np.int32)
     q_lengths = np.array([1, 1], np.int32) if backend == "small_seq" else lengths
     sequence = SequenceDescriptor.from_seqlens(q_lengths, lengths)
     bounds = {"max_seqlen_q": 1, "max_seqlen_kv": s} if backend == "small_seq" else {}

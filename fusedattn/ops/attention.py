@@ -88,10 +88,11 @@ def fused_attn(qkv, *, config, bias=None, softmax_offset=None, sequence=None,
         extras = (new_state,)
     elif spec.context_axis is not None:
         out = _exact_at_masked_values(
-            backend, lambda a: context_parallel.attention(spec, backend.name, a, scale), args)
+            spec, backend, lambda a: context_parallel.attention(spec, backend.name, a, scale), args)
         largest = context_parallel.max_logit(spec, args, scale) if return_max_logit else None
     else:
-        out = _exact_at_masked_values(backend, lambda a: backend.attention(spec, a, scale), args)
+        out = _exact_at_masked_values(spec, backend,
+                                      lambda a: backend.attention(spec, a, scale), args)
         largest = max_logit.max_logit(spec, args, scale) if return_max_logit else None
     if spec.uses_segments:
         broken = validation.broken_rows(sequence, spec, shapes.seqlen_q, shapes.seqlen_kv)
@@ -101,10 +102,11 @@ def fused_attn(qkv, *, config, bias=None, softmax_offset=None, sequence=None,
     return (out, *extras) if extras else out
 
 
-def _exact_at_masked_values(backend, attention, args: CanonicalArgs) -> jax.Array:
+def _exact_at_masked_values(spec: AttentionSpec, backend, attention, args: CanonicalArgs
+                            ) -> jax.Array:
     """attention(args), guarded (masked_values) where the backend's kernels would let a
     masked NaN/Inf key or value leak into other rows."""
-    if registry.current_platform() in backend.masked_values_exact_on:
+    if backend.masked_values_exact(spec, registry.current_platform()):
         return attention(args)
     return masked_values.guarded(attention, args)
 

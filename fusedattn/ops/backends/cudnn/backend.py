@@ -39,7 +39,12 @@ def _guard_message(spec: AttentionSpec, static: _Static) -> str:
 
 class CudnnBackend:
     name = "cudnn"
-    masked_values_exact_on = frozenset()
+
+    def masked_values_exact(self, spec: AttentionSpec, platform: str) -> bool:
+        # Measured on an H200 (benchmarks/probes/masked_values_probe.py): under causal and
+        # window masks a NaN value at a masked key reaches the output and a NaN key dQ;
+        # keys past a padded sequence's end never reach anything.
+        return not spec.mask.is_causal and spec.window_size == (-1, -1)
 
     def supports(self, spec: AttentionSpec, shapes: CallShapes | None, platform: str) -> str | None:
         platform = (platform or "").lower()
