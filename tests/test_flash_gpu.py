@@ -7,6 +7,12 @@ vectors, the softmax sink, Philox dropout from the jnp definition, so dropout ma
 match bit for bit to pass), with outputs poisoned before every call. Shapes are chosen
 off the kernels' tile sizes (64 queries, 32/64 keys) so that partial tiles, skipped
 tiles and the span summaries' edges are all exercised.
+
+Every test runs twice: with the kernels the device picks ("device": on an H100/H200 the
+sm_90a forward where built) and with the sm_80 (mma.sync) kernels named through
+FUSEDATTN_FLASH_KERNEL=sm80 ("sm80"), so that the whole matrix covers the portable
+kernels' NVIDIA text on a Hopper GPU too (on older GPUs "sm80" is what "device" runs, and
+skips).
 """
 
 from __future__ import annotations
@@ -30,6 +36,18 @@ pytestmark = pytest.mark.gpu
 
 DTYPES = (jnp.bfloat16, jnp.float16)
 HEAD_DIMS = (64, 128, 256)
+
+
+@pytest.fixture(autouse=True, params=["device", "sm80"])
+def flash_kernel(request, monkeypatch):
+    """The kernels a test runs: those the device picks, or the sm_80 ones named."""
+    if request.param == "device":
+        monkeypatch.delenv(flash.KERNEL_VARIABLE, raising=False)
+    elif flash.compute_capability() != (9, 0) or not flash._library.flash_sm90_head_dims("cuda"):
+        pytest.skip("this device and build run the sm_80 kernels already")
+    else:
+        monkeypatch.setenv(flash.KERNEL_VARIABLE, "sm80")
+    return request.param
 
 
 def _built(d: int) -> bool:
@@ -194,10 +212,14 @@ def test_supports_on_cuda():
     assert "v's head dim" in reason
 
 
-def test_explain_names_flash_on_the_gpu(rng):
+def test_explain_names_flash_on_the_gpu(rng, flash_kernel):
     q = jnp.asarray(rng.standard_normal((2, 128, 4, 128)), jnp.bfloat16)
     config = make_config(backend="flash", mask="causal")
-    assert explain((q, q, q), config=config).backend == "flash"
+    explanation = explain((q, q, q), config=config)
+    assert explanation.backend == "flash"
+    if flash_kernel == "sm80":
+        assert explanation.kernels["flash"] == (
+            "flash: sm80 mma.sync forward and backward (named by FUSEDATTN_FLASH_KERNEL=sm80)")
     config = make_config(backend="flash", mask="causal")
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         fused_attn((q.astype(jnp.float32),) * 3, config=config)

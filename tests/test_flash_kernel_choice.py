@@ -4,6 +4,8 @@ it, and explain's line for it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import pytest
 from conftest import make_config
@@ -11,6 +13,7 @@ from conftest import make_config
 from fusedattn.ops import explain
 from fusedattn.ops.backends import flash
 from fusedattn.ops.backends.base import CallShapes
+from fusedattn.ops.spec import AttentionSpec
 
 
 def _shapes(head_dim: int) -> CallShapes:
@@ -57,7 +60,75 @@ def test_explain_prints_the_kernels_of_the_serving_backend(device, monkeypatch, 
     assert [line.split() for line in str(on_cpu).splitlines() if "flash" in line][1] == \
         ["->", "flash", "ok"]
     device((9, 0), {64})
-    monkeypatch.setattr(flash, "_cuda_reason", lambda shapes: None)  # as if on a CUDA GPU
+    monkeypatch.setattr(flash, "_gpu_reason", lambda shapes, platform: None)  # as if on a GPU
     on_gpu = explain((q, q, q), config=make_config(backend="flash"), platform="cuda")
     assert on_gpu.kernels == {"flash": "flash: sm90 wgmma forward, sm80 backward"}
     assert "ok (flash: sm90 wgmma forward, sm80 backward)" in str(on_gpu)
+
+
+@pytest.mark.parametrize("capability,head_dims", [((9, 0), {64, 128, 256}), ((8, 0), set())])
+def test_the_environment_variable_names_the_sm80_kernels(device, monkeypatch, capability, head_dims):
+    device(capability, head_dims)
+    monkeypatch.setenv(flash.KERNEL_VARIABLE, "sm80")
+    assert flash._cuda_forward_kernel(128, 300) == "sm80"
+    assert flash.BACKEND.kernel(_shapes(128), "cuda") == \
+        "flash: sm80 mma.sync forward and backward (named by FUSEDATTN_FLASH_KERNEL=sm80)"
+    monkeypatch.setenv(flash.KERNEL_VARIABLE, "")
+    assert flash._cuda_forward_kernel(128, 300) == ("sm90" if head_dims else "sm80")
+
+
+def test_an_unknown_kernel_name_is_refused(device, monkeypatch):
+    device((9, 0), {128})
+    monkeypatch.setenv(flash.KERNEL_VARIABLE, "sm90a")
+    with pytest.raises(ValueError, match="FUSEDATTN_FLASH_KERNEL must be unset, empty or 'sm80', got 'sm90a'"):
+        flash._cuda_forward_kernel(128, 300)
+
+
+@pytest.fixture
+def rocm(monkeypatch):
+    """A loaded ROCm library with the given flash head dims on a device of the given gfx target."""
+    def set_rocm(arch, head_dims, reason=None):
+        monkeypatch.setattr(flash._library, "available", lambda platform: reason)
+        monkeypatch.setattr(flash._library, "flash_head_dims", lambda platform="cuda": frozenset(head_dims))
+        monkeypatch.setattr(flash, "_rocm_arch", lambda: arch)
+    return set_rocm
+
+
+def test_rocm_serves_the_built_head_dims_on_cdna(rocm):
+    rocm("gfx90a", {64, 128})
+    spec = AttentionSpec.from_config(make_config(backend="flash"))
+    assert flash.BACKEND.supports(spec, _shapes(128), "rocm") is None
+    assert flash.BACKEND.kernel(_shapes(128), "rocm") == (
+        "flash: MFMA forward and backward (the sm80 kernels' text, gfx90a/gfx94x; "
+        "compile-checked only, never run on AMD hardware)")
+
+
+@pytest.mark.parametrize("arch,d,dtype,reason,expected", [
+    ("gfx1100", 128, jnp.bfloat16, None,
+     "written for CDNA GPUs (gfx90a, gfx940, gfx941, gfx942: MFMA, wave64), this GPU is gfx1100"),
+    ("gfx90a", 256, jnp.bfloat16, None,
+     "no ROCm kernel for head dim 256 in this build (built: [64, 128]; the kernels exist for 64, 128,"),
+    ("gfx942", 64, jnp.float32, None, "the ROCm kernels take bfloat16 or float16 inputs, got float32"),
+    ("gfx90a", 64, jnp.bfloat16, "the ROCm op library was not built", "flash: the ROCm op library was not built"),
+])
+def test_rocm_reasons(rocm, arch, d, dtype, reason, expected):
+    rocm(arch, {64, 128}, reason)
+    shapes = dataclasses.replace(_shapes(d), dtype=jnp.dtype(dtype))
+    spec = AttentionSpec.from_config(make_config(backend="flash"))
+    assert expected in flash.BACKEND.supports(spec, shapes, "rocm")
+
+
+@pytest.mark.parametrize("value,named", [(None, False), ("", False), ("sm80", True)])
+def test_the_named_kernel_travels_as_the_gpu_calls_attribute(monkeypatch, value, named):
+    """Read when the call is traced, carried to flash.cu as "kernel"; the host handler has none."""
+    if value is None:
+        monkeypatch.delenv(flash.KERNEL_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(flash.KERNEL_VARIABLE, value)
+    static = flash._static(AttentionSpec.from_config(make_config(backend="flash")), 0.1,
+                           flash.SoftmaxType.VANILLA, False)
+    assert static.sm80_named is named
+    monkeypatch.setattr(flash, "current_platform", lambda: "cuda")
+    assert static.attributes()["kernel"] == int(named)
+    monkeypatch.setattr(flash, "current_platform", lambda: "cpu")
+    assert "kernel" not in static.attributes()
