@@ -60,7 +60,9 @@ template <int D>
 struct DkDvTiles {
   static constexpr int kN = 64;                   // keys per block
   static constexpr int kM = D == 64 ? 64 : 32;    // queries per tile (registers: dK, dV and S^T, dP^T)
-  static constexpr int kOut = D == 256 ? 128 : D;  // output columns per block
+  // output columns per block (registers: dK and dV hold kOut floats a lane; on AMD the d=128 kernel
+  // spilled with all 128 columns, so it takes 64 per block)
+  static constexpr int kOut = D == 256 || (kWarpSize == 64 && D == 128) ? D / 2 : D;
   static constexpr int kThreads = 128;
   static constexpr int kChunks = D / 8;
   static constexpr int kSharedBytes = (2 * kN + 2 * kPipelineStages * kM) * D * 2;  // K, V, then the stages of Q and dO

@@ -37,7 +37,7 @@ void backward(gpuStream_t stream, const FlashArgs& a) {
   if (p.softmax_type == kSoftmaxLearnable) {
     launch_sink_gradient(stream, a);
   } else {
-    (void)gpuMemsetAsync(a.d_offset, 0, sizeof(float) * p.batch * p.heads, stream);  // errors: the stream's
+    (void)gpuMemsetAsync(a.d_offset, 0, sizeof(float) * p.batch * p.heads, stream);  // errors: launch_status
   }
   using KV = DkDvTiles<D>;
   using Q = DqTiles<D>;

@@ -67,12 +67,6 @@ __device__ __forceinline__ void load_tile(SwizzledTile<kChunks> tile, const uint
   }
 }
 
-template <int kTiles>
-__device__ __forceinline__ void zero(float (&acc)[kTiles][4]) {
-#pragma unroll
-  for (int t = 0; t < kTiles; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
-}
-
 // The elements of one row in a lane's tile (adjacent columns): element e is row e / kRowElems
 // of the lane's kLaneRows, column slot e % kRowElems.
 constexpr int kRowElems = 4 / kLaneRows;
@@ -85,7 +79,7 @@ __device__ __forceinline__ float row_reduce(float x, Op op) {
   return x;
 }
 
-// Sets the elements of a warp's 16 x (8 * kTiles) fragment for which !visible(tile, element)
+// Sets the elements of a warp's kWarpRows x (8 * kTiles) fragment for which !visible(tile, element)
 // to `value`. Kept apart from the arithmetic on every element, so that the common path (a
 // tile with nothing masked) runs through compact code.
 template <int kTiles, typename Visible>

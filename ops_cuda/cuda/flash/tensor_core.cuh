@@ -19,6 +19,7 @@
 //   warp_rows_times_rows<ET, kDepth, kCols>      acc += X[rows of the warp] Y^T   (S = Q K^T)
 //   warp_regs_times_rows<ET, kDepth, kOut>       acc += P (fragments) Z          (O += P V)
 //   pack2<ET>(a, b)                              two floats as one 32-bit pair of ET
+// (and, shared, zero(acc)). Used by the flash kernels and the paged decode kernel (CUDA).
 #ifndef FUSEDATTN_FLASH_TENSOR_CORE_CUH_
 #define FUSEDATTN_FLASH_TENSOR_CORE_CUH_
 
@@ -35,6 +36,13 @@ constexpr int kWarpRows = fragment_map::kWarpRows;  // rows of a warp's fragment
 constexpr int kLaneRows = fragment_map::kLaneRows;  // rows a lane holds in a tile
 // The lanes that hold the same fragment row: lane ^ m for the powers of two m in [low, high].
 constexpr int kRowLaneMaskLow = fragment_map::kRowLaneMaskLow, kRowLaneMaskHigh = fragment_map::kRowLaneMaskHigh;
+
+// Zeroes a warp's accumulators (tiles of kWarpRows x 8, four elements a lane).
+template <int kTiles>
+__device__ __forceinline__ void zero(float (&acc)[kTiles][4]) {
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
+}
 
 }  // namespace flash
 }  // namespace fusedattn
