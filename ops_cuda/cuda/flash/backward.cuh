@@ -59,7 +59,8 @@ void launch_sink_gradient(gpuStream_t stream, const FlashArgs& a);
 template <int D>
 struct DkDvTiles {
   static constexpr int kN = 64;                   // keys per block
-  static constexpr int kM = D == 64 ? 64 : 32;    // queries per tile (registers: dK, dV and S^T, dP^T)
+  // queries per tile (registers: dK, dV and S^T, dP^T; on AMD d=64 spilled with 64)
+  static constexpr int kM = D == 64 && kWarpSize == 32 ? 64 : 32;
   // output columns per block (registers: dK and dV hold kOut floats a lane; on AMD the d=128 kernel
   // spilled with all 128 columns, so it takes 64 per block)
   static constexpr int kOut = D == 256 || (kWarpSize == 64 && D == 128) ? D / 2 : D;

@@ -19,7 +19,8 @@ namespace flash {
 template <int D>
 struct ForwardTiles {
   static constexpr int kM = 64;                  // queries per block
-  static constexpr int kN = D == 256 ? 32 : 64;  // keys per tile (registers: O holds D/2 floats a lane)
+  // keys per tile (registers: O holds D/2 floats a lane; on AMD d=128 spilled with 64 on gfx940)
+  static constexpr int kN = D == 256 || (kWarpSize == 64 && D == 128) ? 32 : 64;
   static constexpr int kThreads = 128;
   static constexpr int kChunks = D / 8;
   static constexpr int kSharedBytes = (kM + 2 * kPipelineStages * kN) * D * 2;  // Q, then the stages of K and V
