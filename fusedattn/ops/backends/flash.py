@@ -84,7 +84,8 @@ class _Static(NamedTuple):
 
     def attributes(self) -> dict:
         """The FFI attributes; "kernel" on the GPU platforms only (the host handlers have none)."""
-        gpu = {"kernel": np.int32(int(self.sm80_named))} if current_platform() in ("cuda", "rocm") else {}
+        gpu = ({"kernel": np.int32(int(self.sm80_named))}
+               if current_platform() in ("cuda", "rocm") else {})
         return dict(
             scale=np.float32(self.scale),
             causal=bool(self.causal),
@@ -224,8 +225,8 @@ def _rocm_library_reason() -> str | None:
         return f"flash: {reason}"
     arch = _rocm_arch()
     if arch and arch not in ROCM_ARCHS:
-        return (f"flash: the ROCm kernels are written for CDNA GPUs ({', '.join(ROCM_ARCHS)}: MFMA, "
-                f"wave64), this GPU is {arch}; use backend='xla'")
+        return (f"flash: the ROCm kernels are written for CDNA GPUs ({', '.join(ROCM_ARCHS)}: "
+                f"MFMA, wave64), this GPU is {arch}; use backend='xla'")
     return None
 
 
@@ -239,13 +240,14 @@ def _gpu_reason(shapes: CallShapes | None, platform: str) -> str | None:
         return (f"flash: the {name} kernels take bfloat16 or float16 inputs, got "
                 f"{jnp.dtype(shapes.dtype).name}; cast q, k and v, or use backend='cudnn' or 'xla'")
     if shapes.head_dim_v != shapes.head_dim_qk:
-        return (f"flash: the {name} kernels need v's head dim equal to q's, got {shapes.head_dim_v} "
-                f"and {shapes.head_dim_qk}; use backend='xla'")
+        return (f"flash: the {name} kernels need v's head dim equal to q's, got "
+                f"{shapes.head_dim_v} and {shapes.head_dim_qk}; use backend='xla'")
     built = _library.flash_head_dims(platform)
     if shapes.head_dim_qk not in built:
+        exist = ", ".join(map(str, _GPU_HEAD_DIMS[platform]))
         return (f"flash: no {name} kernel for head dim {shapes.head_dim_qk} in this build (built: "
-                f"{sorted(built)}; the kernels exist for {', '.join(map(str, _GPU_HEAD_DIMS[platform]))}, "
-                "see FUSEDATTN_FLASH_HEAD_DIMS in the README); use backend='cudnn' or 'xla'")
+                f"{sorted(built)}; the kernels exist for {exist}, see FUSEDATTN_FLASH_HEAD_DIMS in "
+                "the README); use backend='cudnn' or 'xla'")
     return None
 
 
