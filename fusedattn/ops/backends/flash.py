@@ -4,9 +4,10 @@ It serves platform "cpu" through the host build (ops_cuda/host/flash_host.cc)
 and CUDA GPUs of compute capability 8.0 and newer through the kernels of
 ops_cuda/cuda/flash (bfloat16 and float16, head dims 64, 128 and 256 with
 dv = d; mma.sync tensor-core tiles, tile skipping from the token vectors,
-a deterministic backward). On compute capability 9.0 the forward runs the
-sm_90a kernel of ops_cuda/cuda/flash/sm90 (wgmma, TMA) where the library
-holds it; explain() names the kernels a call gets (_cuda_forward_kernel).
+a deterministic backward). On compute capability 9.0 the forward and, unless
+config.deterministic_backward, the backward run the sm_90a kernels of
+ops_cuda/cuda/flash/sm90 (wgmma, TMA) where the library holds them; explain()
+names the kernels a call gets (_cuda_forward_kernel, _cuda_backward_kernel).
 The op is two XLA FFI calls around a `jax.custom_vjp`:
 
     fusedattn_flash_fwd(q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos,
@@ -16,7 +17,8 @@ The op is two XLA FFI calls around a `jax.custom_vjp`:
 
     attributes: scale f32, causal bool, window_left i64, window_right i64,
                 softmax_type i32 (0 vanilla, 1 off_by_one, 2 learnable),
-                dropout_rate f64 (0 = no dropout)
+                dropout_rate f64 (0 = no dropout);
+                the backward also deterministic bool (bitwise repeatable gradients)
 
 with q [b, sq, h, d], k [b, skv, h_kv, d], v [b, skv, h_kv, dv] (one dtype:
 float32, bfloat16 or float16), the int32 token vectors of base.TokenInfo,
@@ -73,9 +75,10 @@ class _Static(NamedTuple):
     window_right: int
     softmax_type: int
     dropout_rate: float
+    deterministic: bool = False  # config.deterministic_backward
 
-    def attributes(self) -> dict:
-        return dict(
+    def attributes(self, backward: bool) -> dict:
+        attributes = dict(
             scale=np.float32(self.scale),
             causal=bool(self.causal),
             window_left=np.int64(self.window_left),
@@ -83,27 +86,34 @@ class _Static(NamedTuple):
             softmax_type=np.int32(self.softmax_type),
             dropout_rate=np.float64(self.dropout_rate),
         )
+        if backward:
+            attributes["deterministic"] = bool(self.deterministic)
+        return attributes
 
 
 # The CUDA handlers' scratch, a uint8 result XLA allocates (ops_cuda/cuda/flash/flash.cu
 # checks its size): per token row, one 32-byte summary of every 32 queries and of every
-# 32 keys; the backward adds float32 [b, h, sq] for rowsum(dO * O). Each part is
-# 256-byte aligned.
+# 32 keys; the backward adds float32 [b, h, sq] for rowsum(dO * O) and, where the sm_90a
+# backward runs (_cuda_backward_kernel), its float32 dQ accumulator [b, sq, h, d]. Each
+# part is 256-byte aligned.
 _SPAN_TOKENS = 32
 _SPAN_BYTES = 32
 
 
-def _cuda_workspace(q, k, tokens, backward: bool) -> tuple[jax.ShapeDtypeStruct, ...]:
+def _cuda_workspace(q, k, tokens, backward: bool,
+                    deterministic: bool = False) -> tuple[jax.ShapeDtypeStruct, ...]:
     """() on the host; the workspace result's shape on CUDA."""
     if current_platform() != "cuda":
         return ()
-    b, sq, h, _ = q.shape
+    b, sq, h, d = q.shape
     skv = k.shape[1]
     token_rows = math.prod(tokens.shape[:-1])
     spans = -(-sq // _SPAN_TOKENS) + -(-skv // _SPAN_TOKENS)  # ceil(sq / 32) + ceil(skv / 32)
     size = align256(token_rows * spans * _SPAN_BYTES)
     if backward:
         size += align256(b * h * sq * 4)
+        if _cuda_backward_kernel(d, sq, skv, deterministic) == "sm90":
+            size += align256(b * sq * h * d * 4)
     return (jax.ShapeDtypeStruct((size,), jnp.uint8),)
 
 
@@ -114,7 +124,7 @@ def _forward(static: _Static, q, k, v, *operands):
         (jax.ShapeDtypeStruct((b, sq, h, v.shape[-1]), q.dtype),
          jax.ShapeDtypeStruct((b, h, sq), jnp.float32))
         + _cuda_workspace(q, k, operands[0], backward=False),
-    )(q, k, v, *operands, **static.attributes())[:2]
+    )(q, k, v, *operands, **static.attributes(backward=False))[:2]
 
 
 def _backward(static: _Static, q, k, v, *operands):
@@ -125,8 +135,8 @@ def _backward(static: _Static, q, k, v, *operands):
          jax.ShapeDtypeStruct(k.shape, k.dtype),
          jax.ShapeDtypeStruct(v.shape, v.dtype),
          jax.ShapeDtypeStruct((b, h), jnp.float32))
-        + _cuda_workspace(q, k, operands[0], backward=True),
-    )(q, k, v, *operands, **static.attributes())[:4]
+        + _cuda_workspace(q, k, operands[0], backward=True, deterministic=static.deterministic),
+    )(q, k, v, *operands, **static.attributes(backward=True))[:4]
 
 
 # q, k, v, the five token vectors, then the per-row offset [L, h] and seed [L, 2].
@@ -203,12 +213,33 @@ def _cuda_forward_kernel(head_dim: int, seqlen_kv: int) -> str:
     """"sm90" or "sm80": the forward kernel of a CUDA call. The rule of
     ops_cuda/cuda/flash/flash.cu (forward_kernel_of): the sm_90a (wgmma) kernel on a device
     of compute capability 9.0 where the library holds it for the head dim and there is at
-    least one key (TMA describes no empty tensor), else the sm_80 (mma.sync) kernel; the
-    backward is the sm_80 kernels' on every device."""
+    least one key (TMA describes no empty tensor), else the sm_80 (mma.sync) kernel."""
     if (compute_capability() == (9, 0) and head_dim in _library.flash_sm90_head_dims("cuda")
             and seqlen_kv > 0):
         return "sm90"
     return "sm80"
+
+
+def _cuda_backward_kernel(head_dim: int, seqlen_q: int, seqlen_kv: int,
+                          deterministic: bool) -> str:
+    """"sm90" or "sm80": the backward kernel of a CUDA call. The rule of
+    ops_cuda/cuda/flash/flash.cu (backward_kernel_of): the sm_90a (wgmma) kernel on a device
+    of compute capability 9.0 where the library holds it for the head dim (64 and 128), the
+    call has queries and keys, and config.deterministic_backward is False (its dQ sums with
+    float32 atomics, in no fixed order); else the sm_80 kernels (bitwise repeatable)."""
+    if (not deterministic and compute_capability() == (9, 0) and seqlen_q > 0 and seqlen_kv > 0
+            and head_dim in _library.flash_sm90_backward_head_dims("cuda")):
+        return "sm90"
+    return "sm80"
+
+
+def _kernels_text(forward: str, backward: str, deterministic: bool) -> str:
+    """explain()'s words for the kernels a CUDA call gets ("sm90" or "sm80" each)."""
+    if forward == backward == "sm80":
+        text = "flash: sm80 mma.sync forward and backward"
+    else:
+        text = f"flash: sm90 wgmma forward, {'sm90 wgmma' if backward == 'sm90' else 'sm80'} backward"
+    return text + " (deterministic_backward)" if deterministic and backward == "sm80" else text
 
 
 class FlashBackend:
@@ -240,13 +271,16 @@ class FlashBackend:
             return f"flash: {reason}"
         return None
 
-    def kernel(self, shapes: CallShapes | None, platform: str) -> str | None:
+    def kernel(self, spec: AttentionSpec, shapes: CallShapes | None,
+               platform: str) -> str | None:
         """Which kernels serve a call on CUDA (for explain); None elsewhere."""
         if (platform or "").lower() not in ("gpu", "cuda") or shapes is None:
             return None
-        if _cuda_forward_kernel(shapes.head_dim_qk, shapes.seqlen_kv) == "sm90":
-            return "flash: sm90 wgmma forward, sm80 backward"
-        return "flash: sm80 mma.sync forward and backward"
+        d = shapes.head_dim_qk
+        deterministic = bool(spec.deterministic_backward)
+        return _kernels_text(_cuda_forward_kernel(d, shapes.seqlen_kv),
+                             _cuda_backward_kernel(d, shapes.seqlen_q, shapes.seqlen_kv,
+                                                   deterministic), deterministic)
 
     def attention(self, spec: AttentionSpec, args: CanonicalArgs, scale: float) -> jax.Array:
         if spec.bias != BiasType.NO_BIAS or args.bias is not None:
@@ -285,6 +319,7 @@ def _static(spec: AttentionSpec, scale: float, softmax: SoftmaxType, dropout: bo
         window_right=int(spec.window_size[1]),
         softmax_type=_SOFTMAX_TYPES[softmax],
         dropout_rate=float(spec.dropout_rate) if dropout else 0.0,
+        deterministic=bool(spec.deterministic_backward),
     )
 
 

@@ -48,6 +48,23 @@ __global__ void __launch_bounds__(128) softmax_delta_kernel(const FlashArgs a) {
   }
 }
 
+// The segment ids and positions of a lane's two fragment rows (those of `at`) where the rows
+// are keys (0 past the end: no query sees them).
+struct KeyRows {
+  int32_t seg[2], pos[2];
+};
+
+__device__ __forceinline__ KeyRows key_rows(const HeadContext& c, const FragmentCoords& at, int64_t seqlen_kv) {
+  KeyRows k;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t j = at.row(2 * r);
+    k.seg[r] = j < seqlen_kv ? c.kv_seg[j] : 0;
+    k.pos[r] = j < seqlen_kv ? c.kv_pos[j] : 0;
+  }
+  return k;
+}
+
 // d_offset[b, h] for the learnable softmax (sink_gradient.cu); needs a.delta.
 void launch_sink_gradient(gpuStream_t stream, const FlashArgs& a);
 
@@ -90,13 +107,7 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads) dkdv_kernel(const Flas
 
   const HeadContext c0 = head_context(a, b, g * group);  // token vectors and spans: shared by the group
   const FragmentCoords at{n0 + 16 * warp, 0, static_cast<int>(threadIdx.x % 32)};
-  int32_t key_seg[2], key_pos[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t j = at.row(2 * r);
-    key_seg[r] = j < p.seqlen_kv ? c0.kv_seg[j] : 0;
-    key_pos[r] = j < p.seqlen_kv ? c0.kv_pos[j] : 0;
-  }
+  const KeyRows keys = key_rows(c0, at, p.seqlen_kv);
   float dk[T::kOut / 8][4], dv[T::kOut / 8][4];
   zero(dk);
   zero(dv);
@@ -143,7 +154,7 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads) dkdv_kernel(const Flas
     }
     if (!full) {
       mask_fragment(st, 0.0f, [&](int n, int e) {
-        return visible(p.mask, query_token(c, qc.col(n, e), p.seqlen_q), key_seg[e / 2], key_pos[e / 2]);
+        return visible(p.mask, query_token(c, qc.col(n, e), p.seqlen_q), keys.seg[e / 2], keys.pos[e / 2]);
       });
     }
     // st: P^T; then dS^T = P^T o (drop o dP^T - delta) into dpt, and st: (P o drop)^T

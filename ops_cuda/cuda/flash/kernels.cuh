@@ -26,8 +26,10 @@ void forward(gpuStream_t stream, const FlashArgs& a) {
   launch(forward_kernel<ET, D>, blocks, T::kThreads, T::kSharedBytes, stream, a);
 }
 
+// What every backward runs first (the sm_80 kernels and the sm_90a one): a.delta =
+// rowsum(dO o O), and a.d_offset (the learnable softmax's gradient; zeros otherwise).
 template <ElementType ET, int D>
-void backward(gpuStream_t stream, const FlashArgs& a) {
+void backward_prologue(gpuStream_t stream, const FlashArgs& a) {
   const AttentionParams& p = a.p;
   const int64_t rows = p.batch * p.seqlen_q * p.heads;
   launch(softmax_delta_kernel<ET, D>, std::min<int64_t>((rows + 3) / 4, 65536), 128, 0, stream, a);
@@ -36,6 +38,12 @@ void backward(gpuStream_t stream, const FlashArgs& a) {
   } else {
     gpuMemsetAsync(a.d_offset, 0, sizeof(float) * p.batch * p.heads, stream);
   }
+}
+
+template <ElementType ET, int D>
+void backward(gpuStream_t stream, const FlashArgs& a) {
+  const AttentionParams& p = a.p;
+  backward_prologue<ET, D>(stream, a);
   using KV = DkDvTiles<D>;
   const int64_t kv_blocks = (p.seqlen_kv + KV::kN - 1) / KV::kN * p.kv_heads * p.batch * (D / KV::kOut);
   launch(dkdv_kernel<ET, D>, kv_blocks, KV::kThreads, KV::kSharedBytes, stream, a);
