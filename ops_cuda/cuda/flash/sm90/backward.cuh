@@ -357,10 +357,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
       if (qi >= p.seqlen_q) continue;
       float* dst = args.dq_accum + ((b * p.seqlen_q + qi) * p.heads + h) * D + cw * T::kDqColumns + 2 * (lane % 4);
 #pragma unroll
-      for (int t = 0; t < T::kDqColumns / 8; ++t) {
-        atomicAdd(dst + 8 * t, dq[t][2 * half]);
-        atomicAdd(dst + 8 * t + 1, dq[t][2 * half + 1]);
-      }
+      for (int t = 0; t < T::kDqColumns / 8; ++t) red_add_v2(dst + 8 * t, dq[t][2 * half], dq[t][2 * half + 1]);
     }
   }
   const int64_t kv_stride = p.kv_heads * D;

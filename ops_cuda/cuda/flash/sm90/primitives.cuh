@@ -78,6 +78,12 @@ __device__ __forceinline__ void store_zero_16(uint32_t address) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(address), "r"(0) : "memory");
 }
 
+// Adds (a, b) to the two floats at `address` (global memory, 8-byte aligned) atomically,
+// returning nothing (one vector reduction, sm_90).
+__device__ __forceinline__ void red_add_v2(float* address, float a, float b) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(address), "f"(a), "f"(b) : "memory");
+}
+
 // ---- TMA ---------------------------------------------------------------------
 
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
