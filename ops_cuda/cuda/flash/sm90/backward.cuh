@@ -441,9 +441,10 @@ __global__ void __launch_bounds__(BackwardTiles<D>::kThreads, 1)
   const uint32_t unaligned = smem_address(smem);
   const uint32_t base = (unaligned + 1023) & ~1023u;
   BackwardControl* control = reinterpret_cast<BackwardControl*>(smem + (base - unaligned) + T::kControlOffset);
-  const int64_t n_kv_tiles = (p.seqlen_kv + T::kN - 1) / T::kN;
-  const int64_t bg = blockIdx.x / n_kv_tiles;  // causal: the first key tiles see the most queries, and start first
-  const int64_t n0 = blockIdx.x % n_kv_tiles * T::kN;
+  // Key blocks in order of their index, every (batch row, K/V head) at once: under a causal
+  // mask the first ones see the most query tiles, so the longest blocks start first.
+  const int64_t rows = p.batch * p.kv_heads;
+  const int64_t bg = blockIdx.x % rows, n0 = blockIdx.x / rows * T::kN;
   const int64_t g = bg % p.kv_heads, b = bg / p.kv_heads;
 
   if (threadIdx.x == 0) {
