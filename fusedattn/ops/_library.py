@@ -198,3 +198,9 @@ def flash_sm90_head_dims(platform: str = "cuda") -> frozenset[int]:
     """The head dims of the loaded CUDA library's sm_90a (wgmma) flash forward kernel (empty
     when the library is not loaded or was built without sm_90)."""
     return _head_dims(platform, "FusedattnFlashCudaSm90HeadDims")
+
+
+def flash_sm90_backward_head_dims(platform: str = "cuda") -> frozenset[int]:
+    """The head dims of the loaded CUDA library's sm_90a (wgmma) flash backward kernel (empty
+    when the library is not loaded or was built without sm_90)."""
+    return _head_dims(platform, "FusedattnFlashCudaSm90BackwardHeadDims")

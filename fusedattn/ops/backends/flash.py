@@ -6,11 +6,12 @@ ops_cuda/cuda/flash (bfloat16 and float16, head dims 64, 128 and 256 with
 dv = d; mma.sync tensor-core tiles, tile skipping from the token vectors,
 a deterministic backward), and AMD CDNA GPUs (gfx90a, gfx94x) through the same
 kernel text compiled by hipcc over MFMA (head dims 64 and 128; compile-checked
-only, never run on AMD hardware). On compute capability 9.0 the forward runs the
-sm_90a kernel of ops_cuda/cuda/flash/sm90 (wgmma, TMA) where the library
-holds it, unless the environment variable FUSEDATTN_FLASH_KERNEL=sm80 names
-the sm_80 kernels (for tests and benchmarks); explain() names the kernels a
-call gets (_cuda_forward_kernel).
+only, never run on AMD hardware). On compute capability 9.0 the forward and, unless
+config.deterministic_backward, the backward run the sm_90a kernels of
+ops_cuda/cuda/flash/sm90 (wgmma, TMA) where the library holds them, unless the
+environment variable FUSEDATTN_FLASH_KERNEL=sm80 names the sm_80 kernels (for tests
+and benchmarks); explain() names the kernels a call gets (_cuda_forward_kernel,
+_cuda_backward_kernel).
 The op is two XLA FFI calls around a `jax.custom_vjp`:
 
     fusedattn_flash_fwd(q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos,
@@ -22,7 +23,8 @@ The op is two XLA FFI calls around a `jax.custom_vjp`:
                 softmax_type i32 (0 vanilla, 1 off_by_one, 2 learnable),
                 dropout_rate f64 (0 = no dropout),
                 kernel i32 (CUDA and ROCm only: 0 the device picks, 1 the sm_80
-                kernels named by FUSEDATTN_FLASH_KERNEL=sm80 when the call was traced)
+                kernels named by FUSEDATTN_FLASH_KERNEL=sm80 when the call was traced);
+                the backward also deterministic bool (bitwise repeatable gradients)
 
 with q [b, sq, h, d], k [b, skv, h_kv, d], v [b, skv, h_kv, dv] (one dtype:
 float32, bfloat16 or float16), the int32 token vectors of base.TokenInfo,
@@ -80,42 +82,49 @@ class _Static(NamedTuple):
     window_right: int
     softmax_type: int
     dropout_rate: float
-    sm80_named: bool  # FUSEDATTN_FLASH_KERNEL=sm80 when the call was traced
+    deterministic: bool = False  # config.deterministic_backward
+    sm80_named: bool = False  # FUSEDATTN_FLASH_KERNEL=sm80 when the call was traced
 
-    def attributes(self) -> dict:
+    def attributes(self, backward: bool) -> dict:
         """The FFI attributes; "kernel" on the GPU platforms only (the host handlers have none)."""
-        gpu = ({"kernel": np.int32(int(self.sm80_named))}
-               if current_platform() in ("cuda", "rocm") else {})
-        return dict(
+        attributes = dict(
             scale=np.float32(self.scale),
             causal=bool(self.causal),
             window_left=np.int64(self.window_left),
             window_right=np.int64(self.window_right),
             softmax_type=np.int32(self.softmax_type),
             dropout_rate=np.float64(self.dropout_rate),
-            **gpu,
         )
+        if backward:
+            attributes["deterministic"] = bool(self.deterministic)
+        if current_platform() in ("cuda", "rocm"):
+            attributes["kernel"] = np.int32(int(self.sm80_named))
+        return attributes
 
 
 # The CUDA handlers' scratch, a uint8 result XLA allocates (ops_cuda/cuda/flash/flash.cu
 # checks its size): per token row, one 32-byte summary of every 32 queries and of every
-# 32 keys; the backward adds float32 [b, h, sq] for rowsum(dO * O). Each part is
-# 256-byte aligned.
+# 32 keys; the backward adds float32 [b, h, sq] for rowsum(dO * O) and, where the sm_90a
+# backward runs (_cuda_backward_kernel), its float32 dQ accumulator [b, sq, h, d]. Each
+# part is 256-byte aligned.
 _SPAN_TOKENS = 32
 _SPAN_BYTES = 32
 
 
-def _cuda_workspace(q, k, tokens, backward: bool) -> tuple[jax.ShapeDtypeStruct, ...]:
+def _cuda_workspace(q, k, tokens, backward: bool,
+                    deterministic: bool = False) -> tuple[jax.ShapeDtypeStruct, ...]:
     """() on the host; the workspace result's shape on CUDA and ROCm."""
     if current_platform() not in ("cuda", "rocm"):
         return ()
-    b, sq, h, _ = q.shape
+    b, sq, h, d = q.shape
     skv = k.shape[1]
     token_rows = math.prod(tokens.shape[:-1])
     spans = -(-sq // _SPAN_TOKENS) + -(-skv // _SPAN_TOKENS)  # ceil(sq / 32) + ceil(skv / 32)
     size = align256(token_rows * spans * _SPAN_BYTES)
     if backward:
         size += align256(b * h * sq * 4)
+        if _cuda_backward_kernel(d, sq, skv, deterministic) == "sm90":
+            size += align256(b * sq * h * d * 4)
     return (jax.ShapeDtypeStruct((size,), jnp.uint8),)
 
 
@@ -126,7 +135,7 @@ def _forward(static: _Static, q, k, v, *operands):
         (jax.ShapeDtypeStruct((b, sq, h, v.shape[-1]), q.dtype),
          jax.ShapeDtypeStruct((b, h, sq), jnp.float32))
         + _cuda_workspace(q, k, operands[0], backward=False),
-    )(q, k, v, *operands, **static.attributes())[:2]
+    )(q, k, v, *operands, **static.attributes(backward=False))[:2]
 
 
 def _backward(static: _Static, q, k, v, *operands):
@@ -137,8 +146,8 @@ def _backward(static: _Static, q, k, v, *operands):
          jax.ShapeDtypeStruct(k.shape, k.dtype),
          jax.ShapeDtypeStruct(v.shape, v.dtype),
          jax.ShapeDtypeStruct((b, h), jnp.float32))
-        + _cuda_workspace(q, k, operands[0], backward=True),
-    )(q, k, v, *operands, **static.attributes())[:4]
+        + _cuda_workspace(q, k, operands[0], backward=True, deterministic=static.deterministic),
+    )(q, k, v, *operands, **static.attributes(backward=True))[:4]
 
 
 # q, k, v, the five token vectors, then the per-row offset [L, h] and seed [L, 2].
@@ -256,14 +265,38 @@ def _cuda_forward_kernel(head_dim: int, seqlen_kv: int) -> str:
     ops_cuda/cuda/flash/flash.cu (forward_kernel_of): the sm_80 (mma.sync) kernel when
     FUSEDATTN_FLASH_KERNEL=sm80 names it; else the sm_90a (wgmma) kernel on a device of
     compute capability 9.0 where the library holds it for the head dim and there is at least
-    one key (TMA describes no empty tensor), else the sm_80 kernel; the backward is the
-    sm_80 kernels' on every device."""
+    one key (TMA describes no empty tensor), else the sm_80 kernel."""
     if _named_kernel() == "sm80":
         return "sm80"
     if (compute_capability() == (9, 0) and head_dim in _library.flash_sm90_head_dims("cuda")
             and seqlen_kv > 0):
         return "sm90"
     return "sm80"
+
+
+def _cuda_backward_kernel(head_dim: int, seqlen_q: int, seqlen_kv: int,
+                          deterministic: bool) -> str:
+    """"sm90" or "sm80": the backward kernel of a CUDA call. The rule of
+    ops_cuda/cuda/flash/flash.cu (backward_kernel_of): the sm_90a (wgmma) kernel on a device
+    of compute capability 9.0 where the library holds it for the head dim (64 and 128), the
+    call has queries and keys, and config.deterministic_backward is False (its dQ sums with
+    float32 atomics, in no fixed order) and FUSEDATTN_FLASH_KERNEL does not name the sm_80
+    kernels; else the sm_80 kernels (bitwise repeatable)."""
+    if _named_kernel() == "sm80":
+        return "sm80"
+    if (not deterministic and compute_capability() == (9, 0) and seqlen_q > 0 and seqlen_kv > 0
+            and head_dim in _library.flash_sm90_backward_head_dims("cuda")):
+        return "sm90"
+    return "sm80"
+
+
+def _kernels_text(forward: str, backward: str, deterministic: bool) -> str:
+    """explain()'s words for the kernels a CUDA call gets ("sm90" or "sm80" each)."""
+    if forward == backward == "sm80":
+        text = "flash: sm80 mma.sync forward and backward"
+    else:
+        text = f"flash: sm90 wgmma forward, {'sm90 wgmma' if backward == 'sm90' else 'sm80'} backward"
+    return text + " (deterministic_backward)" if deterministic and backward == "sm80" else text
 
 
 class FlashBackend:
@@ -295,7 +328,8 @@ class FlashBackend:
             return f"flash: {reason}"
         return None
 
-    def kernel(self, shapes: CallShapes | None, platform: str) -> str | None:
+    def kernel(self, spec: AttentionSpec, shapes: CallShapes | None,
+               platform: str) -> str | None:
         """Which kernels serve a call on CUDA or ROCm (for explain); None elsewhere."""
         platform = (platform or "").lower()
         if shapes is None or platform not in ("gpu", "cuda", "rocm"):
@@ -303,11 +337,14 @@ class FlashBackend:
         if platform == "rocm":
             return ("flash: MFMA forward and backward (the sm80 kernels' text, gfx90a/gfx94x; "
                     "compile-checked only, never run on AMD hardware)")
-        if _cuda_forward_kernel(shapes.head_dim_qk, shapes.seqlen_kv) == "sm90":
-            return "flash: sm90 wgmma forward, sm80 backward"
+        d = shapes.head_dim_qk
+        deterministic = bool(spec.deterministic_backward)
+        text = _kernels_text(_cuda_forward_kernel(d, shapes.seqlen_kv),
+                             _cuda_backward_kernel(d, shapes.seqlen_q, shapes.seqlen_kv,
+                                                   deterministic), deterministic)
         if _named_kernel() == "sm80":
-            return f"flash: sm80 mma.sync forward and backward (named by {KERNEL_VARIABLE}=sm80)"
-        return "flash: sm80 mma.sync forward and backward"
+            return f"{text} (named by {KERNEL_VARIABLE}=sm80)"
+        return text
 
     def attention(self, spec: AttentionSpec, args: CanonicalArgs, scale: float) -> jax.Array:
         if spec.bias != BiasType.NO_BIAS or args.bias is not None:
@@ -346,6 +383,7 @@ def _static(spec: AttentionSpec, scale: float, softmax: SoftmaxType, dropout: bo
         window_right=int(spec.window_size[1]),
         softmax_type=_SOFTMAX_TYPES[softmax],
         dropout_rate=float(spec.dropout_rate) if dropout else 0.0,
+        deterministic=bool(spec.deterministic_backward),
         sm80_named=_named_kernel() == "sm80",
     )
 

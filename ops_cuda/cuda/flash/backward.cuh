@@ -53,6 +53,23 @@ __global__ void __launch_bounds__(kDeltaThreads) softmax_delta_kernel(const Flas
   }
 }
 
+// The segment ids and positions of a lane's fragment rows (those of `at`) where the rows
+// are keys (0 past the end: no query sees them).
+struct KeyRows {
+  int32_t seg[kLaneRows], pos[kLaneRows];
+};
+
+__device__ __forceinline__ KeyRows key_rows(const HeadContext& c, const FragmentCoords& at, int64_t seqlen_kv) {
+  KeyRows k;
+#pragma unroll
+  for (int r = 0; r < kLaneRows; ++r) {
+    const int64_t j = at.row(kRowElems * r);
+    k.seg[r] = j < seqlen_kv ? c.kv_seg[j] : 0;
+    k.pos[r] = j < seqlen_kv ? c.kv_pos[j] : 0;
+  }
+  return k;
+}
+
 // d_offset[b, h] for the learnable softmax (sink_gradient.cu); needs a.delta.
 void launch_sink_gradient(gpuStream_t stream, const FlashArgs& a);
 
@@ -99,13 +116,7 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads) dkdv_kernel(const Flas
 
   const HeadContext c0 = head_context(a, b, g * group);  // token vectors and spans: shared by the group
   const FragmentCoords at{n0 + kWarpRows * warp, 0, static_cast<int>(threadIdx.x % kWarpSize)};
-  int32_t key_seg[kLaneRows], key_pos[kLaneRows];
-#pragma unroll
-  for (int r = 0; r < kLaneRows; ++r) {
-    const int64_t j = at.row(kRowElems * r);
-    key_seg[r] = j < p.seqlen_kv ? c0.kv_seg[j] : 0;
-    key_pos[r] = j < p.seqlen_kv ? c0.kv_pos[j] : 0;
-  }
+  const KeyRows keys = key_rows(c0, at, p.seqlen_kv);
   float dk[T::kOut / 8][4], dv[T::kOut / 8][4];
   zero(dk);
   zero(dv);
@@ -152,8 +163,8 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads) dkdv_kernel(const Flas
     }
     if (!full) {
       mask_fragment(st, 0.0f, [&](int n, int e) {
-        return visible(p.mask, query_token(c, qc.col(n, e), p.seqlen_q), key_seg[e / kRowElems],
-                       key_pos[e / kRowElems]);
+        return visible(p.mask, query_token(c, qc.col(n, e), p.seqlen_q), keys.seg[e / kRowElems],
+                       keys.pos[e / kRowElems]);
       });
     }
     // st: P^T; then dS^T = P^T o (drop o dP^T - delta) into dpt, and st: (P o drop)^T

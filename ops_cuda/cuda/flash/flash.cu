@@ -5,9 +5,11 @@
 // head dims 64, 128 and 256 with Dv = D (those this library was built with:
 // FusedattnFlashCudaHeadDims / FusedattnFlashRocmHeadDims; ROCm: 64 and 128). On CUDA the
 // forward runs the sm_90a (wgmma) kernel of sm90/ on devices of compute capability 9.0
-// where the library holds it (forward_kernel_of) unless the call names the sm_80 kernels
-// (attribute "kernel", from FUSEDATTN_FLASH_KERNEL=sm80 when fusedattn/ops/backends/flash.py
-// traced the call), the sm_80 kernel elsewhere; the backward is the sm_80 kernels' everywhere.
+// where the library holds it (forward_kernel_of), the sm_80 kernel elsewhere; the backward
+// likewise runs the sm_90a kernel (head dims 64 and 128, not with the attribute
+// deterministic set: its dQ sums with atomics) or the sm_80 kernels (backward_kernel_of).
+// A call whose attribute "kernel" names the sm_80 kernels (FUSEDATTN_FLASH_KERNEL=sm80 when
+// fusedattn/ops/backends/flash.py traced it) runs them in both passes on every device.
 // Scratch (the spans; the backward's softmax delta) lives in a uint8 workspace
 // result that XLA allocates, sized by fusedattn/ops/backends/flash.py
 // (_cuda_workspace_bytes): the handlers allocate nothing.
@@ -50,6 +52,10 @@ constexpr int kSm90HeadDims =
     0;
 #endif
 
+// The head dims of the sm_90a backward: 64 and 128 where the forward is (at 256 a consumer
+// warpgroup's dK and dV accumulators alone would fill its registers).
+constexpr int kSm90BackwardHeadDims = kSm90HeadDims & 3;
+
 bool head_dim_built(int64_t d) { return (d == 64 || d == 128 || d == 256) && (kBuiltHeadDims & (d / 64)); }
 
 // Calls f(head dim as a compile-time constant) for a built head dim.
@@ -67,6 +73,22 @@ void with_head_dim(int64_t d, F&& f) {
 }
 
 enum class ForwardKernel { kSm80, kSm90 };
+enum class BackwardKernel { kSm80, kSm90 };
+
+#ifdef FUSEDATTN_FLASH_SM90
+// Whether the current device has compute capability exactly 9.0 (the sm_90a kernels' target).
+ffi::Error device_is_sm90(const char* op, bool* sm90) {
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    return ffi::Error::Internal(std::string(op) + ": could not read the device's compute capability: " +
+                                cudaGetErrorString(cudaGetLastError()));
+  }
+  *sm90 = major == 9 && minor == 0;
+  return ffi::Error::Success();
+}
+#endif
 
 // The call's "kernel" attribute: 0, the device picks (forward_kernel_of); 1, the sm_80
 // (mma.sync) kernels are named (FUSEDATTN_FLASH_KERNEL=sm80; tests and benchmarks).
@@ -88,14 +110,32 @@ ffi::Error forward_kernel_of(const char* op, const AttentionParams& p, int32_t n
   *kernel = ForwardKernel::kSm80;
 #ifdef FUSEDATTN_FLASH_SM90
   if (named == kSm80Named || !head_dim_built(p.head_dim) || p.seqlen_kv == 0) return ffi::Error::Success();
-  int device = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-    return ffi::Error::Internal(std::string(op) + ": could not read the device's compute capability: " +
-                                cudaGetErrorString(cudaGetLastError()));
+  bool sm90 = false;
+  if (auto e = device_is_sm90(op, &sm90); e.failure()) return e;
+  if (sm90) *kernel = ForwardKernel::kSm90;
+#endif
+  return ffi::Error::Success();
+}
+
+// The rule that picks the backward kernel of a call (flash.py, _cuda_backward_kernel, states
+// the same): the sm_80 kernels when the call names them; else the sm_90a kernel on a device
+// of compute capability exactly 9.0 when this library holds it for the call's head dim
+// (kSm90BackwardHeadDims), the call has queries and keys (TMA describes no empty tensor)
+// and `deterministic` (config deterministic_backward) is false, since its dQ sums with
+// float32 atomics in no fixed order; it serves every other call the handler accepts (masks,
+// windows, packing, GQA, softmax variants, dropout). The sm_80 kernels otherwise (no
+// atomics: bitwise repeatable).
+ffi::Error backward_kernel_of(const char* op, const AttentionParams& p, int32_t named, bool deterministic,
+                              BackwardKernel* kernel) {
+  *kernel = BackwardKernel::kSm80;
+#ifdef FUSEDATTN_FLASH_SM90
+  const bool held = head_dim_built(p.head_dim) && (kSm90BackwardHeadDims & (p.head_dim / 64)) != 0;
+  if (named == kSm80Named || !held || deterministic || p.seqlen_q == 0 || p.seqlen_kv == 0) {
+    return ffi::Error::Success();
   }
-  if (major == 9 && minor == 0) *kernel = ForwardKernel::kSm90;
+  bool sm90 = false;
+  if (auto e = device_is_sm90(op, &sm90); e.failure()) return e;
+  if (sm90) *kernel = BackwardKernel::kSm90;
 #endif
   return ffi::Error::Success();
 }
@@ -117,6 +157,26 @@ ffi::Error launch_forward_kernel(const char* op, gpuStream_t stream, const Flash
   return launch_status(op);
 }
 
+// Launches the backward kernels of the call's head dim and the given kind (dq_accum: the
+// sm_90a kernel's float32 dQ sum, unused by the sm_80 kernels).
+ffi::Error launch_backward_kernel(const char* op, gpuStream_t stream, const FlashArgs& a, ElementType type,
+                                  BackwardKernel kernel, float* dq_accum) {
+  std::string error;
+  with_head_dim(a.p.head_dim, [&](auto d) {
+#ifdef FUSEDATTN_FLASH_SM90
+    if constexpr (decltype(d)::value != 256) {
+      if (kernel == BackwardKernel::kSm90) {
+        error = sm90::launch_backward<decltype(d)::value>(stream, a, type, dq_accum);
+        return;
+      }
+    }
+#endif
+    launch_backward<decltype(d)::value>(stream, a, type);
+  });
+  if (!error.empty()) return ffi::Error::Internal(std::string(op) + ": the sm_90a backward could not launch: " + error);
+  return launch_status(op);
+}
+
 // What the GPU kernels add to the op's contract: 16-bit floats, Dv = D, a built head dim.
 ffi::Error check_kernel_support(const char* op, const AttentionParams& p, ffi::DataType dtype) {
   if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) {
@@ -134,7 +194,8 @@ ffi::Error check_kernel_support(const char* op, const AttentionParams& p, ffi::D
   return ffi::Error::Success();
 }
 
-// The workspace's layout: the spans, then (backward) the softmax delta, each 256-byte aligned.
+// The workspace's layout: the spans, then (backward) the softmax delta and, for the sm_90a
+// backward, the float32 dQ accumulator [B, Sq, H, D], each 256-byte aligned.
 int64_t align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
 int64_t span_bytes(const AttentionParams& p) {
@@ -144,6 +205,10 @@ int64_t span_bytes(const AttentionParams& p) {
 
 int64_t delta_bytes(const AttentionParams& p) {
   return align256(p.batch * p.heads * p.seqlen_q * static_cast<int64_t>(sizeof(float)));
+}
+
+int64_t dq_accum_bytes(const AttentionParams& p) {
+  return align256(p.batch * p.seqlen_q * p.heads * p.head_dim * static_cast<int64_t>(sizeof(float)));
 }
 
 ffi::Error check_workspace(const char* op, ffi::Result<ffi::AnyBuffer>& workspace, int64_t bytes) {
@@ -217,7 +282,7 @@ ffi::Error FlashBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> d_offset,
                         ffi::Result<ffi::AnyBuffer> workspace, float scale,
                         bool causal, int64_t window_left, int64_t window_right, int32_t softmax_type,
-                        double dropout_rate, int32_t named_kernel) {
+                        double dropout_rate, bool deterministic, int32_t named_kernel) {
   constexpr const char* kOp = "fusedattn_flash_bwd (" FA_FFI_PLATFORM ")";
   AttentionParams p;
   std::vector<int64_t> lead;
@@ -231,7 +296,10 @@ ffi::Error FlashBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   const ffi::DataType dt = q.element_type();
   if (auto e = check_backward_buffers(kOp, p, lead, dt, o, lse, dout, dq, dk, dv, d_offset); e.failure()) return e;
   if (p.batch == 0 || p.heads == 0) return ffi::Error::Success();
-  if (auto e = check_workspace(kOp, workspace, span_bytes(p) + delta_bytes(p)); e.failure()) return e;
+  BackwardKernel kernel;
+  if (auto e = backward_kernel_of(kOp, p, named_kernel, deterministic, &kernel); e.failure()) return e;
+  const int64_t accum_bytes = kernel == BackwardKernel::kSm90 ? dq_accum_bytes(p) : 0;
+  if (auto e = check_workspace(kOp, workspace, span_bytes(p) + delta_bytes(p) + accum_bytes); e.failure()) return e;
   FlashArgs a = common_args(p, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed);
   a.o = static_cast<uint16_t*>(const_cast<void*>(o.untyped_data()));
   a.lse = const_cast<float*>(lse.typed_data<float>());
@@ -241,9 +309,10 @@ ffi::Error FlashBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   a.dv = static_cast<uint16_t*>(dv->untyped_data());
   a.d_offset = d_offset->typed_data<float>();
   summarise(stream, workspace->untyped_data(), &a);
-  a.delta = reinterpret_cast<float*>(static_cast<char*>(workspace->untyped_data()) + span_bytes(p));
-  with_head_dim(p.head_dim, [&](auto d) { launch_backward<decltype(d)::value>(stream, a, element_type_of(dt)); });
-  return launch_status(kOp);
+  char* const scratch = static_cast<char*>(workspace->untyped_data());
+  a.delta = reinterpret_cast<float*>(scratch + span_bytes(p));
+  return launch_backward_kernel(kOp, stream, a, element_type_of(dt), kernel,
+                                reinterpret_cast<float*>(scratch + span_bytes(p) + delta_bytes(p)));
 }
 
 }  // namespace
@@ -292,5 +361,11 @@ extern "C" __attribute__((visibility("default"))) int FA_FLASH_HEAD_DIMS_SYMBOL(
 // was built without sm_90); read by fusedattn/ops/backends/flash.py.
 extern "C" __attribute__((visibility("default"))) int FusedattnFlashCudaSm90HeadDims() {
   return fusedattn::flash::kSm90HeadDims;
+}
+
+// The head dims of the sm_90a backward kernel in this library (the same bit mask; 0 when it
+// was built without sm_90); read by fusedattn/ops/backends/flash.py.
+extern "C" __attribute__((visibility("default"))) int FusedattnFlashCudaSm90BackwardHeadDims() {
+  return fusedattn::flash::kSm90BackwardHeadDims;
 }
 #endif

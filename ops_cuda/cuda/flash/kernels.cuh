@@ -28,8 +28,10 @@ void forward(gpuStream_t stream, const FlashArgs& a) {
   launch(forward_kernel<ET, D>, blocks, T::kThreads, T::kSharedBytes, stream, a);
 }
 
+// What every backward runs first (the sm_80 kernels and the sm_90a one): a.delta =
+// rowsum(dO o O), and a.d_offset (the learnable softmax's gradient; zeros otherwise).
 template <ElementType ET, int D>
-void backward(gpuStream_t stream, const FlashArgs& a) {
+void backward_prologue(gpuStream_t stream, const FlashArgs& a) {
   const AttentionParams& p = a.p;
   const int64_t rows = p.batch * p.seqlen_q * p.heads;
   launch(softmax_delta_kernel<ET, D>, std::min<int64_t>((rows + kDeltaRowsPerBlock - 1) / kDeltaRowsPerBlock, 65536),
@@ -39,6 +41,12 @@ void backward(gpuStream_t stream, const FlashArgs& a) {
   } else {
     (void)gpuMemsetAsync(a.d_offset, 0, sizeof(float) * p.batch * p.heads, stream);  // errors: launch_status
   }
+}
+
+template <ElementType ET, int D>
+void backward(gpuStream_t stream, const FlashArgs& a) {
+  const AttentionParams& p = a.p;
+  backward_prologue<ET, D>(stream, a);
   using KV = DkDvTiles<D>;
   using Q = DqTiles<D>;
   static_assert(KV::kSharedBytes <= kMaxDynamicSharedBytes && Q::kSharedBytes <= kMaxDynamicSharedBytes,
