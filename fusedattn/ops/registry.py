@@ -73,7 +73,8 @@ def explain_spec(spec: AttentionSpec, shapes: CallShapes, platform: str) -> Expl
     kernels = {}
     for name, reason in verdicts.items():
         describe = getattr(BACKENDS[name], "kernel", None)
-        text = describe(shapes, platform) if reason is None and describe is not None else None
+        text = (describe(spec, shapes, platform) if reason is None and describe is not None
+                else None)
         if text is not None:
             kernels[name] = text
     return Explanation(backend=chosen, verdicts=verdicts, requested=str(spec.backend),

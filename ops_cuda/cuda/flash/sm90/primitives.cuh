@@ -58,7 +58,14 @@ __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
       : "memory");
 }
 
-// ---- ordering ------------------------------------------------------------------
+// ---- registers and ordering ----------------------------------------------------
+
+// v, opaque to the compiler: what a loop derives from it is computed in the loop, not
+// hoisted into registers held across it (where they would crowd the accumulators).
+__device__ __forceinline__ int opaque(int v) {
+  asm volatile("" : "+r"(v));
+  return v;
+}
 
 // Makes this thread's ordinary shared-memory stores visible to later asynchronous-proxy
 // reads (wgmma operands, TMA), once a barrier orders them.
@@ -93,6 +100,33 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
       "[%2];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
+}
+
+// Adds the box at src (shared memory, laid out as tma_load_4d writes it) to the elements of
+// a 4-d tensor map at coordinates (c0 innermost .. c3), in the memory system (float add);
+// elements outside the tensor are skipped. One operation of this thread's open bulk group.
+__device__ __forceinline__ void tma_reduce_add_4d(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2,
+                                                  int c3) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+// Closes this thread's open bulk group.
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+
+// Waits until at most kPending of this thread's bulk groups still read their shared memory.
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Waits until at most kPending of this thread's bulk groups are incomplete (writes done).
+template <int kPending>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 // ---- registers ---------------------------------------------------------------
@@ -141,6 +175,8 @@ struct Gmma;
                                                                  cute::SM90::GMMA::Major::K>;                  \
     using RS = cute::SM90::GMMA::MMA_64x##N##x16_F32##TYPES##_RS<cute::SM90::GMMA::Major::K,                   \
                                                                  cute::SM90::GMMA::Major::MN>;                 \
+    using SSMN = cute::SM90::GMMA::MMA_64x##N##x16_F32##TYPES##_SS<cute::SM90::GMMA::Major::MN,                \
+                                                                   cute::SM90::GMMA::Major::MN>;               \
   };
 FUSEDATTN_SM90_GMMA(ElementType::kBF16, BF16BF16, 32)
 FUSEDATTN_SM90_GMMA(ElementType::kBF16, BF16BF16, 64)
@@ -169,6 +205,26 @@ __device__ __forceinline__ void gmma_rs_impl(const uint32_t (&a)[4], uint64_t b,
 template <ElementType ET, int N>
 __device__ __forceinline__ void gmma_ss(uint64_t a, uint64_t b, float (&acc)[N / 8][4], bool accumulate) {
   gmma_ss_impl<typename Gmma<ET, N>::SS>(a, b, acc, accumulate, std::make_index_sequence<N / 2>{});
+}
+
+// acc (64 x N) = A B^T over kDepth columns: A [64 x kDepth] and B [N x kDepth] K-major tiles
+// of kDepth / 64 swizzle atoms, a_atom and b_atom bytes apart, from row 0 at a and b.
+template <ElementType ET, int N, int kDepth>
+__device__ __forceinline__ void gmma_rows_times_rows(uint32_t a, uint32_t a_atom, uint32_t b, uint32_t b_atom,
+                                                     float (&acc)[N / 8][4]) {
+#pragma unroll
+  for (int ks = 0; ks < kDepth / 16; ++ks) {
+    const uint32_t column = (ks % 4) * 32;  // 16 columns of the atom, in bytes
+    gmma_ss<ET, N>(k_major_descriptor(a + (ks / 4) * a_atom + column),
+                   k_major_descriptor(b + (ks / 4) * b_atom + column), acc, ks > 0);
+  }
+}
+
+// acc (64 x N) = A B (+ acc when accumulate): A [64 x 16] and B [16 x N] MN-major in shared
+// memory (mn_major_descriptor; A's 64 columns one swizzle atom).
+template <ElementType ET, int N>
+__device__ __forceinline__ void gmma_ss_mn(uint64_t a, uint64_t b, float (&acc)[N / 8][4], bool accumulate) {
+  gmma_ss_impl<typename Gmma<ET, N>::SSMN>(a, b, acc, accumulate, std::make_index_sequence<N / 2>{});
 }
 
 // acc (64 x N) += A B: A [64 x 16] from registers (the mma.sync A fragment layout, per
