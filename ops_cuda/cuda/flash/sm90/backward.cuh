@@ -18,11 +18,8 @@
 //     dV += P^T dO and dK += dS^T Q (wgmma, P^T and dS^T from registers), float32 registers
 //       for the whole block;
 //     dS^T to shared memory (two buffers), then dQ_tile = dS K, each consumer half of the
-//     head dim (wgmma, both operands in shared memory), staged in shared memory as float32;
-//   warpgroup 0's second warp, the dQ writer: adds each staged dQ tile to a float32
-//     [b, sq, h, d] workspace with TMA reductions (cp.reduce.async.bulk.tensor .add; blocks
-//     add in no fixed order, so dQ is not bitwise repeatable) and hands the staging tile
-//     back once they have read it.
+//     head dim (wgmma, both operands in shared memory), added to a float32 [b, sq, h, d]
+//     workspace with atomics (red.global.add): dQ is not bitwise repeatable.
 // A last kernel writes dq = scale * that sum in the element type. Padding tokens (segment
 // id 0) have their K, V, Q and dO rows zeroed in shared memory, so that garbage there
 // (even NaN) reaches no gradient.
@@ -47,9 +44,6 @@ struct BackwardControl {
   int32_t unit[2];    // query head in the group * query tiles + query tile; -1: no more
   int32_t all_visible[2];
   int32_t padded[2];  // the query tile may hold padding queries (segment id 0)
-  uint64_t dq_full;   // the consumers have staged a dQ tile (and dq_unit)
-  uint64_t dq_empty;  // the dQ writer's reductions have read it
-  int32_t dq_unit;    // the staged tile's unit; -1: no more
   // Per stage and query of the tile: lse * log2(e) and delta (+inf and 0 past the end and
   // for padding queries: P = 0 and dS = 0 whatever dO holds there).
   float lse_log2[2][64];
@@ -74,31 +68,26 @@ struct BackwardTiles {
   static constexpr int kQOffset = 2 * kKeyBytes;  // stage s at + s * kQueryBytes
   static constexpr int kDoOffset = kQOffset + kStages * kQueryBytes;
   static constexpr int kDsOffset = kDoOffset + kStages * kQueryBytes;  // two buffers
-  // The float32 dQ tile [kM x D] staged for the TMA reduction: D / 32 swizzle atoms of
-  // kM rows x 32 floats.
-  static constexpr int kDqAtoms = D / 32;
-  static constexpr int kDqOffset = kDsOffset + 2 * kDsBytes;
-  static constexpr int kControlOffset = kDqOffset + kM * D * 4;
+  static constexpr int kControlOffset = kDsOffset + 2 * kDsBytes;
   // 1024: room to align the start (the swizzle atoms need 1024-byte alignment).
   static constexpr int kSharedBytes = kControlOffset + static_cast<int>(sizeof(BackwardControl)) + 1024;
-  // 32 + 2 x 240 per thread of a warpgroup fill the 64K registers: the producer's tile search
-  // and the dQ writer spilled at 24.
-  static constexpr int kProducerRegisters = 32;
+  // 24 + 2 x 240 = 3 x 168 (the registers at entry): setmaxnreg.inc waits until the
+  // block's pool holds what it asks for, so a larger producer share would hang the block.
+  static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
   static_assert(kM == kAtomColumns, "dS^T is one swizzle atom wide");
   static_assert(kStages == 2 && kM == 64, "BackwardControl's arrays");
 };
 
-// The kernel's arguments: the call and TMA descriptors of q, dout (boxes of kM rows), k and
-// v (kN rows) and of the float32 dQ accumulator [B, Sq, H, D] (boxes of 32 x kM, zero
-// before the kernel); a __grid_constant__ parameter.
+// The kernel's arguments: the call, the float32 dQ accumulator and TMA descriptors of q,
+// dout (boxes of kM rows), k and v (kN rows); a __grid_constant__ parameter.
 struct BackwardArgs {
   CUtensorMap q_map;
   CUtensorMap do_map;
   CUtensorMap k_map;
   CUtensorMap v_map;
-  CUtensorMap dq_map;
   FlashArgs a;
+  float* dq_accum;  // [B, Sq, H, D], zero before the kernel
 };
 
 // The producer: warp 0 (lane 0 issues the copies and publishes the tiles).
@@ -218,54 +207,6 @@ __device__ __forceinline__ void store_scores_t(uint32_t ds, int row0, int lane, 
   }
 }
 
-// Stores a warp's dQ accumulators (rows: the tile's queries 16 warp + lane/4 (+8), columns
-// col0 + ..) as float32 into the staging tile at dq (kM-row swizzle atoms of 32 floats, as
-// TMA reads them: chunk c of row r at r * 128 + (c ^ r % 8) * 16). The addresses are
-// computed at each call (opaque lane), not held across the caller's loop.
-template <int kM, int kCols>
-__device__ __forceinline__ void stage_dq(uint32_t dq, int warp, int lane_, int col0, const float (&acc)[kCols / 8][4]) {
-  const int lane = opaque(lane_);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = 16 * warp + lane / 4 + 8 * half;
-#pragma unroll
-    for (int t = 0; t < kCols / 8; ++t) {
-      const int c = col0 + 8 * t + 2 * (lane % 4), chunk = (c % 32) / 4;
-      const uint32_t address =
-          dq + (c / 32) * kM * kAtomRowBytes + r * kAtomRowBytes + ((chunk ^ (r % 8)) << 4) + (c % 4) * 4;
-      asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(address), "f"(acc[t][2 * half]),
-                   "f"(acc[t][2 * half + 1])
-                   : "memory");
-    }
-  }
-}
-
-// The dQ writer (one thread): each staged dQ tile into the accumulator by TMA reductions
-// (rows past the sequence end are skipped), the staging tile handed back once read.
-template <int D>
-__device__ __forceinline__ void write_dq(const BackwardArgs& args, uint32_t base, BackwardControl* control,
-                                         int64_t b, int64_t g) {
-  using T = BackwardTiles<D>;
-  const AttentionParams& p = args.a.p;
-  const int64_t group = p.heads / p.kv_heads;
-  const int n_q_tiles = static_cast<int>((p.seqlen_q + T::kM - 1) / T::kM);
-  for (int i = 0;; ++i) {
-    mbarrier_wait(smem_address(&control->dq_full), i & 1);
-    const int u = control->dq_unit;
-    if (u < 0) break;
-    const int h = static_cast<int>(g * group) + u / n_q_tiles, m0 = (u % n_q_tiles) * T::kM;
-#pragma unroll
-    for (int atom = 0; atom < T::kDqAtoms; ++atom) {
-      tma_reduce_add_4d(&args.dq_map, base + T::kDqOffset + atom * T::kM * kAtomRowBytes, 32 * atom, h, m0,
-                        static_cast<int>(b));
-    }
-    bulk_commit();
-    bulk_wait_read<0>();
-    mbarrier_arrive(smem_address(&control->dq_empty));
-  }
-  bulk_wait<0>();  // the reductions are done before the block ends
-}
-
 // One consumer warpgroup (index cw, 0 or 1): keys n0 + 64 cw .. + 63.
 template <ElementType ET, int D>
 __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint32_t base, BackwardControl* control,
@@ -280,15 +221,6 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
   const auto context = [&] { return head_context(a, b, g * group); };
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int consumer_thread = static_cast<int>(threadIdx.x) - 128;
-  const uint32_t dq_tile = base + T::kDqOffset;
-  // Stages tile i's dQ (unit u; -1 ends the writer) once the writer has read tile i - 1's.
-  const auto hand_over_dq = [&](int i, int u, const auto& stage) {
-    if (i > 0) mbarrier_wait(smem_address(&control->dq_empty), (i - 1) & 1);
-    stage();
-    if (consumer_thread == 0) control->dq_unit = u;
-    fence_proxy_async();
-    mbarrier_arrive(smem_address(&control->dq_full));
-  };
   const FragmentCoords at{n0 + T::kConsumerKeys * cw + 16 * warp, 0, lane};  // rows: keys
   float dk[D / 8][4], dv[D / 8][4];
   zero(dk);
@@ -308,8 +240,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
     named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
   }
   const float scale_log2 = p.scale * kLog2e;
-  int i = 0;
-  for (;; ++i) {
+  for (int i = 0;; ++i) {
     const int s = i % T::kStages;
     mbarrier_wait(smem_address(&control->full[s]), (i / T::kStages) & 1);
     const int u = control->unit[s];
@@ -422,9 +353,15 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
     mbarrier_arrive(smem_address(&control->empty[s]));
     cute::warpgroup_wait<0>();
     fence_accumulators(dq);
-    hand_over_dq(i, u, [&] { stage_dq<T::kM, T::kDqColumns>(dq_tile, warp, lane, cw * T::kDqColumns, dq); });
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t qi = m0 + 16 * warp + lane / 4 + 8 * half;
+      if (qi >= p.seqlen_q) continue;
+      float* dst = args.dq_accum + ((b * p.seqlen_q + qi) * p.heads + h) * D + cw * T::kDqColumns + 2 * (lane % 4);
+#pragma unroll
+      for (int t = 0; t < T::kDqColumns / 8; ++t) red_add_v2(dst + 8 * t, dq[t][2 * half], dq[t][2 * half + 1]);
+    }
   }
-  hand_over_dq(i, -1, [] {});
   const int64_t kv_stride = p.kv_heads * D;
   uint16_t* const dk_row = a.dk + (b * p.seqlen_kv * p.kv_heads + g) * D;
   uint16_t* const dv_row = a.dv + (b * p.seqlen_kv * p.kv_heads + g) * D;
@@ -453,19 +390,13 @@ __global__ void __launch_bounds__(BackwardTiles<D>::kThreads, 1)
       mbarrier_init(smem_address(&control->full[s]), 1);
       mbarrier_init(smem_address(&control->empty[s]), T::kConsumerThreads);
     }
-    mbarrier_init(smem_address(&control->dq_full), T::kConsumerThreads);
-    mbarrier_init(smem_address(&control->dq_empty), 1);
     mbarrier_init_fence();
   }
   __syncthreads();
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     registers_decrease<T::kProducerRegisters>();
-    if (threadIdx.x < 32) {
-      produce_backward<D>(args, base, control, b, g, n0);
-    } else if (threadIdx.x == 32) {
-      write_dq<D>(args, base, control, b, g);
-    }
+    if (threadIdx.x < 32) produce_backward<D>(args, base, control, b, g, n0);
   } else {
     registers_increase<T::kConsumerRegisters>();
     consume_backward<ET, D>(args, base, control, b, g, n0, warpgroup - 1);

@@ -44,13 +44,11 @@ std::string backward(gpuStream_t stream, const FlashArgs& a, float* dq_accum) {
   const AttentionParams& p = a.p;
   BackwardArgs args;
   args.a = a;
+  args.dq_accum = dq_accum;
   std::string error = encode_tile_map(&args.q_map, a.q, p.batch, p.seqlen_q, p.heads, D, T::kM);
   if (error.empty()) error = encode_tile_map(&args.do_map, a.dout, p.batch, p.seqlen_q, p.heads, D, T::kM);
   if (error.empty()) error = encode_tile_map(&args.k_map, a.k, p.batch, p.seqlen_kv, p.kv_heads, D, T::kN);
   if (error.empty()) error = encode_tile_map(&args.v_map, a.v, p.batch, p.seqlen_kv, p.kv_heads, D, T::kN);
-  if (error.empty()) {
-    error = encode_accumulator_map(&args.dq_map, dq_accum, p.batch, p.seqlen_q, p.heads, D, T::kM);
-  }
   if (!error.empty()) return error;
   flash::backward_prologue<ET, D>(stream, a);
   const int64_t elements = p.batch * p.seqlen_q * p.heads * D;

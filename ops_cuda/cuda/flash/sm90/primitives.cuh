@@ -58,14 +58,7 @@ __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
       : "memory");
 }
 
-// ---- registers and ordering ----------------------------------------------------
-
-// v, opaque to the compiler: what a loop derives from it is computed in the loop, not
-// hoisted into registers held across it (where they would crowd the accumulators).
-__device__ __forceinline__ int opaque(int v) {
-  asm volatile("" : "+r"(v));
-  return v;
-}
+// ---- ordering ------------------------------------------------------------------
 
 // Makes this thread's ordinary shared-memory stores visible to later asynchronous-proxy
 // reads (wgmma operands, TMA), once a barrier orders them.
@@ -85,6 +78,12 @@ __device__ __forceinline__ void store_zero_16(uint32_t address) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(address), "r"(0) : "memory");
 }
 
+// Adds (a, b) to the two floats at `address` (global memory, 8-byte aligned) atomically,
+// returning nothing (one vector reduction, sm_90).
+__device__ __forceinline__ void red_add_v2(float* address, float a, float b) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(address), "f"(a), "f"(b) : "memory");
+}
+
 // ---- TMA ---------------------------------------------------------------------
 
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
@@ -100,33 +99,6 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
       "[%2];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
-}
-
-// Adds the box at src (shared memory, laid out as tma_load_4d writes it) to the elements of
-// a 4-d tensor map at coordinates (c0 innermost .. c3), in the memory system (float add);
-// elements outside the tensor are skipped. One operation of this thread's open bulk group.
-__device__ __forceinline__ void tma_reduce_add_4d(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2,
-                                                  int c3) {
-  asm volatile(
-      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
-          reinterpret_cast<uint64_t>(map)),
-      "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-      : "memory");
-}
-
-// Closes this thread's open bulk group.
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-
-// Waits until at most kPending of this thread's bulk groups still read their shared memory.
-template <int kPending>
-__device__ __forceinline__ void bulk_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
-}
-
-// Waits until at most kPending of this thread's bulk groups are incomplete (writes done).
-template <int kPending>
-__device__ __forceinline__ void bulk_wait() {
-  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 // ---- registers ---------------------------------------------------------------

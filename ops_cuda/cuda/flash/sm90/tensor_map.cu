@@ -25,21 +25,22 @@ PFN_cuTensorMapEncodeTiled_v12000 encoder(std::string* error) {
   return fn;
 }
 
-// A BSHD array of `element`-byte elements of `type`, in boxes of 128 bytes (one swizzle
-// atom row) by `rows`.
-std::string encode_bshd(CUtensorMap* map, CUtensorMapDataType type, cuuint64_t element, void* data, int64_t batch,
-                        int64_t seqlen, int64_t heads, int64_t head_dim, int rows) {
+}  // namespace
+
+std::string encode_tile_map(CUtensorMap* map, const uint16_t* data, int64_t batch, int64_t seqlen, int64_t heads,
+                            int64_t head_dim, int rows) {
   std::string error;
   const PFN_cuTensorMapEncodeTiled_v12000 encode = encoder(&error);
   if (encode == nullptr) return error;
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(heads),
                               static_cast<cuuint64_t>(seqlen), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t element = 2;
   const cuuint64_t strides[3] = {head_dim * element, heads * head_dim * element, seqlen * heads * head_dim * element};
-  const cuuint32_t box[4] = {static_cast<cuuint32_t>(128 / element), 1, static_cast<cuuint32_t>(rows), 1};
+  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(rows), 1};
   const cuuint32_t unit[4] = {1, 1, 1, 1};
-  const CUresult r = encode(map, type, 4, data, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<uint16_t*>(data), dims, strides, box,
+                            unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
     return "cuTensorMapEncodeTiled refused [" + std::to_string(batch) + ", " + std::to_string(seqlen) + ", " +
            std::to_string(heads) + ", " + std::to_string(head_dim) + "] at " +
@@ -47,19 +48,6 @@ std::string encode_bshd(CUtensorMap* map, CUtensorMapDataType type, cuuint64_t e
            "; the operands must be 16-byte aligned)";
   }
   return "";
-}
-
-}  // namespace
-
-std::string encode_tile_map(CUtensorMap* map, const uint16_t* data, int64_t batch, int64_t seqlen, int64_t heads,
-                            int64_t head_dim, int rows) {
-  return encode_bshd(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<uint16_t*>(data), batch, seqlen, heads,
-                     head_dim, rows);
-}
-
-std::string encode_accumulator_map(CUtensorMap* map, float* data, int64_t batch, int64_t seqlen, int64_t heads,
-                                   int64_t head_dim, int rows) {
-  return encode_bshd(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, data, batch, seqlen, heads, head_dim, rows);
 }
 
 }  // namespace sm90

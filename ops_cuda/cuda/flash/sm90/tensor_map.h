@@ -17,12 +17,6 @@ namespace sm90 {
 std::string encode_tile_map(CUtensorMap* map, const uint16_t* data, int64_t batch, int64_t seqlen, int64_t heads,
                             int64_t head_dim, int rows);
 
-// The same for float32 data (a gradient accumulator) in boxes of (32, 1, rows, 1), 128-byte
-// swizzled: the target of reductions (cp.reduce.async.bulk.tensor), which skip the box's
-// elements outside the tensor.
-std::string encode_accumulator_map(CUtensorMap* map, float* data, int64_t batch, int64_t seqlen, int64_t heads,
-                                   int64_t head_dim, int rows);
-
 }  // namespace sm90
 }  // namespace flash
 }  // namespace fusedattn
