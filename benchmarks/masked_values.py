@@ -1,9 +1,8 @@
 """What the masked-values guard costs (fusedattn.ops.masked_values).
 
-fused_attn through the cudnn and flash backends with the guard (as users get it: a NaN
-check of the output, and of dQ in the backward, then a branch) against the same call with
-the guard switched off (the backend marked exact on this platform, for this benchmark
-only), interleaved, bf16, random inputs without NaN (the fast path). Rows: shape
+fused_attn through the cudnn and flash backends with config.guard_masked_values (a NaN
+check of the output, and of dQ in the backward, then a branch) against the same call
+without it (the default), interleaved, bf16, random inputs without NaN (the fast path). Rows: shape
 {"b", "s", "h", "d", "causal"}, impl "<backend>" / "<backend>_unguarded", pass "fwd" /
 "fwd+bwd", ms; "guard_cost" is guarded over unguarded minus 1.
 
@@ -12,12 +11,10 @@ only), interleaved, bf16, random inputs without NaN (the fast path). Rows: shape
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 
 import fusedattn
-from fusedattn.ops import fused_attn, registry
+from fusedattn.ops import fused_attn
 
 from common import interleaved_ms, parse_args, passes, random_normal, timing, write_results
 
@@ -26,31 +23,12 @@ QUICK_SHAPES = ((1, 256, 2, 64),)
 BACKENDS = ("cudnn", "flash")
 
 
-@contextlib.contextmanager
-def unguarded(backend: str):
-    """The backend counted exact while tracing: fused_attn skips the guard."""
-    serving = registry.BACKENDS[backend]
-    serving.masked_values_exact = lambda spec, platform: True  # shadows the method
-    try:
-        yield
-    finally:
-        del serving.masked_values_exact
-
-
-def attend(backend: str, causal: bool):
+def attend(backend: str, causal: bool, guard: bool):
     config = fusedattn.configs.attention_config()
     config.backend = backend
     config.mask = "causal" if causal else "no_mask"
+    config.guard_masked_values = guard
     return lambda q, k, v: fused_attn((q, k, v), config=config)
-
-
-def traced_passes(backend: str, causal: bool, guard: bool, arrays) -> dict:
-    """passes() compiled now, so the guard setting at trace time is the one timed."""
-    fns = passes(attend(backend, causal))
-    with contextlib.nullcontext() if guard else unguarded(backend):
-        for fn in fns.values():
-            jax.block_until_ready(fn(*arrays))
-    return fns
 
 
 def main():
@@ -63,8 +41,9 @@ def main():
             for backend in BACKENDS:
                 shape = {"b": b, "s": s, "h": h, "d": d, "causal": causal}
                 try:
-                    guarded = traced_passes(backend, causal, True, arrays)
-                    bare = traced_passes(backend, causal, False, arrays)
+                    guarded = passes(attend(backend, causal, True))
+                    bare = passes(attend(backend, causal, False))
+                    jax.block_until_ready(guarded["fwd"](*arrays))
                 except ValueError as error:  # the backend cannot serve the call here
                     rows.append({"shape": shape, "impl": backend, "error": str(error)[:300]})
                     continue

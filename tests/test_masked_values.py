@@ -128,7 +128,7 @@ def test_gpu_backends_exclude_masked_non_finite_values(rng, backend, mask, extra
     late = 150                                      # rows before it never see key 150
     seen_by = slice(late, late + WINDOW + 1) if "window_size" in extra else slice(late, None)
     bad_v = v.at[:, late].set(value)
-    config = make_config(backend=backend, mask=mask, **extra)
+    config = make_config(backend=backend, mask=mask, guard_masked_values=True, **extra)
     reference = make_config(backend="xla", mask=mask, **extra)
 
     def attend(config):
@@ -160,7 +160,8 @@ def test_gpu_backends_ignore_non_finite_padding(rng, backend):
     bad_k, bad_v = k.at[0, 10:].set(jnp.nan), v.at[0, 10:].set(jnp.inf)
 
     def run(name):
-        config = make_config(backend=name, mask="padding", sequence=bounds)
+        config = make_config(backend=name, mask="padding", sequence=bounds,
+                             guard_masked_values=True)
         return np.asarray(fused_attn((q, bad_k, bad_v), config=config, sequence=sequence),
                           np.float32)
 

@@ -1,10 +1,10 @@
 """Which GPU kernels leak masked NaN/Inf values, and where the guard's time goes.
 
-1. Leaks, unguarded: NaN in v (or k) at one key that earlier rows never see (causal,
+1. Leaks (config.guard_masked_values off, the default): NaN in v (or k) at one key that earlier rows never see (causal,
    sliding window, padding), cudnn and flash; whether the forward output or dQ of the
    rows that never see the key holds NaN.
-2. Timings (forward, bf16, (4, 2048, 16, 128) and (16, 512, 16, 128)): the bare call, the
-   bare call plus the NaN flag of its output (no branch), and the guarded call.
+2. Timings (causal forward, bf16, (4, 2048, 16, 128) and (16, 512, 16, 128)): the bare call,
+   the bare call plus the NaN flag of its output (no branch), and the guarded call.
 
     python benchmarks/probes/masked_values_probe.py --out masked_values_probe.json
 """
@@ -21,12 +21,12 @@ import fusedattn
 from fusedattn.ops import SequenceDescriptor, fused_attn
 
 from common import interleaved_ms, parse_args, random_normal, timing, write_results
-from masked_values import unguarded
 
 
-def config_of(backend: str, mask: str, window=(-1, -1)):
+def config_of(backend: str, mask: str, window=(-1, -1), guard: bool = False):
     config = fusedattn.configs.attention_config()
     config.backend, config.mask, config.window_size = backend, mask, window
+    config.guard_masked_values = guard
     return config
 
 
@@ -50,10 +50,9 @@ def leak_rows(backend: str, case: str, poisoned: str) -> dict:
         return fused_attn((q, k, v), config=config, sequence=sequence)
 
     clean_rows = slice(0, late) if case != "padding" else slice(0, s)
-    with unguarded(backend):
-        out = jax.jit(attend)(arrays["q"], arrays["k"], arrays["v"])
-        dq = jax.jit(jax.grad(lambda *a: jnp.sum(attend(*a)[:, clean_rows].astype(jnp.float32)
-                                                 ** 2)))(arrays["q"], arrays["k"], arrays["v"])
+    out = jax.jit(attend)(arrays["q"], arrays["k"], arrays["v"])
+    dq = jax.jit(jax.grad(lambda *a: jnp.sum(attend(*a)[:, clean_rows].astype(jnp.float32)
+                                             ** 2)))(arrays["q"], arrays["k"], arrays["v"])
     return {"backend": backend, "mask": case, "poisoned": poisoned,
             "out_leaks": bool(np.isnan(np.asarray(out[0, clean_rows], np.float32)).any()),
             "dq_leaks": bool(np.isnan(np.asarray(dq[0, clean_rows], np.float32)).any())}
@@ -62,16 +61,14 @@ def leak_rows(backend: str, case: str, poisoned: str) -> dict:
 def timings(args, backend: str, shape) -> list[dict]:
     keys = jax.random.split(jax.random.key(2), 3)
     arrays = tuple(random_normal(key, shape, jnp.bfloat16) for key in keys)
-    config = config_of(backend, "no_mask")
+    config, guarded_config = config_of(backend, "causal"), config_of(backend, "causal", guard=True)
 
     def attend(q, k, v):
         return fused_attn((q, k, v), config=config)
 
-    with unguarded(backend):
-        bare = jax.jit(attend)
-        flagged = jax.jit(lambda *a: (lambda o: (o, jnp.isnan(o).any()))(attend(*a)))
-        jax.block_until_ready((bare(*arrays), flagged(*arrays)))
-    guarded = jax.jit(lambda *a: attend(*a))  # its own trace, with the guard
+    bare = jax.jit(attend)
+    flagged = jax.jit(lambda *a: (lambda o: (o, jnp.isnan(o).any()))(attend(*a)))
+    guarded = jax.jit(lambda q, k, v: fused_attn((q, k, v), config=guarded_config))
     ms, errors = interleaved_ms({"bare": bare, "bare+flag": flagged, "guarded": guarded},
                                 arrays, **timing(args))
     print(backend, shape, {name: round(value, 4) for name, value in ms.items()}, errors)

@@ -104,9 +104,10 @@ def fused_attn(qkv, *, config, bias=None, softmax_offset=None, sequence=None,
 
 def _exact_at_masked_values(spec: AttentionSpec, backend, attention, args: CanonicalArgs
                             ) -> jax.Array:
-    """attention(args), guarded (masked_values) where the backend's kernels would let a
-    masked NaN/Inf key or value leak into other rows."""
-    if backend.masked_values_exact(spec, registry.current_platform()):
+    """attention(args); with config.guard_masked_values, guarded (masked_values) where the
+    backend's kernels would let a masked NaN/Inf key or value leak into other rows."""
+    if not spec.guard_masked_values or backend.masked_values_exact(spec,
+                                                                   registry.current_platform()):
         return attention(args)
     return masked_values.guarded(attention, args)
 
