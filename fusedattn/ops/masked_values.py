@@ -1,4 +1,4 @@
-"""Masked keys contribute nothing, even when they hold NaN or Inf, on every backend.
+"""config.guard_masked_values: masked keys contribute nothing, even holding NaN or Inf.
 
 A fused kernel multiplies the masked probabilities (exactly 0) with the values of the keys
 in a tile, so a NaN or Inf in k/v at a masked position (a future token under causal masks,
@@ -6,8 +6,9 @@ a key outside the window) turns 0 x NaN into NaN in query rows that never see th
 the backward leaks the same way through dS. cuDNN and the CUDA flash kernels do this; the
 xla backend and the host kernels select masked keys out instead.
 
-`guarded` wraps a backend's attention so it keeps the xla backend's rule at the cost of one
-reduction over the output (and one over dQ in the backward):
+With the config key set, fused_attn passes each call whose backend would leak
+(Backend.masked_values_exact) through `guarded`, which keeps the xla backend's rule at the
+cost of one reduction over the output (and one over dQ in the backward):
 
   fast path   out = attention(args), and its gradients; taken when out (forward) and dQ
               (backward) hold no NaN: every leak of a masked non-finite key or value puts
