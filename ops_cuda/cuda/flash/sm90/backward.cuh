@@ -9,7 +9,8 @@
 //     see (one warp searches them, ../spans.cuh, 32 at a time), that tile's Q and dO with
 //     TMA into a ring of two stages on mbarriers, with the tile's rows of lse and delta
 //     (the warp's lanes), publishing the tile, whether every pair is visible and whether
-//     it may hold padding queries; -1 ends the loop.
+//     it may hold padding queries, and for a tile that is not all visible the keys each
+//     of its queries sees (the mask then reads shared memory); -1 ends the loop.
 //   warpgroups 1 and 2, the consumers, 64 keys each, per query tile:
 //     S^T = K Q^T and dP^T = V dO^T (wgmma, both operands in shared memory);
 //     P^T = exp(scale S^T - lse) (masked elements set to 0 by selection);
@@ -41,13 +42,16 @@ struct BackwardControl {
   uint64_t kv_full;
   uint64_t full[2];   // Q and dO of the stage
   uint64_t empty[2];  // released by the consumers once dV and dK have read them
-  int32_t unit[2];    // query head in the group * query tiles + query tile; -1: no more
+  int32_t head[2];    // the query head of the stage's tile; -1: no more
+  int32_t first[2];   // its first query
   int32_t all_visible[2];
   int32_t padded[2];  // the query tile may hold padding queries (segment id 0)
   // Per stage and query of the tile: lse * log2(e) and delta (+inf and 0 past the end and
   // for padding queries: P = 0 and dS = 0 whatever dO holds there).
   float lse_log2[2][64];
   float delta[2][64];
+  // Of a tile that is not all visible: the keys each query sees (the consumers' mask).
+  QueryRange sees[2][64];
 };
 
 template <int D>
@@ -127,8 +131,9 @@ __device__ __forceinline__ void produce_backward(const BackwardArgs& args, uint3
     });
     const int s = i % T::kStages;
     if (i >= T::kStages) mbarrier_wait(smem_address(&control->empty[s]), (i / T::kStages - 1) & 1);
+    // The tile's head and first query.
+    const int h = static_cast<int>(g * group) + u / n_q_tiles, m0 = (u % n_q_tiles) * T::kM;
     if (u < n_units) {  // the tile's rows of lse and delta, two queries a lane, before the leader arrives
-      const int64_t h = g * group + u / n_q_tiles, m0 = static_cast<int64_t>(u % n_q_tiles) * T::kM;
       const int64_t row = (b * p.heads + h) * p.seqlen_q;
 #pragma unroll
       for (int k = 0; k < T::kM / 32; ++k) {
@@ -137,18 +142,21 @@ __device__ __forceinline__ void produce_backward(const BackwardArgs& args, uint3
         const bool real = m0 + q < p.seqlen_q && c.q_seg[m0 + q] != 0;
         control->lse_log2[s][q] = real ? args.a.lse[row + m0 + q] * kLog2e : INFINITY;
         control->delta[s][q] = real ? args.a.delta[row + m0 + q] : 0.0f;
+        if (!((scan.full >> (u - scan.first)) & 1u)) {
+          control->sees[s][q] = query_range(p.mask, query_token(c, m0 + q, p.seqlen_q));
+        }
       }
     }
     __syncwarp();
     if (leader && u >= n_units) {
-      control->unit[s] = -1;
+      control->head[s] = -1;
       mbarrier_arrive(smem_address(&control->full[s]));
     } else if (leader) {
       const int bit = u - scan.first;
-      control->unit[s] = u;
+      control->head[s] = h;
+      control->first[s] = m0;
       control->all_visible[s] = (scan.full >> bit) & 1u;
       control->padded[s] = (scan.padded >> bit) & 1u;
-      const int h = static_cast<int>(g * group) + u / n_q_tiles, m0 = (u % n_q_tiles) * T::kM;
       const uint32_t bar = smem_address(&control->full[s]);
       mbarrier_arrive_expect_tx(bar, 2 * T::kQueryBytes);
 #pragma unroll
@@ -162,21 +170,6 @@ __device__ __forceinline__ void produce_backward(const BackwardArgs& args, uint3
     __syncwarp();  // the lanes stay in step (next_visible is warp-wide)
     if (u >= n_units) return;
   }
-}
-
-// Bit 4 n + e set where element (n, e) of a lane's [16 x kCols] fragment satisfies pred(n, e)
-// (kCols <= 64). The loop over n is not unrolled, so that the predicate (the mask's token
-// loads, a Philox draw) holds few registers at a time beside the accumulators.
-template <int kCols, typename Pred>
-__device__ __forceinline__ uint32_t fragment_bits(Pred pred) {
-  static_assert(kCols <= 64, "one bit per element of a 32-bit word");
-  uint32_t bits = 0;
-#pragma unroll 1
-  for (int n = 0; n < kCols / 8; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) bits |= static_cast<uint32_t>(pred(n, e)) << (4 * n + e);
-  }
-  return bits;
 }
 
 // Packs a warp's [16 x kCols] float fragments into the A operands (16 x 16 each) of a
@@ -215,7 +208,6 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
   const FlashArgs& a = args.a;
   const AttentionParams& p = a.p;
   const int64_t group = p.heads / p.kv_heads;
-  const int n_q_tiles = static_cast<int>((p.seqlen_q + T::kM - 1) / T::kM);
   // The token row and dropout key (shared by the group), derived where used (from the
   // kernel's parameters): kept in registers across the loop, they crowded the accumulators.
   const auto context = [&] { return head_context(a, b, g * group); };
@@ -243,10 +235,9 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
   for (int i = 0;; ++i) {
     const int s = i % T::kStages;
     mbarrier_wait(smem_address(&control->full[s]), (i / T::kStages) & 1);
-    const int u = control->unit[s];
-    if (u < 0) break;
+    const int64_t h = control->head[s], m0 = control->first[s];
+    if (h < 0) break;
     const bool all_visible = control->all_visible[s] != 0;
-    const int64_t h = g * group + u / n_q_tiles, m0 = static_cast<int64_t>(u % n_q_tiles) * T::kM;
     const uint32_t q_tile = base + T::kQOffset + s * T::kQueryBytes;
     const uint32_t do_tile = base + T::kDoOffset + s * T::kQueryBytes;
     if (control->padded[s] != 0) {
@@ -276,13 +267,12 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
 #pragma unroll
     for (int n = 0; n < T::kM / 8; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) st[n][e] = exp2f(st[n][e] * scale_log2 - lse_log2[8 * n + e % 2]);
+      for (int e = 0; e < 4; ++e) st[n][e] = fast_exp2(fmaf(st[n][e], scale_log2, -lse_log2[8 * n + e % 2]));
     }
     if (!all_visible) {
-      const HeadContext c = context();
-      const KeyRows keys = key_rows(c, at, p.seqlen_kv);
+      const KeyRows keys = key_rows(context(), at, p.seqlen_kv);
       const uint32_t seen = fragment_bits<T::kM>([&](int n, int e) {
-        return visible(p.mask, query_token(c, qc.col(n, e), p.seqlen_q), keys.seg[e / 2], keys.pos[e / 2]);
+        return in_range(control->sees[s][qc.col(n, e) - m0], keys.seg[e / 2], keys.pos[e / 2]);
       });
       mask_fragment(st, 0.0f, [&](int n, int e) { return ((seen >> (4 * n + e)) & 1u) != 0; });
     }
