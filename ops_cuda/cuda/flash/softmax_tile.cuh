@@ -15,20 +15,17 @@
 namespace fusedattn {
 namespace flash {
 
-// One key tile of a warp's kWarpRows rows: unscaled scores [kWarpRows x kN] (fragments) become the
-// weights exp(scale s - m) (dropout applied) that O += P V takes; the row statistics move to the new
-// running max, and factor[r] receives what the outputs accumulated so far must be
-// multiplied by (rescale_rows) for the lane's row r. `full`: every (query, key) pair of the
-// tile is visible; otherwise elements where visible(n, e) is false are set to -inf by
-// selection (never arithmetic), so that anything K holds there contributes nothing. kv: the fragment's
-// coordinates (rows: queries, columns: keys).
-template <int kN, typename Visible>
+// One key tile of a warp's kWarpRows rows: unscaled scores [kWarpRows x kN] (fragments), masked
+// elements -inf (set by selection, never arithmetic, so that anything K holds there
+// contributes nothing), become the weights exp(scale s - m) (dropout applied) that O += P V
+// takes; the row statistics move to the new running max, and factor[r] receives what the
+// outputs accumulated so far must be multiplied by (rescale_rows) for the lane's row r.
+// kv: the fragment's coordinates (rows: queries, columns: keys).
+template <int kN>
 __device__ __forceinline__ void softmax_weights(float (&scores)[kN / 8][4], SoftmaxState (&state)[kLaneRows],
                                                 const FlashArgs& a, const HeadContext& c, int64_t h,
-                                                FragmentCoords kv, bool full, Visible visible,
-                                                float (&factor)[kLaneRows]) {
+                                                FragmentCoords kv, float (&factor)[kLaneRows]) {
   const AttentionParams& p = a.p;
-  if (!full) mask_fragment(scores, -INFINITY, visible);
   float block_max[kLaneRows];
 #pragma unroll
   for (int r = 0; r < kLaneRows; ++r) block_max[r] = -INFINITY;
@@ -81,17 +78,20 @@ __device__ __forceinline__ void rescale_rows(float (&o)[D / 8][4], const float (
   }
 }
 
-// softmax_weights, with o [kWarpRows x D] rescaled at once.
+// softmax_weights, after masking the scores unless `full` (every (query, key) pair of the
+// tile visible), with o [kWarpRows x D] rescaled at once.
 template <int kN, int D>
 __device__ __forceinline__ void softmax_tile(float (&scores)[kN / 8][4], float (&o)[D / 8][4],
                                              SoftmaxState (&state)[kLaneRows], const FlashArgs& a,
                                              const HeadContext& c, const QueryToken (&query)[kLaneRows], int64_t h,
                                              FragmentCoords kv, bool full) {
+  if (!full) {
+    mask_fragment(scores, -INFINITY, [&](int n, int e) {
+      return key_visible(a.p.mask, c, query[e / kRowElems], kv.col(n, e), a.p.seqlen_kv);
+    });
+  }
   float factor[kLaneRows];
-  const auto visible = [&](int n, int e) {
-    return key_visible(a.p.mask, c, query[e / kRowElems], kv.col(n, e), a.p.seqlen_kv);
-  };
-  softmax_weights<kN>(scores, state, a, c, h, kv, full, visible, factor);
+  softmax_weights<kN>(scores, state, a, c, h, kv, factor);
   rescale_rows<D>(o, factor);
 }
 

@@ -37,21 +37,24 @@ namespace fusedattn {
 namespace flash {
 namespace sm90 {
 
-// The barriers and the published query tiles, after the operand tiles in shared memory.
+// The barriers and the published query tiles, after the operand tiles in shared memory:
+// kStages stages (three: a tile's loads are issued two tiles before it is needed) of kM
+// queries.
+template <int kStages, int kM>
 struct BackwardControl {
   uint64_t kv_full;
-  uint64_t full[2];   // Q and dO of the stage
-  uint64_t empty[2];  // released by the consumers once dV and dK have read them
-  int32_t head[2];    // the query head of the stage's tile; -1: no more
-  int32_t first[2];   // its first query
-  int32_t all_visible[2];
-  int32_t padded[2];  // the query tile may hold padding queries (segment id 0)
+  uint64_t full[kStages];   // Q and dO of the stage
+  uint64_t empty[kStages];  // released by the consumers once dV and dK have read them
+  int32_t head[kStages];    // the query head of the stage's tile; -1: no more
+  int32_t first[kStages];   // its first query
+  int32_t all_visible[kStages];
+  int32_t padded[kStages];  // the query tile may hold padding queries (segment id 0)
   // Per stage and query of the tile: lse * log2(e) and delta (+inf and 0 past the end and
   // for padding queries: P = 0 and dS = 0 whatever dO holds there).
-  float lse_log2[2][64];
-  float delta[2][64];
+  float lse_log2[kStages][kM];
+  float delta[kStages][kM];
   // Of a tile that is not all visible: the keys each query sees (the consumers' mask).
-  QueryRange sees[2][64];
+  QueryRange sees[kStages][kM];
 };
 
 template <int D>
@@ -59,7 +62,7 @@ struct BackwardTiles {
   static constexpr int kN = 128;            // keys per block
   static constexpr int kConsumerKeys = 64;  // per consumer warpgroup
   static constexpr int kM = 64;             // queries per streamed tile (one swizzle atom of dS^T)
-  static constexpr int kStages = 2;
+  static constexpr int kStages = 3;
   static constexpr int kThreads = 384;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kAtoms = D / kAtomColumns;
@@ -73,14 +76,14 @@ struct BackwardTiles {
   static constexpr int kDoOffset = kQOffset + kStages * kQueryBytes;
   static constexpr int kDsOffset = kDoOffset + kStages * kQueryBytes;  // two buffers
   static constexpr int kControlOffset = kDsOffset + 2 * kDsBytes;
+  using Control = BackwardControl<kStages, kM>;
   // 1024: room to align the start (the swizzle atoms need 1024-byte alignment).
-  static constexpr int kSharedBytes = kControlOffset + static_cast<int>(sizeof(BackwardControl)) + 1024;
+  static constexpr int kSharedBytes = kControlOffset + static_cast<int>(sizeof(Control)) + 1024;
   // 24 + 2 x 240 = 3 x 168 (the registers at entry): setmaxnreg.inc waits until the
   // block's pool holds what it asks for, so a larger producer share would hang the block.
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
   static_assert(kM == kAtomColumns, "dS^T is one swizzle atom wide");
-  static_assert(kStages == 2 && kM == 64, "BackwardControl's arrays");
 };
 
 // The kernel's arguments: the call, the float32 dQ accumulator and TMA descriptors of q,
@@ -96,7 +99,7 @@ struct BackwardArgs {
 
 // The producer: warp 0 (lane 0 issues the copies and publishes the tiles).
 template <int D>
-__device__ __forceinline__ void produce_backward(const BackwardArgs& args, uint32_t base, BackwardControl* control,
+__device__ __forceinline__ void produce_backward(const BackwardArgs& args, uint32_t base, typename BackwardTiles<D>::Control* control,
                                                  int64_t b, int64_t g, int64_t n0) {
   using T = BackwardTiles<D>;
   const AttentionParams& p = args.a.p;
@@ -200,9 +203,10 @@ __device__ __forceinline__ void store_scores_t(uint32_t ds, int row0, int lane, 
   }
 }
 
-// One consumer warpgroup (index cw, 0 or 1): keys n0 + 64 cw .. + 63.
-template <ElementType ET, int D>
-__device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint32_t base, BackwardControl* control,
+// One consumer warpgroup (index cw, 0 or 1): keys n0 + 64 cw .. + 63. kDropout: p.dropout (a
+// template argument, so that the loop without dropout carries none of its registers).
+template <ElementType ET, int D, bool kDropout>
+__device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint32_t base, typename BackwardTiles<D>::Control* control,
                                                  int64_t b, int64_t g, int64_t n0, int cw) {
   using T = BackwardTiles<D>;
   const FlashArgs& a = args.a;
@@ -279,7 +283,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
     cute::warpgroup_wait<0>();
     fence_accumulators(dpt);
     // st: P^T; then dS^T = P^T o (drop o dP^T - delta) into dpt, and st: (P o drop)^T
-    if (p.dropout) {
+    if constexpr (kDropout) {
       const HeadContext c = context();
       const uint32_t kept = fragment_bits<T::kM>([&](int n, int e) {
         return dropout_factor(p, c, h, qc.col(n, e), qc.row(e)) != 0.0f;
@@ -310,16 +314,13 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
     fence_accumulators(dv);
     fence_accumulators(dk);
     cute::warpgroup_arrive();
+    const uint64_t do0 = mn_major_descriptor(do_tile, T::kM * kAtomRowBytes);
+    const uint64_t q0 = mn_major_descriptor(q_tile, T::kM * kAtomRowBytes);
 #pragma unroll
-    for (int ks = 0; ks < T::kM / 16; ++ks) {
-      gmma_rs<ET, D>(weights[ks], mn_major_descriptor(do_tile + ks * 16 * kAtomRowBytes, T::kM * kAtomRowBytes),
-                     dv);
-    }
+    for (int ks = 0; ks < T::kM / 16; ++ks) gmma_rs<ET, D>(weights[ks], descriptor_plus(do0, ks * 16 * kAtomRowBytes), dv);
     cute::warpgroup_commit_batch();
 #pragma unroll
-    for (int ks = 0; ks < T::kM / 16; ++ks) {
-      gmma_rs<ET, D>(scores[ks], mn_major_descriptor(q_tile + ks * 16 * kAtomRowBytes, T::kM * kAtomRowBytes), dk);
-    }
+    for (int ks = 0; ks < T::kM / 16; ++ks) gmma_rs<ET, D>(scores[ks], descriptor_plus(q0, ks * 16 * kAtomRowBytes), dk);
     cute::warpgroup_commit_batch();
 
     // Both warpgroups' dS^T stored (the buffer's previous reader, two tiles back, is done:
@@ -330,11 +331,12 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
     float dq[T::kDqColumns / 8][4];
     fence_accumulators(dq);
     cute::warpgroup_arrive();
+    const uint64_t ds0 = mn_major_descriptor(ds_tile, T::kDsBytes);
+    const uint64_t k0 = mn_major_descriptor(k_columns, T::kN * kAtomRowBytes);
 #pragma unroll
     for (int ks = 0; ks < T::kN / 16; ++ks) {
-      gmma_ss_mn<ET, T::kDqColumns>(mn_major_descriptor(ds_tile + ks * 16 * kAtomRowBytes, T::kDsBytes),
-                                    mn_major_descriptor(k_columns + ks * 16 * kAtomRowBytes, T::kN * kAtomRowBytes),
-                                    dq, ks > 0);
+      gmma_ss_mn<ET, T::kDqColumns>(descriptor_plus(ds0, ks * 16 * kAtomRowBytes),
+                                    descriptor_plus(k0, ks * 16 * kAtomRowBytes), dq, ks > 0);
     }
     cute::warpgroup_commit_batch();
     cute::warpgroup_wait<1>();  // dV and dK have read Q and dO: the stage goes back
@@ -359,7 +361,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
   store_rows<ET>(dv, {1.0f, 1.0f}, dv_row, kv_stride, at, p.seqlen_kv);
 }
 
-template <ElementType ET, int D>
+template <ElementType ET, int D, bool kDropout>
 __global__ void __launch_bounds__(BackwardTiles<D>::kThreads, 1)
     backward_kernel(const __grid_constant__ BackwardArgs args) {
   using T = BackwardTiles<D>;
@@ -367,7 +369,7 @@ __global__ void __launch_bounds__(BackwardTiles<D>::kThreads, 1)
   const AttentionParams& p = args.a.p;
   const uint32_t unaligned = smem_address(smem);
   const uint32_t base = (unaligned + 1023) & ~1023u;
-  BackwardControl* control = reinterpret_cast<BackwardControl*>(smem + (base - unaligned) + T::kControlOffset);
+  auto* control = reinterpret_cast<typename T::Control*>(smem + (base - unaligned) + T::kControlOffset);
   // Key blocks in order of their index, every (batch row, K/V head) at once: under a causal
   // mask the first ones see the most query tiles, so the longest blocks start first.
   const int64_t rows = p.batch * p.kv_heads;
@@ -389,7 +391,7 @@ __global__ void __launch_bounds__(BackwardTiles<D>::kThreads, 1)
     if (threadIdx.x < 32) produce_backward<D>(args, base, control, b, g, n0);
   } else {
     registers_increase<T::kConsumerRegisters>();
-    consume_backward<ET, D>(args, base, control, b, g, n0, warpgroup - 1);
+    consume_backward<ET, D, kDropout>(args, base, control, b, g, n0, warpgroup - 1);
   }
 }
 

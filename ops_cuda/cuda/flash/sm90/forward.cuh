@@ -215,11 +215,9 @@ __device__ __forceinline__ void consume(const FlashArgs& a, uint32_t base, Contr
   };
   // O += P V of tile i (one commit group).
   const auto issue_values = [&](int i) {
+    const uint64_t v0 = mn_major_descriptor(v_tile(i % T::kStages), T::kN * kAtomRowBytes);
 #pragma unroll
-    for (int ks = 0; ks < T::kN / 16; ++ks) {
-      gmma_rs<ET, D>(weights[ks],
-                     mn_major_descriptor(v_tile(i % T::kStages) + ks * 16 * kAtomRowBytes, T::kN * kAtomRowBytes), o);
-    }
+    for (int ks = 0; ks < T::kN / 16; ++ks) gmma_rs<ET, D>(weights[ks], descriptor_plus(v0, ks * 16 * kAtomRowBytes), o);
     cute::warpgroup_commit_batch();
   };
   // Tile t's scores (done) -> weights; K of tile i (and its key tokens) released. O is
@@ -228,10 +226,9 @@ __device__ __forceinline__ void consume(const FlashArgs& a, uint32_t base, Contr
     fence_accumulators(scores);
     const int s = i % T::kStages;
     const FragmentCoords kv{at.row0, static_cast<int64_t>(t) * T::kN, at.lane};
-    // The mask as bits, 64 elements a word (fragment_bits keeps few registers live).
-    constexpr int kWords = (T::kN + 63) / 64, kWordTiles = T::kN / 8 / kWords;
-    uint32_t seen[kWords] = {};
-    if (!full) {
+    if (!full) {  // the mask as bits, 64 elements a word (fragment_bits keeps few registers live)
+      constexpr int kWords = (T::kN + 63) / 64, kWordTiles = T::kN / 8 / kWords;
+      uint32_t seen[kWords];
 #pragma unroll
       for (int w = 0; w < kWords; ++w) {
         seen[w] = fragment_bits<8 * kWordTiles>([&](int n, int e) {
@@ -239,12 +236,12 @@ __device__ __forceinline__ void consume(const FlashArgs& a, uint32_t base, Contr
           return in_range(sees[e / kRowElems], control->key_seg[s][r], control->key_pos[s][r]);
         });
       }
+      mask_fragment(scores, -INFINITY, [&](int n, int e) {
+        return ((seen[n / kWordTiles] >> (4 * (n % kWordTiles) + e)) & 1u) != 0;
+      });
     }
-    const auto visible = [&](int n, int e) {
-      return ((seen[n / kWordTiles] >> (4 * (n % kWordTiles) + e)) & 1u) != 0;
-    };
     float factor[2];
-    softmax_weights<T::kN>(scores, state, a, c, h, kv, full, visible, factor);
+    softmax_weights<T::kN>(scores, state, a, c, h, kv, factor);
     mbarrier_arrive(smem_address(&control->k_empty[s]));  // K and the key tokens are read
     retire();
     rescale_rows<D>(o, factor);
