@@ -3,7 +3,7 @@
 # instruction mix, and Nsight Compute reports (speed of light, warp stalls, pipes) of one
 # forward and one backward at each shape given (default: the shape below). Output
 # under $OUT: flash.sass.gz, ncu_<shape>.txt; a short summary prints last.
-#   usage: bash scripts/flash_profile.sh ["b,s,h,h_kv,d[,causal]" ...]
+#   usage: [KERNELS=forward|backward] bash scripts/flash_profile.sh ["b,s,h,h_kv,d[,causal]" ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fusedattn-out}
@@ -29,12 +29,18 @@ for shape in "${shapes[@]}"; do
   [[ $shape == *,causal ]] && causal=(--causal)
   dims=${shape%,causal}
   report="$OUT/ncu_${shape//,/_}.txt"
-  # The probe calls forward, then forward+backward, twice: skip the first round's three kernels.
-  timeout 240 ncu --clock-control none --kernel-name-base demangled --kernel-name regex:"sm90::(forward|backward)_kernel" --launch-skip 3 -c 3 \
-    --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis \
+  # The probe calls forward, then forward+backward, twice: profile the second round's kernels.
+  case ${KERNELS:-both} in
+    forward) kernels=forward; skip=2 ;;
+    backward) kernels=backward; skip=1 ;;
+    *) kernels="(forward|backward)"; skip=3 ;;
+  esac
+  timeout 300 ncu --clock-control none --kernel-name-base demangled --kernel-name regex:"sm90::${kernels}_kernel" \
+    --launch-skip $skip -c $skip \
+    --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters \
     --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,regex:sm__pipe_.*tensor.*cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" \
     python3 benchmarks/probes/flash_kernel_profile.py --shape "$dims" "${causal[@]}" > "$report" 2>&1
   echo "== $shape"
-  grep -E "^\s+void fusedattn|^\s+fusedattn|Duration|Compute \(SM\) Throughput|tensor|inst_executed.sum|Warp Cycles Per Issued|Issue Slots Busy|stalled" \
+  grep -E "^\s+void fusedattn|^\s+fusedattn|Duration|Compute \(SM\) Throughput|tensor|inst_executed.sum|Warp Cycles Per Issued|Issue Slots Busy|Eligible|stalled" \
     "$report" | awk '$NF != "0" && $NF != "0.00"' | head -90
 done
