@@ -2,7 +2,8 @@
 # On the GPU machine, after scripts/device.sh built the project: the flash kernels' SASS
 # instruction mix, and Nsight Compute reports (speed of light, warp stalls, pipes) of one
 # forward and one backward at each shape given (default: the shape below). Output
-# under $OUT: flash.sass.gz, ncu_<shape>.txt; a short summary prints last.
+# under $OUT: flash.sass.gz, ncu_<shape>.txt (and .ncu-rep, _sass.csv: stall samples per
+# instruction); a short summary prints last.
 #   usage: [KERNELS=forward|backward] bash scripts/flash_profile.sh ["b,s,h,h_kv,d[,causal]" ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +40,10 @@ for shape in "${shapes[@]}"; do
     --launch-skip $skip -c $skip \
     --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters \
     --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,regex:sm__pipe_.*tensor.*cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" \
-    python3 benchmarks/probes/flash_kernel_profile.py --shape "$dims" "${causal[@]}" > "$report" 2>&1
+    -o "${report%.txt}" -f python3 benchmarks/probes/flash_kernel_profile.py --shape "$dims" "${causal[@]}" > "$report" 2>&1
+  ncu -i "${report%.txt}.ncu-rep" --page details >> "$report" 2>&1
+  # Per SASS instruction: executions and stall samples by reason (where the time goes).
+  ncu -i "${report%.txt}.ncu-rep" --page source --csv --print-source sass > "${report%.txt}_sass.csv" 2>&1
   echo "== $shape"
   grep -E "^\s+void fusedattn|^\s+fusedattn|Duration|Compute \(SM\) Throughput|tensor|inst_executed.sum|Warp Cycles Per Issued|Issue Slots Busy|Eligible|stalled" \
     "$report" | awk '$NF != "0" && $NF != "0.00"' | head -90
