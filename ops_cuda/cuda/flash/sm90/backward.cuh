@@ -43,7 +43,7 @@ namespace sm90 {
 template <int kStages, int kM>
 struct BackwardControl {
   uint64_t kv_full;
-  uint64_t full[kStages];   // Q and dO of the stage
+  uint64_t full[kStages];   // Q and dO of the stage, and its published rows
   uint64_t empty[kStages];  // released by the consumers once dV and dK have read them
   int32_t head[kStages];    // the query head of the stage's tile; -1: no more
   int32_t first[kStages];   // its first query
@@ -136,31 +136,8 @@ __device__ __forceinline__ void produce_backward(const BackwardArgs& args, uint3
     if (i >= T::kStages) mbarrier_wait(smem_address(&control->empty[s]), (i / T::kStages - 1) & 1);
     // The tile's head and first query.
     const int h = static_cast<int>(g * group) + u / n_q_tiles, m0 = (u % n_q_tiles) * T::kM;
-    if (u < n_units) {  // the tile's rows of lse and delta, two queries a lane, before the leader arrives
-      const int64_t row = (b * p.heads + h) * p.seqlen_q;
-#pragma unroll
-      for (int k = 0; k < T::kM / 32; ++k) {
-        const int q = static_cast<int>(threadIdx.x % 32) + 32 * k;
-        // A padding query sees no key (P = 0); its delta, from garbage dO, may be NaN.
-        const bool real = m0 + q < p.seqlen_q && c.q_seg[m0 + q] != 0;
-        control->lse_log2[s][q] = real ? args.a.lse[row + m0 + q] * kLog2e : INFINITY;
-        control->delta[s][q] = real ? args.a.delta[row + m0 + q] : 0.0f;
-        if (!((scan.full >> (u - scan.first)) & 1u)) {
-          control->sees[s][q] = query_range(p.mask, query_token(c, m0 + q, p.seqlen_q));
-        }
-      }
-    }
-    __syncwarp();
-    if (leader && u >= n_units) {
-      control->head[s] = -1;
-      mbarrier_arrive(smem_address(&control->full[s]));
-    } else if (leader) {
-      const int bit = u - scan.first;
-      control->head[s] = h;
-      control->first[s] = m0;
-      control->all_visible[s] = (scan.full >> bit) & 1u;
-      control->padded[s] = (scan.padded >> bit) & 1u;
-      const uint32_t bar = smem_address(&control->full[s]);
+    const uint32_t bar = smem_address(&control->full[s]);
+    if (leader && u < n_units) {  // the copies first: their latency covers the loads below
       mbarrier_arrive_expect_tx(bar, 2 * T::kQueryBytes);
 #pragma unroll
       for (int atom = 0; atom < T::kAtoms; ++atom) {
@@ -169,6 +146,38 @@ __device__ __forceinline__ void produce_backward(const BackwardArgs& args, uint3
         tma_load_4d(base + T::kDoOffset + offset, &args.do_map, bar, atom * kAtomColumns, h, m0,
                     static_cast<int>(b));
       }
+    }
+    if (u < n_units) {  // the tile's rows of lse and delta, two queries a lane
+      const int64_t row = (b * p.heads + h) * p.seqlen_q;
+#pragma unroll
+      for (int k = 0; k < T::kM / 32; ++k) {
+        const int q = static_cast<int>(threadIdx.x % 32) + 32 * k;
+        const bool inside = m0 + q < p.seqlen_q;
+        // Loaded together (one latency), then selected: a padding query sees no key
+        // (P = 0); its delta, from garbage dO, may be NaN.
+        const int32_t seg = inside ? c.q_seg[m0 + q] : 0;
+        const float lse = inside ? args.a.lse[row + m0 + q] : 0.0f;
+        const float delta = inside ? args.a.delta[row + m0 + q] : 0.0f;
+        control->lse_log2[s][q] = seg != 0 ? lse * kLog2e : INFINITY;
+        control->delta[s][q] = seg != 0 ? delta : 0.0f;
+        if (!((scan.full >> (u - scan.first)) & 1u)) {
+          control->sees[s][q] = query_range(p.mask, query_token(c, m0 + q, p.seqlen_q));
+        }
+      }
+    }
+    __syncwarp();
+    if (leader) {  // the stage's second arrival (the first: the copies'), after the lanes' stores
+      if (u >= n_units) {
+        control->head[s] = -1;
+        mbarrier_arrive(bar);
+      } else {
+        const int bit = u - scan.first;
+        control->head[s] = h;
+        control->first[s] = m0;
+        control->all_visible[s] = (scan.full >> bit) & 1u;
+        control->padded[s] = (scan.padded >> bit) & 1u;
+      }
+      mbarrier_arrive(bar);
     }
     __syncwarp();  // the lanes stay in step (next_visible is warp-wide)
     if (u >= n_units) return;
@@ -345,13 +354,18 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
     mbarrier_arrive(smem_address(&control->empty[s]));
     cute::warpgroup_wait<0>();
     fence_accumulators(dq);
+    // Both rows' addresses before any reduction: a reduction reads its registers late, and
+    // overwriting one it has not read yet would wait for it.
+    const int64_t qi = m0 + 16 * warp + lane / 4;
+    float* const dst = args.dq_accum + ((b * p.seqlen_q + qi) * p.heads + h) * D + cw * T::kDqColumns + 2 * (lane % 4);
+    float* const dst8 = dst + 8 * p.heads * D;  // row qi + 8
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int64_t qi = m0 + 16 * warp + lane / 4 + 8 * half;
-      if (qi >= p.seqlen_q) continue;
-      float* dst = args.dq_accum + ((b * p.seqlen_q + qi) * p.heads + h) * D + cw * T::kDqColumns + 2 * (lane % 4);
+      if (qi + 8 * half >= p.seqlen_q) continue;
 #pragma unroll
-      for (int t = 0; t < T::kDqColumns / 8; ++t) red_add_v2(dst + 8 * t, dq[t][2 * half], dq[t][2 * half + 1]);
+      for (int t = 0; t < T::kDqColumns / 8; ++t) {
+        red_add_v2((half ? dst8 : dst) + 8 * t, dq[t][2 * half], dq[t][2 * half + 1]);
+      }
     }
   }
   const int64_t kv_stride = p.kv_heads * D;
@@ -379,7 +393,7 @@ __global__ void __launch_bounds__(BackwardTiles<D>::kThreads, 1)
   if (threadIdx.x == 0) {
     mbarrier_init(smem_address(&control->kv_full), 1);
     for (int s = 0; s < T::kStages; ++s) {
-      mbarrier_init(smem_address(&control->full[s]), 1);
+      mbarrier_init(smem_address(&control->full[s]), 2);  // the copies' and the published rows'
       mbarrier_init(smem_address(&control->empty[s]), T::kConsumerThreads);
     }
     mbarrier_init_fence();
