@@ -76,11 +76,21 @@ def fp8_max(dtype) -> float:
     return float(jnp.finfo(dtype).max)
 
 
+def dequantise(x8: jax.Array, scale: jax.Array) -> jax.Array:
+    """FP8 x8 read back with `scale`: x8 / scale in float32, same shape.
+
+    The optimization barrier keeps the FP8 rounding: XLA's GPU compiler folds a chain of
+    float conversions f32 -> FP8 -> f32 into the identity (its SimplifyFPConversions pass,
+    on under xla_allow_excess_precision, the default), which silently turned the emulation
+    into unquantised float32 attention on the GPU.
+    """
+    return jax.lax.optimization_barrier(x8).astype(jnp.float32) / scale
+
+
 def round_trip(x: jax.Array, dtype, scale: jax.Array) -> jax.Array:
     """x stored in FP8 `dtype` with `scale` and read back: float32, same shape as x."""
     top = fp8_max(dtype)
-    return jnp.clip(x.astype(jnp.float32) * scale, -top, top).astype(dtype).astype(
-        jnp.float32) / scale
+    return dequantise(jnp.clip(x.astype(jnp.float32) * scale, -top, top).astype(dtype), scale)
 
 
 def amax(x: jax.Array) -> jax.Array:

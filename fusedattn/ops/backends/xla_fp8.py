@@ -54,7 +54,7 @@ def _quantised_inputs(spec: AttentionSpec, state: fp8.Fp8State, tokens: TokenInf
     for name, x in (("q", q), ("k", k), ("v", v)):
         if _given_in_fp8(x):
             scales.append(state.scale[fp8.TENSORS.index(name)])
-            rounded.append(x.astype(jnp.float32) / scales[-1])
+            rounded.append(fp8.dequantise(x, scales[-1]))
             amaxes[name] = fp8.amax(rounded[-1])
             continue
         amaxes[name] = fp8.amax(x)
