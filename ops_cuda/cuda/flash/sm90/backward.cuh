@@ -319,21 +319,18 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
     const uint32_t ds_tile = base + T::kDsOffset + (i % 2) * T::kDsBytes;
     store_scores_t<T::kM>(ds_tile, T::kConsumerKeys * cw + 16 * warp, lane, scores);
 
-    // dV += (P o drop)^T dO and dK += dS^T Q: two commit groups.
+    // dV += (P o drop)^T dO, then (both warpgroups' dS^T stored) dQ_tile = dS K, then
+    // dK += dS^T Q: three commit groups. dQ's reductions run while dK's product does.
     fence_accumulators(dv);
     fence_accumulators(dk);
     cute::warpgroup_arrive();
     const uint64_t do0 = mn_major_descriptor(do_tile, T::kM * kAtomRowBytes);
-    const uint64_t q0 = mn_major_descriptor(q_tile, T::kM * kAtomRowBytes);
 #pragma unroll
     for (int ks = 0; ks < T::kM / 16; ++ks) gmma_rs<ET, D>(weights[ks], descriptor_plus(do0, ks * 16 * kAtomRowBytes), dv);
     cute::warpgroup_commit_batch();
-#pragma unroll
-    for (int ks = 0; ks < T::kM / 16; ++ks) gmma_rs<ET, D>(scores[ks], descriptor_plus(q0, ks * 16 * kAtomRowBytes), dk);
-    cute::warpgroup_commit_batch();
 
-    // Both warpgroups' dS^T stored (the buffer's previous reader, two tiles back, is done:
-    // each warpgroup waits for its dQ product before this barrier of the next tile).
+    // The dS^T buffer's previous reader, two tiles back, is done: each warpgroup waits for
+    // its dQ product before this barrier of the next tile.
     fence_proxy_async();
     named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
     // dQ_tile [kM x kDqColumns] = dS K: A = dS (MN-major: dS^T's rows are keys), B = K's columns.
@@ -348,11 +345,12 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
                                     descriptor_plus(k0, ks * 16 * kAtomRowBytes), dq, ks > 0);
     }
     cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<1>();  // dV and dK have read Q and dO: the stage goes back
+    const uint64_t q0 = mn_major_descriptor(q_tile, T::kM * kAtomRowBytes);
+#pragma unroll
+    for (int ks = 0; ks < T::kM / 16; ++ks) gmma_rs<ET, D>(scores[ks], descriptor_plus(q0, ks * 16 * kAtomRowBytes), dk);
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<1>();  // dV and dQ done
     fence_accumulators(dv);
-    fence_accumulators(dk);
-    mbarrier_arrive(smem_address(&control->empty[s]));
-    cute::warpgroup_wait<0>();
     fence_accumulators(dq);
     // Both rows' addresses before any reduction: a reduction reads its registers late, and
     // overwriting one it has not read yet would wait for it.
@@ -367,6 +365,9 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
         red_add_v2((half ? dst8 : dst) + 8 * t, dq[t][2 * half], dq[t][2 * half + 1]);
       }
     }
+    cute::warpgroup_wait<0>();  // dK has read Q: the stage goes back
+    fence_accumulators(dk);
+    mbarrier_arrive(smem_address(&control->empty[s]));
   }
   const int64_t kv_stride = p.kv_heads * D;
   uint16_t* const dk_row = a.dk + (b * p.seqlen_kv * p.kv_heads + g) * D;
