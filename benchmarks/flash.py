@@ -105,6 +105,19 @@ IMPL_NAMES = ("flash", "flash_sm80", "xla", "cudnn", "jax_cudnn", "fa3", "flash_
 def add_arguments(parser):
     parser.add_argument("--impls", default=",".join(IMPL_NAMES),
                         help=f"comma-separated subset of {','.join(IMPL_NAMES)}")
+    parser.add_argument("--shapes", default="",
+                        help="space-separated b,s,h,h_kv,d shapes instead of the default set")
+    parser.add_argument("--masks", default="no_mask,causal", help="no_mask, causal or both (comma-separated)")
+
+
+def chosen_shapes(args):
+    """The (b, s, h, h_kv, d) shapes to run: --shapes, else the first (--quick) or all of SHAPES."""
+    if args.shapes:
+        try:
+            return [tuple(int(x) for x in shape.split(",")) for shape in args.shapes.split()]
+        except ValueError:
+            raise SystemExit(f"--shapes: expected space-separated b,s,h,h_kv,d integers, got {args.shapes!r}")
+    return SHAPES[:1] if args.quick else SHAPES
 
 
 def flops(b, s, h, d, causal, pass_name):
@@ -118,7 +131,10 @@ def main():
     unknown = sorted(set(chosen) - set(IMPL_NAMES))
     if unknown:
         raise SystemExit(f"--impls: unknown {', '.join(unknown)}; choose from {','.join(IMPL_NAMES)}")
-    shapes = SHAPES[:1] if args.quick else SHAPES
+    shapes = chosen_shapes(args)
+    masks = args.masks.split(",")
+    if not set(masks) <= {"no_mask", "causal"} or not masks:
+        raise SystemExit(f"--masks: expected no_mask and/or causal, got {args.masks!r}")
     rows = []
     for index, (b, s, h, h_kv, d) in enumerate(shapes):
         keys = jax.random.split(jax.random.key(s + d + h_kv), 4)
@@ -126,7 +142,7 @@ def main():
         k = random_normal(keys[1], (b, s, h_kv, d), jnp.bfloat16)
         v = random_normal(keys[2], (b, s, h_kv, d), jnp.bfloat16)
         do = random_normal(keys[3], (b, s, h, d), jnp.bfloat16)
-        for causal in (False, True):
+        for causal in [mask == "causal" for mask in masks]:
             name = f"b{b}_s{s}_h{h}_{h_kv}_d{d}" + ("_causal" if causal else "")
             shape = {"b": b, "s": s, "h": h, "h_kv": h_kv, "d": d, "causal": causal}
             table = {n: f for n, f in impls(causal, d, dropout=index == 0).items() if n in chosen}
