@@ -103,9 +103,11 @@ class _Static(NamedTuple):
 # The CUDA handlers' scratch, a uint8 result XLA allocates (ops_cuda/cuda/flash/flash.cu
 # checks its size): per token row, one 32-byte summary of every 32 queries and of every
 # 32 keys; the backward adds float32 [b, h, sq] for rowsum(dO * O) and, where the sm_90a
-# backward runs (flash_gpu.cuda_backward_kernel), its float32 dQ accumulator [b, sq, h, d]. Each
-# part is 256-byte aligned.
+# backward runs (flash_gpu.cuda_backward_kernel), its float32 dQ accumulator [b, h, sq', d] with
+# sq' = sq rounded up to whole query tiles of 64 (sm90/launch.h: dq_accum_bytes). Each part is
+# 256-byte aligned.
 _SPAN_TOKENS = 32
+_SM90_QUERY_TILE = 64
 _SPAN_BYTES = 32
 
 
@@ -122,7 +124,7 @@ def _cuda_workspace(q, k, tokens, backward: bool,
     if backward:
         size += align256(b * h * sq * 4)
         if flash_gpu.cuda_backward_kernel(d, sq, skv, deterministic) == "sm90":
-            size += align256(b * sq * h * d * 4)
+            size += align256(b * h * -(-sq // _SM90_QUERY_TILE) * _SM90_QUERY_TILE * d * 4)
     return (jax.ShapeDtypeStruct((size,), jnp.uint8),)
 
 

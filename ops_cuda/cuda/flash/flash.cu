@@ -208,7 +208,11 @@ int64_t delta_bytes(const AttentionParams& p) {
 }
 
 int64_t dq_accum_bytes(const AttentionParams& p) {
-  return align256(p.batch * p.seqlen_q * p.heads * p.head_dim * static_cast<int64_t>(sizeof(float)));
+#ifdef FUSEDATTN_FLASH_SM90
+  return align256(sm90::dq_accum_bytes(p.batch, p.heads, p.seqlen_q, p.head_dim));
+#else
+  return 0;  // no sm_90a backward in this build
+#endif
 }
 
 ffi::Error check_workspace(const char* op, ffi::Result<ffi::AnyBuffer>& workspace, int64_t bytes) {

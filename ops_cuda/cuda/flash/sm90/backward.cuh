@@ -19,9 +19,11 @@
 //     dV += P^T dO and dK += dS^T Q (wgmma, P^T and dS^T from registers), float32 registers
 //       for the whole block;
 //     dS^T to shared memory (two buffers), then dQ_tile = dS K, each consumer half of the
-//     head dim (wgmma, both operands in shared memory), added to a float32 [b, sq, h, d]
-//     workspace with atomics (red.global.add): dQ is not bitwise repeatable.
-// A last kernel writes dq = scale * that sum in the element type. Padding tokens (segment
+//     head dim (wgmma, both operands in shared memory), stored to shared memory in the
+//     order of its registers and added to a float32 workspace by one bulk reduction of the
+//     warpgroup (cp.reduce.async.bulk ... add.f32): dQ is not bitwise repeatable.
+// A last kernel writes dq = scale * that sum in the element type (dq_convert_kernel reads
+// the workspace's order: DqAccumulator). Padding tokens (segment
 // id 0) have their K, V, Q and dO rows zeroed in shared memory, so that garbage there
 // (even NaN) reaches no gradient.
 #ifndef FUSEDATTN_FLASH_SM90_BACKWARD_CUH_
@@ -30,6 +32,7 @@
 #include <cmath>
 
 #include "../backward.cuh"
+#include "launch.h"
 #include "primitives.cuh"
 #include "tiles.cuh"
 
@@ -61,8 +64,8 @@ template <int D>
 struct BackwardTiles {
   static constexpr int kN = 128;            // keys per block
   static constexpr int kConsumerKeys = 64;  // per consumer warpgroup
-  static constexpr int kM = 64;             // queries per streamed tile (one swizzle atom of dS^T)
-  static constexpr int kStages = 3;
+  static constexpr int kM = kBackwardQueryTile;  // queries per streamed tile (one swizzle atom of dS^T)
+  static constexpr int kStages = 2;
   static constexpr int kThreads = 384;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kAtoms = D / kAtomColumns;
@@ -70,12 +73,14 @@ struct BackwardTiles {
   static constexpr int kKeyBytes = kN * D * 2;    // K or V
   static constexpr int kQueryBytes = kM * D * 2;  // a Q or dO tile
   static constexpr int kDsBytes = kN * kM * 2;    // dS^T [kN keys x kM queries]
+  static constexpr int kDqBytes = kM * kDqColumns * 4;  // a consumer's dQ_tile, float32
   static constexpr int kKOffset = 0;
   static constexpr int kVOffset = kKeyBytes;
   static constexpr int kQOffset = 2 * kKeyBytes;  // stage s at + s * kQueryBytes
   static constexpr int kDoOffset = kQOffset + kStages * kQueryBytes;
   static constexpr int kDsOffset = kDoOffset + kStages * kQueryBytes;  // two buffers
-  static constexpr int kControlOffset = kDsOffset + 2 * kDsBytes;
+  static constexpr int kDqOffset = kDsOffset + 2 * kDsBytes;  // consumer cw's at + cw * kDqBytes
+  static constexpr int kControlOffset = kDqOffset + 2 * kDqBytes;
   using Control = BackwardControl<kStages, kM>;
   // 1024: room to align the start (the swizzle atoms need 1024-byte alignment).
   static constexpr int kSharedBytes = kControlOffset + static_cast<int>(sizeof(Control)) + 1024;
@@ -86,6 +91,27 @@ struct BackwardTiles {
   static_assert(kM == kAtomColumns, "dS^T is one swizzle atom wide");
 };
 
+// The float32 dQ accumulator's order: per (batch row, head, query tile of kM, half of the
+// head dim) a block of kM x D / 2 floats, holding a consumer warpgroup's dQ_tile as its
+// registers hold it: float4 t of consumer thread c (dq[t][0..3]: rows r and r + 8, columns
+// 2 (lane % 4) + 8 t + 0..1) at float (t * 128 + c) * 4, so that the warps' shared-memory
+// stores are contiguous and the block is one bulk reduction.
+template <int D>
+struct DqAccumulator {
+  static constexpr int kM = BackwardTiles<D>::kM, kColumns = D / 2;
+  static constexpr int kBlockFloats = kM * kColumns;
+  // Floats of the accumulator for the call (every query tile whole).
+  __host__ __device__ static int64_t floats(int64_t batch, int64_t heads, int64_t seqlen_q) {
+    return batch * heads * ((seqlen_q + kM - 1) / kM) * kM * D;
+  }
+  // The block of (batch row b, head h, the query tile at m0, half cw).
+  __device__ static float* block(float* accum, int64_t b, int64_t h, int64_t m0, int cw, int64_t heads,
+                                 int64_t seqlen_q) {
+    const int64_t tiles = (seqlen_q + kM - 1) / kM;
+    return accum + (((b * heads + h) * tiles + m0 / kM) * 2 + cw) * kBlockFloats;
+  }
+};
+
 // The kernel's arguments: the call, the float32 dQ accumulator and TMA descriptors of q,
 // dout (boxes of kM rows), k and v (kN rows); a __grid_constant__ parameter.
 struct BackwardArgs {
@@ -94,7 +120,7 @@ struct BackwardArgs {
   CUtensorMap k_map;
   CUtensorMap v_map;
   FlashArgs a;
-  float* dq_accum;  // [B, Sq, H, D], zero before the kernel
+  float* dq_accum;  // DqAccumulator<D>::floats, zero before the kernel
 };
 
 // The producer: warp 0 (lane 0 issues the copies and publishes the tiles).
@@ -245,6 +271,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
     named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
   }
   const float scale_log2 = p.scale * kLog2e;
+  const bool dq_issuer = consumer_thread % 128 == 0;  // issues the warpgroup's dQ reductions
   for (int i = 0;; ++i) {
     const int s = i % T::kStages;
     mbarrier_wait(smem_address(&control->full[s]), (i / T::kStages) & 1);
@@ -330,7 +357,9 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
     cute::warpgroup_commit_batch();
 
     // The dS^T buffer's previous reader, two tiles back, is done: each warpgroup waits for
-    // its dQ product before this barrier of the next tile.
+    // its dQ product before this barrier of the next tile. So is the previous tile's bulk
+    // reduction's read of this warpgroup's dQ buffer: its issuer waits here.
+    if (dq_issuer) bulk_wait_read();
     fence_proxy_async();
     named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
     // dQ_tile [kM x kDqColumns] = dS K: A = dS (MN-major: dS^T's rows are keys), B = K's columns.
@@ -352,23 +381,21 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
     cute::warpgroup_wait<1>();  // dV and dQ done
     fence_accumulators(dv);
     fence_accumulators(dq);
-    // Both rows' addresses before any reduction: a reduction reads its registers late, and
-    // overwriting one it has not read yet would wait for it.
-    const int64_t qi = m0 + 16 * warp + lane / 4;
-    float* const dst = args.dq_accum + ((b * p.seqlen_q + qi) * p.heads + h) * D + cw * T::kDqColumns + 2 * (lane % 4);
-    float* const dst8 = dst + 8 * p.heads * D;  // row qi + 8
+    // dQ_tile to this warpgroup's buffer (DqAccumulator's order), then one bulk reduction.
+    const uint32_t dq_buffer = base + T::kDqOffset + cw * T::kDqBytes;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      if (qi + 8 * half >= p.seqlen_q) continue;
-#pragma unroll
-      for (int t = 0; t < T::kDqColumns / 8; ++t) {
-        red_add_v2((half ? dst8 : dst) + 8 * t, dq[t][2 * half], dq[t][2 * half + 1]);
-      }
+    for (int t = 0; t < T::kDqColumns / 8; ++t) store_shared_v4(dq_buffer + (t * 128 + consumer_thread % 128) * 16, dq[t]);
+    fence_proxy_async();
+    named_barrier_sync(kDqBarrier + cw, 128);
+    if (dq_issuer) {
+      bulk_reduce_add(DqAccumulator<D>::block(args.dq_accum, b, h, m0, cw, p.heads, p.seqlen_q), dq_buffer,
+                      T::kDqBytes);
     }
     cute::warpgroup_wait<0>();  // dK has read Q: the stage goes back
     fence_accumulators(dk);
     mbarrier_arrive(smem_address(&control->empty[s]));
   }
+  if (dq_issuer) bulk_wait();
   const int64_t kv_stride = p.kv_heads * D;
   uint16_t* const dk_row = a.dk + (b * p.seqlen_kv * p.kv_heads + g) * D;
   uint16_t* const dv_row = a.dv + (b * p.seqlen_kv * p.kv_heads + g) * D;
@@ -410,14 +437,25 @@ __global__ void __launch_bounds__(BackwardTiles<D>::kThreads, 1)
   }
 }
 
-// dq = scale * dq_accum in the element type, four elements per thread (D % 4 == 0).
-template <ElementType ET>
-__global__ void __launch_bounds__(256) dq_convert_kernel(const float* dq_accum, uint16_t* dq, int64_t n, float scale) {
+// dq [B, Sq, H, D] = scale * the dQ accumulator (DqAccumulator's order), in the element
+// type: a float4 per thread, two of its rows' column pairs.
+template <ElementType ET, int D>
+__global__ void __launch_bounds__(256) dq_convert_kernel(const float* dq_accum, uint16_t* dq, AttentionParams p) {
+  using A = DqAccumulator<D>;
+  const int64_t n = A::floats(p.batch, p.heads, p.seqlen_q), tiles = (p.seqlen_q + A::kM - 1) / A::kM;
   for (int64_t i = 4 * (static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x); i < n;
        i += 4 * static_cast<int64_t>(gridDim.x) * 256) {
     const float4 x = *reinterpret_cast<const float4*>(dq_accum + i);
-    const uint2 packed{pack2<ET>(x.x * scale, x.y * scale), pack2<ET>(x.z * scale, x.w * scale)};
-    *reinterpret_cast<uint2*>(dq + i) = packed;
+    const int64_t block = i / A::kBlockFloats;
+    const int within = static_cast<int>(i % A::kBlockFloats) / 4;  // t * 128 + consumer thread
+    const int thread = within % 128, t = within / 128, lane = thread % 32;
+    const int cw = static_cast<int>(block % 2);
+    const int64_t tile = block / 2 % tiles, bh = block / 2 / tiles;
+    const int64_t row = tile * A::kM + 16 * (thread / 32) + lane / 4;
+    const int64_t column = cw * A::kColumns + 8 * t + 2 * (lane % 4);
+    uint16_t* const out = dq + ((bh / p.heads * p.seqlen_q + row) * p.heads + bh % p.heads) * D + column;
+    if (row < p.seqlen_q) *reinterpret_cast<uint32_t*>(out) = pack2<ET>(x.x * p.scale, x.y * p.scale);
+    if (row + 8 < p.seqlen_q) *reinterpret_cast<uint32_t*>(out + 8 * p.heads * D) = pack2<ET>(x.z * p.scale, x.w * p.scale);
   }
 }
 

@@ -51,8 +51,8 @@ std::string backward(gpuStream_t stream, const FlashArgs& a, float* dq_accum) {
   if (error.empty()) error = encode_tile_map(&args.v_map, a.v, p.batch, p.seqlen_kv, p.kv_heads, D, T::kN);
   if (!error.empty()) return error;
   flash::backward_prologue<ET, D>(stream, a);
-  const int64_t elements = p.batch * p.seqlen_q * p.heads * D;
-  gpuMemsetAsync(dq_accum, 0, sizeof(float) * elements, stream);
+  const int64_t floats = DqAccumulator<D>::floats(p.batch, p.heads, p.seqlen_q);
+  gpuMemsetAsync(dq_accum, 0, sizeof(float) * floats, stream);
   const int64_t blocks = (p.seqlen_kv + T::kN - 1) / T::kN * p.kv_heads * p.batch;
   if (blocks > 0) {
     const auto kernel = p.dropout ? backward_kernel<ET, D, true> : backward_kernel<ET, D, false>;
@@ -60,9 +60,9 @@ std::string backward(gpuStream_t stream, const FlashArgs& a, float* dq_accum) {
                         T::kSharedBytes);
     kernel<<<static_cast<unsigned>(blocks), T::kThreads, T::kSharedBytes, stream>>>(args);
   }
-  const int64_t convert_blocks = std::min<int64_t>((elements / 4 + 255) / 256, 65536);
+  const int64_t convert_blocks = std::min<int64_t>((floats / 4 + 255) / 256, 65536);
   if (convert_blocks > 0) {
-    dq_convert_kernel<ET><<<static_cast<unsigned>(convert_blocks), 256, 0, stream>>>(dq_accum, a.dq, elements, p.scale);
+    dq_convert_kernel<ET, D><<<static_cast<unsigned>(convert_blocks), 256, 0, stream>>>(dq_accum, a.dq, p);
   }
   return "";
 }

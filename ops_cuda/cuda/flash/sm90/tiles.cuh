@@ -13,6 +13,7 @@ namespace flash {
 namespace sm90 {
 
 constexpr int kConsumersBarrier = 1;  // named barrier of the two consumer warpgroups
+constexpr int kDqBarrier = 4;         // backward: 4 + cw, consumer warpgroup cw alone
 
 // The producer warp's view of the tiles: the relations of the 32 tiles from `first` (one
 // lane each), as bit masks; refilled when the search leaves them.
