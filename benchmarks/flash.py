@@ -106,7 +106,7 @@ def add_arguments(parser):
     parser.add_argument("--impls", default=",".join(IMPL_NAMES),
                         help=f"comma-separated subset of {','.join(IMPL_NAMES)}")
     parser.add_argument("--shapes", default="",
-                        help="space-separated b,s,h,h_kv,d shapes instead of the default set")
+                        help="b,s,h,h_kv,d shapes separated by '/' instead of the default set")
     parser.add_argument("--masks", default="no_mask,causal", help="no_mask, causal or both (comma-separated)")
 
 
@@ -114,9 +114,12 @@ def chosen_shapes(args):
     """The (b, s, h, h_kv, d) shapes to run: --shapes, else the first (--quick) or all of SHAPES."""
     if args.shapes:
         try:
-            return [tuple(int(x) for x in shape.split(",")) for shape in args.shapes.split()]
+            shapes = [tuple(int(x) for x in shape.split(",")) for shape in args.shapes.split("/")]
         except ValueError:
-            raise SystemExit(f"--shapes: expected space-separated b,s,h,h_kv,d integers, got {args.shapes!r}")
+            shapes = []
+        if not shapes or any(len(shape) != 5 for shape in shapes):
+            raise SystemExit(f"--shapes: expected b,s,h,h_kv,d integer shapes separated by '/', got {args.shapes!r}")
+        return shapes
     return SHAPES[:1] if args.quick else SHAPES
 
 
