@@ -297,6 +297,11 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
     cute::warpgroup_commit_batch();
     gmma_rows_times_rows<ET, T::kM, D>(v_rows, T::kN * kAtomRowBytes, do_tile, T::kM * kAtomRowBytes, dpt);
     cute::warpgroup_commit_batch();
+    if (i > 0) {  // the previous tile's dK (issued before these) has read its Q: that stage goes back
+      cute::warpgroup_wait<2>();
+      fence_accumulators(dk);
+      mbarrier_arrive(smem_address(&control->empty[(i - 1) % T::kStages]));
+    }
 
     const float* lse_log2 = control->lse_log2[s] + 2 * (lane % 4);  // + 8 n + e: query column (n, e)
     const float* delta = control->delta[s] + 2 * (lane % 4);
@@ -378,7 +383,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
 #pragma unroll
     for (int ks = 0; ks < T::kM / 16; ++ks) gmma_rs<ET, D>(scores[ks], descriptor_plus(q0, ks * 16 * kAtomRowBytes), dk);
     cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<1>();  // dV and dQ done
+    cute::warpgroup_wait<1>();  // dV and dQ done (dK runs on into the next tile's products)
     fence_accumulators(dv);
     fence_accumulators(dq);
     // dQ_tile to this warpgroup's buffer (DqAccumulator's order), then one bulk reduction.
@@ -391,10 +396,9 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
       bulk_reduce_add(DqAccumulator<D>::block(args.dq_accum, b, h, m0, cw, p.heads, p.seqlen_q), dq_buffer,
                       T::kDqBytes);
     }
-    cute::warpgroup_wait<0>();  // dK has read Q: the stage goes back
-    fence_accumulators(dk);
-    mbarrier_arrive(smem_address(&control->empty[s]));
   }
+  cute::warpgroup_wait<0>();  // the last dK
+  fence_accumulators(dk);
   if (dq_issuer) bulk_wait();
   const int64_t kv_stride = p.kv_heads * D;
   uint16_t* const dk_row = a.dk + (b * p.seqlen_kv * p.kv_heads + g) * D;
