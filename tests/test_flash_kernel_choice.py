@@ -93,7 +93,8 @@ def test_kernel_text_names_both_passes(device):
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_the_workspace_holds_the_dq_accumulator_where_the_sm90_backward_runs(
         device, monkeypatch, deterministic):
-    """flash.cu checks the workspace against the same rule: spans, delta, then (sm_90a
+    """flash.cu checks the workspace against the same rule: spans, then a work counter
+    (forward) or delta, then (sm_90a
     backward only) float32 [b, h, sq rounded up to tiles of 64, d], each part 256-byte aligned."""
     device((9, 0), {128})
     monkeypatch.setattr(flash, "current_platform", lambda: "cuda")
@@ -104,9 +105,10 @@ def test_the_workspace_holds_the_dq_accumulator_where_the_sm90_backward_runs(
     delta = -(-(b * h * sq * 4) // 256) * 256
     (forward,) = flash._cuda_workspace(q, k, tokens, backward=False)
     (backward,) = flash._cuda_workspace(q, k, tokens, backward=True, deterministic=deterministic)
-    assert forward.shape == (-(-spans // 256) * 256,)
+    spans = -(-spans // 256) * 256
+    assert forward.shape == (spans + 256,)  # + the sm_90a forward's work counter
     accumulator = 0 if deterministic else b * h * 320 * d * 4  # 300 queries: 5 tiles of 64
-    assert backward.shape == (forward.shape[0] + delta + accumulator,)
+    assert backward.shape == (spans + delta + accumulator,)
 
 
 def test_the_backward_call_carries_the_deterministic_attribute():
