@@ -147,7 +147,10 @@ __device__ __forceinline__ void produce_item(const ForwardArgs& args, uint32_t b
       return relate(p.mask, q_span, kv);
     });
     const int s = it % T::kStages;
-    const uint32_t released = (it / T::kStages - 1) & 1;  // parity of the release of stage use it - kStages
+    // Every use of a stage, the item's end included, waits for each release of the use
+    // before it (parity `released`) before it passes one phase of that half's full mbarrier:
+    // the consumers' waits then keep the parity of the use's index, (it / kStages) & 1.
+    const uint32_t released = (it / T::kStages - 1) & 1;
     if (it >= T::kStages) mbarrier_wait(smem_address(&control->k_empty[s]), released);
     if (t < n_tiles && !((scan.full >> (t - scan.first)) & 1u)) {  // the mask's key tokens, a lane a key
 #pragma unroll
@@ -159,11 +162,10 @@ __device__ __forceinline__ void produce_item(const ForwardArgs& args, uint32_t b
       }
       __syncwarp();  // before the leader's arrival publishes them
     }
-    if (leader && t >= n_tiles) {  // the item's end: both barriers of the stage pass a phase
+    if (leader && t >= n_tiles) {  // the item's end
       control->tile[s] = -1;
       control->next_item[s] = static_cast<int32_t>(next);
       mbarrier_arrive(smem_address(&control->k_full[s]));
-      mbarrier_arrive(smem_address(&control->v_full[s]));
     } else if (leader) {
       const int bit = t - scan.first;
       control->tile[s] = t;
@@ -177,7 +179,8 @@ __device__ __forceinline__ void produce_item(const ForwardArgs& args, uint32_t b
                     atom * kAtomColumns, g, t * T::kN, static_cast<int>(b));
       }
     }
-    if (t < n_tiles && it >= T::kStages) mbarrier_wait(smem_address(&control->v_empty[s]), released);
+    if (it >= T::kStages) mbarrier_wait(smem_address(&control->v_empty[s]), released);
+    if (leader && t >= n_tiles) mbarrier_arrive(smem_address(&control->v_full[s]));
     if (leader && t < n_tiles) {
       const uint32_t v_dst = base + T::kVOffset + s * T::kTileBytes;
       mbarrier_arrive_expect_tx(smem_address(&control->v_full[s]), T::kTileBytes);
@@ -363,6 +366,7 @@ __device__ __forceinline__ int64_t consume_item(const FlashArgs& a, uint32_t bas
     issue_values(i - 1);
     cute::warpgroup_wait<0>();
     fence_accumulators(o);
+    mbarrier_arrive(smem_address(&control->v_empty[(i - 1) % T::kStages]));  // its V is read
   }
   const int64_t q_stride = p.heads * D;
   finish_rows<ET, D>(o, state, p, c.sink, a.o + (b * p.seqlen_q * p.heads + h) * D, q_stride, at,
