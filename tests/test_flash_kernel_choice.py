@@ -93,8 +93,7 @@ def test_kernel_text_names_both_passes(device):
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_the_workspace_holds_the_dq_accumulator_where_the_sm90_backward_runs(
         device, monkeypatch, deterministic):
-    """flash.cu checks the workspace against the same rule: spans, then a work counter
-    (forward) or delta, then (sm_90a
+    """flash.cu checks the workspace against the same rule: spans, delta, then (sm_90a
     backward only) float32 [b, h, sq rounded up to tiles of 64, d], each part 256-byte aligned."""
     device((9, 0), {128})
     monkeypatch.setattr(flash, "current_platform", lambda: "cuda")
@@ -105,10 +104,9 @@ def test_the_workspace_holds_the_dq_accumulator_where_the_sm90_backward_runs(
     delta = -(-(b * h * sq * 4) // 256) * 256
     (forward,) = flash._cuda_workspace(q, k, tokens, backward=False)
     (backward,) = flash._cuda_workspace(q, k, tokens, backward=True, deterministic=deterministic)
-    spans = -(-spans // 256) * 256
-    assert forward.shape == (spans + 256,)  # + the sm_90a forward's work counter
+    assert forward.shape == (-(-spans // 256) * 256,)
     accumulator = 0 if deterministic else b * h * 320 * d * 4  # 300 queries: 5 tiles of 64
-    assert backward.shape == (spans + delta + accumulator,)
+    assert backward.shape == (forward.shape[0] + delta + accumulator,)
 
 
 def test_the_backward_call_carries_the_deterministic_attribute():

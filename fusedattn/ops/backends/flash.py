@@ -102,14 +102,12 @@ class _Static(NamedTuple):
 
 # The CUDA handlers' scratch, a uint8 result XLA allocates (ops_cuda/cuda/flash/flash.cu
 # checks its size): per token row, one 32-byte summary of every 32 queries and of every
-# 32 keys; the forward adds 256 bytes (the persistent sm_90a kernel's work counter); the
-# backward adds float32 [b, h, sq] for rowsum(dO * O) and, where the sm_90a
+# 32 keys; the backward adds float32 [b, h, sq] for rowsum(dO * O) and, where the sm_90a
 # backward runs (flash_gpu.cuda_backward_kernel), its float32 dQ accumulator [b, h, sq', d] with
 # sq' = sq rounded up to whole query tiles of 64 (sm90/launch.h: dq_accum_bytes). Each part is
 # 256-byte aligned.
 _SPAN_TOKENS = 32
 _SM90_QUERY_TILE = 64
-_WORK_COUNTER_BYTES = 256
 _SPAN_BYTES = 32
 
 
@@ -123,8 +121,6 @@ def _cuda_workspace(q, k, tokens, backward: bool,
     token_rows = math.prod(tokens.shape[:-1])
     spans = -(-sq // _SPAN_TOKENS) + -(-skv // _SPAN_TOKENS)  # ceil(sq / 32) + ceil(skv / 32)
     size = align256(token_rows * spans * _SPAN_BYTES)
-    if not backward:
-        size += _WORK_COUNTER_BYTES
     if backward:
         size += align256(b * h * sq * 4)
         if flash_gpu.cuda_backward_kernel(d, sq, skv, deterministic) == "sm90":

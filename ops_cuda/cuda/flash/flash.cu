@@ -10,7 +10,7 @@
 // deterministic set: its dQ sums with atomics) or the sm_80 kernels (backward_kernel_of).
 // A call whose attribute "kernel" names the sm_80 kernels (FUSEDATTN_FLASH_KERNEL=sm80 when
 // fusedattn/ops/backends/flash.py traced it) runs them in both passes on every device.
-// Scratch (the spans; the forward's work counter; the backward's softmax delta) lives in a uint8 workspace
+// Scratch (the spans; the backward's softmax delta) lives in a uint8 workspace
 // result that XLA allocates, sized by fusedattn/ops/backends/flash.py
 // (_cuda_workspace_bytes): the handlers allocate nothing.
 #include <cstdint>
@@ -194,17 +194,14 @@ ffi::Error check_kernel_support(const char* op, const AttentionParams& p, ffi::D
   return ffi::Error::Success();
 }
 
-// The workspace's layout: the spans, then (forward) a work counter or (backward) the softmax
-// delta and, for the sm_90a backward, the float32 dQ accumulator, each 256-byte aligned.
+// The workspace's layout: the spans, then (backward) the softmax delta and, for the sm_90a
+// backward, the float32 dQ accumulator [B, Sq, H, D], each 256-byte aligned.
 int64_t align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
 int64_t span_bytes(const AttentionParams& p) {
   return align256(p.token_rows * (span_count(p.seqlen_q) + span_count(p.seqlen_kv)) *
                   static_cast<int64_t>(sizeof(Span)));
 }
-
-// The forward's: after the spans, the sm_90a kernel's work counter (256 bytes: the alignment).
-constexpr int64_t kWorkCounterBytes = 256;
 
 int64_t delta_bytes(const AttentionParams& p) {
   return align256(p.batch * p.heads * p.seqlen_q * static_cast<int64_t>(sizeof(float)));
@@ -271,14 +268,13 @@ ffi::Error FlashFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   if (auto e = check_named_kernel(kOp, named_kernel); e.failure()) return e;
   if (auto e = check_forward_results(kOp, p, lead, q.element_type(), o, lse); e.failure()) return e;
   if (p.batch == 0 || p.heads == 0 || p.seqlen_q == 0) return ffi::Error::Success();
-  if (auto e = check_workspace(kOp, workspace, span_bytes(p) + kWorkCounterBytes); e.failure()) return e;
+  if (auto e = check_workspace(kOp, workspace, span_bytes(p)); e.failure()) return e;
   FlashArgs a = common_args(p, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed);
   a.o = static_cast<uint16_t*>(o->untyped_data());
   a.lse = lse->typed_data<float>();
   ForwardKernel kernel;
   if (auto e = forward_kernel_of(kOp, p, named_kernel, &kernel); e.failure()) return e;
   summarise(stream, workspace->untyped_data(), &a);
-  a.work_counter = reinterpret_cast<int32_t*>(static_cast<char*>(workspace->untyped_data()) + span_bytes(p));
   return launch_forward_kernel(kOp, stream, a, element_type_of(q.element_type()), kernel);
 }
 

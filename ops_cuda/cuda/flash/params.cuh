@@ -32,7 +32,6 @@ struct FlashArgs {
   // forward results; backward inputs
   uint16_t* o;  // [B, Sq, H, D]
   float* lse;   // [B, H, Sq]
-  int32_t* work_counter;  // forward, sm_90a kernel: the persistent blocks' next item (zeroed by its launcher)
   // backward
   const uint16_t* dout;  // [B, Sq, H, D]
   float* delta;          // [B, H, Sq]: rowsum(dO * O)

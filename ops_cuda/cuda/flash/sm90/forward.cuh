@@ -1,28 +1,21 @@
 // The flash forward kernel for Hopper (sm_90a): the same results as the sm_80 kernel
 // (../forward.cuh: o, and lse for the backward) from warpgroup matrix products.
 //
-// The grid is persistent: a block per SM takes work items, kM = 128 queries of one (batch row,
-// head) each, from a counter in global memory (in the order of the items' index: the heads'
-// query tiles, longest first under a causal mask, so that blocks finish together), and has
-// three warpgroups:
-//   warpgroup 0, the producer: one warp takes the next item from the counter while it
-//     works on the current one, finds the K and V tiles that the queries can see
+// A block owns kM = 128 queries of one (batch row, head) and has three warpgroups:
+//   warpgroup 0, the producer: one warp finds the K and V tiles that the queries can see
 //     (../spans.cuh; 32 tiles at a time, a lane each) and one thread loads the Q tile
 //     once, then those K and V tiles, with TMA into a ring of two stages; K and V
 //     complete on mbarriers of their own and are released by the consumers through
 //     "empty" mbarriers of their own (K once the tile's weights are computed). With each K
 //     it publishes the tile's index, whether every pair is visible and whether the tile may
 //     hold padding keys, and for a tile that is not all visible its keys' segment ids and
-//     positions (the mask reads them from shared memory); an index of -1 ends the item and
-//     carries the next item (-1: none). It loads an item's Q once the consumers have issued
-//     their last S = Q K^T of the one before (the q_empty mbarrier), so that the next
-//     item's first tiles are in shared memory while the consumers finish the last one.
+//     positions (the mask reads them from shared memory); an index of -1 ends the loop.
 //   warpgroups 1 and 2, the consumers, 64 queries each (consume): S = Q K^T by wgmma from
 //     shared memory, the online softmax of ../softmax_tile.cuh in float32 registers,
 //     O += P V by wgmma with P from registers and V from shared memory; tile i's S is
 //     issued with tile i - 1's P V, and its softmax runs while that product does. The two
 //     take turns issuing (named barriers), so that one's softmax overlaps the other's
-//     products. Each ends an item by writing its O and lse rows. In a tile with padding keys they first zero those keys' V rows (garbage
+//     products. In a tile with padding keys they first zero those keys' V rows (garbage
 //     there, even NaN, reaches no output; K's garbage is masked by selection).
 // setmaxnreg moves registers from the producer to the consumers.
 #ifndef FUSEDATTN_FLASH_SM90_FORWARD_CUH_
@@ -40,13 +33,11 @@ namespace sm90 {
 struct Control {
   static constexpr int kMaxKeys = 128;  // the largest tile
   uint64_t q_full;
-  uint64_t q_empty;     // released by the consumers once an item's last S = Q K^T is done
   uint64_t k_full[2];
   uint64_t v_full[2];
   uint64_t k_empty[2];  // released by the consumers once the tile's weights are computed
   uint64_t v_empty[2];  // released once O += P V is done
-  int32_t tile[2];      // key tile of the stage, -1: the item ends
-  int32_t next_item[2];  // with tile -1: the block's next item, -1: none
+  int32_t tile[2];      // key tile of the stage, -1: no more
   int32_t full[2];      // every (query, key) pair of the tile is visible
   int32_t padded[2];    // the tile may hold padding keys (segment id 0) within the sequence
   // Of a tile that is not full: its keys' segment ids (0 past the end) and positions,
@@ -73,10 +64,8 @@ struct ForwardTiles {
   static constexpr int kControlOffset = kVOffset + kStages * kTileBytes;
   // 1024: room to align the start (the swizzle atoms need 1024-byte alignment).
   static constexpr int kSharedBytes = kControlOffset + static_cast<int>(sizeof(Control)) + 1024;
-  // 40 + 2 x 232 = 3 x 168, the registers at entry (the producer's loop over items and
-  // tiles spills at 24).
-  static constexpr int kProducerRegisters = 40;
-  static constexpr int kConsumerRegisters = 232;
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
   static_assert(kN <= Control::kMaxKeys && kN % 32 == 0, "the staged key tokens: whole warps");
 };
 
@@ -95,40 +84,20 @@ struct ForwardArgs {
 };
 
 
-// A work item: kM queries from m0 of one (batch row, head).
-struct WorkItem {
-  int64_t b, h, m0;
-};
-
-// Item w of the call: (batch row, head) major, the query tiles of a head last first (under
-// a causal mask the longest first).
+// The producer: warp 0 (lane 0 issues the copies and publishes the tiles).
 template <int D>
-__device__ __forceinline__ WorkItem work_item(int64_t w, const AttentionParams& p) {
-  const int64_t n_q_tiles = (p.seqlen_q + ForwardTiles<D>::kM - 1) / ForwardTiles<D>::kM;
-  const int64_t bh = w / n_q_tiles;
-  return {bh / p.heads, bh % p.heads, (n_q_tiles - 1 - w % n_q_tiles) * ForwardTiles<D>::kM};
-}
-
-// Items of the call: query tiles x heads x batch rows.
-template <int D>
-__host__ __device__ __forceinline__ int64_t work_items(const AttentionParams& p) {
-  return (p.seqlen_q + ForwardTiles<D>::kM - 1) / ForwardTiles<D>::kM * p.heads * p.batch;
-}
-
-// The producer's part of item `n` of the block (its n-th, from 0): Q, then the visible K and V
-// tiles, then the stage that ends the item and names the next one (`next`, -1: none).
-template <int D>
-__device__ __forceinline__ void produce_item(const ForwardArgs& args, uint32_t base, Control* control,
-                                             const WorkItem& item, int n, int64_t next, int& it) {
+__device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, Control* control, int64_t b,
+                                        int64_t h, int64_t m0) {
   using T = ForwardTiles<D>;
   const FlashArgs& a = args.a;
   const AttentionParams& p = a.p;
-  const int64_t b = item.b, h = item.h, m0 = item.m0;
   const HeadContext c = head_context(a, b, h);
   const int g = static_cast<int>(kv_head_of(h, p.heads, p.kv_heads));
   const bool leader = threadIdx.x == 0;
   if (leader) {
-    if (n > 0) mbarrier_wait(smem_address(&control->q_empty), (n - 1) & 1);  // the previous item's Q is read
+    prefetch_tensor_map(&args.q_map);
+    prefetch_tensor_map(&args.k_map);
+    prefetch_tensor_map(&args.v_map);
     mbarrier_arrive_expect_tx(smem_address(&control->q_full), T::kQBytes);
 #pragma unroll
     for (int atom = 0; atom < T::kAtoms; ++atom) {
@@ -140,18 +109,15 @@ __device__ __forceinline__ void produce_item(const ForwardArgs& args, uint32_t b
   const int n_tiles = static_cast<int>((p.seqlen_kv + T::kN - 1) / T::kN);
   TileScan scan{-32, 0u, 0u, 0u};
   int t = -1;
-  for (;; ++it) {
+  for (int i = 0;; ++i) {
     t = next_visible(scan, t, n_tiles, [&](int tile, bool* complete) {
       const Span kv = tile_span(c.kv_spans, c.n_kv_spans, static_cast<int64_t>(tile) * T::kN, T::kN);
       *complete = kv.complete != 0;
       return relate(p.mask, q_span, kv);
     });
-    const int s = it % T::kStages;
-    // Every use of a stage, the item's end included, waits for each release of the use
-    // before it (parity `released`) before it passes one phase of that half's full mbarrier:
-    // the consumers' waits then keep the parity of the use's index, (it / kStages) & 1.
-    const uint32_t released = (it / T::kStages - 1) & 1;
-    if (it >= T::kStages) mbarrier_wait(smem_address(&control->k_empty[s]), released);
+    const int s = i % T::kStages;
+    const uint32_t released = (i / T::kStages - 1) & 1;  // parity of the release of tile i - kStages
+    if (i >= T::kStages) mbarrier_wait(smem_address(&control->k_empty[s]), released);
     if (t < n_tiles && !((scan.full >> (t - scan.first)) & 1u)) {  // the mask's key tokens, a lane a key
 #pragma unroll
       for (int k = 0; k < T::kN / 32; ++k) {
@@ -162,9 +128,8 @@ __device__ __forceinline__ void produce_item(const ForwardArgs& args, uint32_t b
       }
       __syncwarp();  // before the leader's arrival publishes them
     }
-    if (leader && t >= n_tiles) {  // the item's end
+    if (leader && t >= n_tiles) {
       control->tile[s] = -1;
-      control->next_item[s] = static_cast<int32_t>(next);
       mbarrier_arrive(smem_address(&control->k_full[s]));
     } else if (leader) {
       const int bit = t - scan.first;
@@ -179,8 +144,7 @@ __device__ __forceinline__ void produce_item(const ForwardArgs& args, uint32_t b
                     atom * kAtomColumns, g, t * T::kN, static_cast<int>(b));
       }
     }
-    if (it >= T::kStages) mbarrier_wait(smem_address(&control->v_empty[s]), released);
-    if (leader && t >= n_tiles) mbarrier_arrive(smem_address(&control->v_full[s]));
+    if (t < n_tiles && i >= T::kStages) mbarrier_wait(smem_address(&control->v_empty[s]), released);
     if (leader && t < n_tiles) {
       const uint32_t v_dst = base + T::kVOffset + s * T::kTileBytes;
       mbarrier_arrive_expect_tx(smem_address(&control->v_full[s]), T::kTileBytes);
@@ -191,50 +155,19 @@ __device__ __forceinline__ void produce_item(const ForwardArgs& args, uint32_t b
       }
     }
     __syncwarp();  // the lanes stay in step (next_visible is warp-wide)
-    if (t >= n_tiles) {
-      ++it;
-      return;
-    }
+    if (t >= n_tiles) return;
   }
 }
 
-// The producer: warp 0 (lane 0 issues the copies and publishes the tiles), over the block's
-// items; `it` counts the stages used so far (their ring position and mbarrier parity).
-template <int D>
-__device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, Control* control) {
-  const FlashArgs& a = args.a;
-  const int64_t items = work_items<D>(a.p);
-  const bool leader = threadIdx.x == 0;
-  if (leader) {
-    prefetch_tensor_map(&args.q_map);
-    prefetch_tensor_map(&args.k_map);
-    prefetch_tensor_map(&args.v_map);
-  }
-  int it = 0;
-  int64_t w = blockIdx.x;
-  for (int n = 0; w < items; ++n) {
-    // The next item, taken now so that the atomic's latency hides behind this one's work.
-    int64_t next = 0;
-    if (leader) next = atomicAdd(a.work_counter, 1) + static_cast<int64_t>(gridDim.x);
-    next = __shfl_sync(0xffffffffu, next, 0);
-    produce_item<D>(args, base, control, work_item<D>(w, a.p), n, next < items ? next : -1, it);
-    w = next;
-  }
-}
-
-
-// One consumer warpgroup's part (index cw, 0 or 1: queries m0 + 64 cw .. + 63) of item `n`
-// of the block, from stage use `it` on (advanced past the item's end); returns the next
-// item (-1: none). Tile i's S = Q K^T is issued together with tile i - 1's O += P V, and its
-// softmax runs while that product does (O is rescaled once it is done). The first tile runs
-// alone, so that the loop always has the same products in flight (the compiler then keeps
-// them asynchronous).
+// One consumer warpgroup (index cw, 0 or 1): queries m0 + 64 cw .. + 63. Tile i's
+// S = Q K^T is issued together with tile i - 1's O += P V, and its softmax runs while that
+// product does (O is rescaled once it is done). The first tile runs alone, so that the
+// loop always has the same products in flight (the compiler then keeps them asynchronous).
 template <ElementType ET, int D>
-__device__ __forceinline__ int64_t consume_item(const FlashArgs& a, uint32_t base, Control* control,
-                                                const WorkItem& item, int n, int cw, int& it) {
+__device__ __forceinline__ void consume(const FlashArgs& a, uint32_t base, Control* control, int64_t b, int64_t h,
+                                        int64_t m0, int cw) {
   using T = ForwardTiles<D>;
   const AttentionParams& p = a.p;
-  const int64_t b = item.b, h = item.h, m0 = item.m0;
   const HeadContext c = head_context(a, b, h);
   const int warp = (threadIdx.x / 32) % 4;
   const FragmentCoords at{m0 + T::kConsumerRows * cw + 16 * warp, 0, static_cast<int>(threadIdx.x % 32)};
@@ -321,18 +254,18 @@ __device__ __forceinline__ int64_t consume_item(const FlashArgs& a, uint32_t bas
     }
   };
 
-  mbarrier_wait(smem_address(&control->q_full), n & 1);
+  if (cw == 1) named_barrier_arrive(kTurnBarrier, T::kConsumerThreads);  // warpgroup 0 starts
+  mbarrier_wait(smem_address(&control->q_full), 0);
   bool full, padded;
-  int i = it;
-  int t = next_tile(i, &full, &padded);
+  int t = next_tile(0, &full, &padded);
   if (t >= 0) {
     float scores[T::kN / 8][4];
-    issue_scores(i, scores);
+    issue_scores(0, scores);
     named_barrier_arrive(kTurnBarrier + 1 - cw, T::kConsumerThreads);  // the other's turn
     cute::warpgroup_wait<0>();
-    soften(i, t, full, scores, [] {});
-    ++i;
+    soften(0, t, full, scores, [] {});
   }
+  int i = 1;
   for (; t >= 0; ++i) {
     ready_values(i - 1, t, padded);
     const int previous = t;
@@ -353,48 +286,33 @@ __device__ __forceinline__ int64_t consume_item(const FlashArgs& a, uint32_t bas
       mbarrier_arrive(smem_address(&control->v_empty[(i - 1) % T::kStages]));
     });
   }
-  // Stage use i ends the item: its next item read, the stage released, and Q (every S is done).
-  const int end = i % T::kStages;
-  const int64_t next = control->next_item[end];
-  mbarrier_arrive(smem_address(&control->k_empty[end]));
-  mbarrier_arrive(smem_address(&control->v_empty[end]));
-  mbarrier_arrive(smem_address(&control->q_empty));
-  it = i + 1;
   if (t >= 0) {  // the last tile's O += P V (its V made ready at the loop's last pass)
     fence_accumulators(o);
     cute::warpgroup_arrive();
     issue_values(i - 1);
     cute::warpgroup_wait<0>();
     fence_accumulators(o);
-    mbarrier_arrive(smem_address(&control->v_empty[(i - 1) % T::kStages]));  // its V is read
   }
   const int64_t q_stride = p.heads * D;
   finish_rows<ET, D>(o, state, p, c.sink, a.o + (b * p.seqlen_q * p.heads + h) * D, q_stride, at,
                      a.lse + (b * p.heads + h) * p.seqlen_q);
-  return next;
-}
-
-// One consumer warpgroup (index cw) over the block's items.
-template <ElementType ET, int D>
-__device__ __forceinline__ void consume(const FlashArgs& a, uint32_t base, Control* control, int cw) {
-  if (cw == 1) named_barrier_arrive(kTurnBarrier, ForwardTiles<D>::kConsumerThreads);  // warpgroup 0 starts
-  int it = 0;
-  for (int64_t w = blockIdx.x, n = 0; w >= 0 && w < work_items<D>(a.p); ++n) {
-    w = consume_item<ET, D>(a, base, control, work_item<D>(w, a.p), static_cast<int>(n), cw, it);
-  }
 }
 
 template <ElementType ET, int D>
 __global__ void __launch_bounds__(ForwardTiles<D>::kThreads, 1) forward_kernel(const __grid_constant__ ForwardArgs args) {
   using T = ForwardTiles<D>;
   extern __shared__ unsigned char smem[];
+  const AttentionParams& p = args.a.p;
   const uint32_t unaligned = smem_address(smem);
   const uint32_t base = (unaligned + 1023) & ~1023u;
   Control* control = reinterpret_cast<Control*>(smem + (base - unaligned) + T::kControlOffset);
+  const int64_t n_q_tiles = (p.seqlen_q + T::kM - 1) / T::kM;
+  const int64_t bh = blockIdx.x / n_q_tiles;
+  const int64_t m0 = (n_q_tiles - 1 - blockIdx.x % n_q_tiles) * T::kM;  // causal: longest rows first
+  const int64_t h = bh % p.heads, b = bh / p.heads;
 
   if (threadIdx.x == 0) {
     mbarrier_init(smem_address(&control->q_full), 1);
-    mbarrier_init(smem_address(&control->q_empty), T::kConsumerThreads);
     for (int s = 0; s < T::kStages; ++s) {
       mbarrier_init(smem_address(&control->k_full[s]), 1);
       mbarrier_init(smem_address(&control->v_full[s]), 1);
@@ -407,10 +325,10 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads, 1) forward_kernel(c
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     registers_decrease<T::kProducerRegisters>();
-    if (threadIdx.x < 32) produce<D>(args, base, control);
+    if (threadIdx.x < 32) produce<D>(args, base, control, b, h, m0);
   } else {
     registers_increase<T::kConsumerRegisters>();
-    consume<ET, D>(args.a, base, control, warpgroup - 1);
+    consume<ET, D>(args.a, base, control, b, h, m0, warpgroup - 1);
   }
 }
 

@@ -23,15 +23,8 @@ std::string forward(gpuStream_t stream, const FlashArgs& a) {
   if (error.empty()) error = encode_tile_map(&args.k_map, a.k, p.batch, p.seqlen_kv, p.kv_heads, D, T::kN);
   if (error.empty()) error = encode_tile_map(&args.v_map, a.v, p.batch, p.seqlen_kv, p.kv_heads, D, T::kN);
   if (!error.empty()) return error;
-  const int64_t items = work_items<D>(p);
-  if (items == 0) return "";
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0) {
-    return "could not read the device's multiprocessor count";
-  }
-  const int64_t blocks = std::min<int64_t>(items, sms);  // persistent: a block per SM at most
-  gpuMemsetAsync(a.work_counter, 0, sizeof(int32_t), stream);
+  const int64_t blocks = (p.seqlen_q + T::kM - 1) / T::kM * p.heads * p.batch;
+  if (blocks == 0) return "";
   const auto kernel = forward_kernel<ET, D>;
   gpuFuncSetAttribute(reinterpret_cast<const void*>(kernel), gpuFuncAttributeMaxDynamicSharedMemorySize,
                       T::kSharedBytes);
