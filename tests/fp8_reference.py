@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 from reference import describe_tokens, visible_keys
 
-TENSORS = ("q", "k", "v", "s", "o", "do", "dp")
+TENSORS = ("q", "k", "v", "s", "o", "do", "dp", "dq", "dk", "dv")
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 
 
@@ -82,8 +82,8 @@ def fp8_attention(q, k, v, *, scales: dict[str, float], fmt="e4m3", scaling="del
     d_probs = np.einsum("bihe,bjhe->bhij", do8, vh) * multiplier
     delta = np.sum(do8 * o8, axis=-1).transpose(0, 2, 1)[..., None]
     ds8 = fp8("dp", probs * (d_probs - delta))
-    dq = scale * np.einsum("bhij,bjhd->bihd", ds8, kh)
-    dk = scale * np.einsum("bhij,bihd->bjhd", ds8, q8).reshape(b, skv, h_kv, group, d).sum(3)
-    dv = np.einsum("bhij,bihe->bjhe", p8, do8).reshape(b, skv, h_kv, group, -1).sum(3)
+    dq = fp8("dq", scale * np.einsum("bhij,bjhd->bihd", ds8, kh))
+    dk = fp8("dk", scale * np.einsum("bhij,bihd->bjhd", ds8, q8).reshape(b, skv, h_kv, group, d).sum(3))
+    dv = fp8("dv", np.einsum("bhij,bihe->bjhe", p8, do8).reshape(b, skv, h_kv, group, -1).sum(3))
     result.grads = (dq, dk, dv)
     return result

@@ -64,7 +64,8 @@ def _random_state(rng, config, scale=None) -> Fp8State:
     (or `scale`), and a history that is not empty."""
     state = fp8_state_init(config)
     if scale is None:
-        scale = np.asarray([100.0, 120.0, 90.0, 440.0, 200.0, 2000.0, 5000.0], np.float32)
+        scale = np.asarray([100.0, 120.0, 90.0, 440.0, 200.0, 2000.0, 5000.0, 1500.0, 1500.0,
+                            300.0], np.float32)
         scale = scale * rng.uniform(0.7, 1.3, size=scale.shape).astype(np.float32)
     scale = np.broadcast_to(np.asarray(scale, np.float32), (len(TENSORS),))
     history = np.zeros(state.amax_history.shape, np.float32)

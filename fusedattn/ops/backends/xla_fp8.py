@@ -9,10 +9,11 @@ FP8 operands and accumulates in float32 would. The steps, per call:
             O = P8 v8, O8 = fp8(O); the output is O8 in q's dtype
   backward  dO8 = fp8(dO); dV = P8^T dO8; dP = dO8 v8^T (dropout's mask and 1/(1-rate))
             dS = P * (dP - rowsum(dO8 * O8)), dS8 = fp8(dS)
-            dQ = scale * dS8 k8; dK = scale * dS8^T q8
+            dQ8 = fp8(scale * dS8 k8); dK8 = fp8(scale * dS8^T q8); dV8 = fp8(dV)
 
-Quantisation is the identity for the gradient (straight through): dQ, dK and dV are
-the gradients with respect to q, k and v, in their dtype.
+Quantisation is the identity for the gradient (straight through): dQ8, dK8 and dV8 are
+the gradients with respect to q, k and v, in their dtype (as cuDNN's FP8 backward on
+Hopper writes them in FP8).
 """
 
 from __future__ import annotations
@@ -52,28 +53,10 @@ def _quantised_inputs(spec: AttentionSpec, state: fp8.Fp8State, tokens: TokenInf
     k, v = jnp.where(real_key, k, 0), jnp.where(real_key, v, 0)
     rounded, amaxes, scales = [], {}, []
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if _given_in_fp8(x):
-            scales.append(state.scale[fp8.TENSORS.index(name)])
-            rounded.append(x.astype(jnp.float32) / scales[-1])
-            amaxes[name] = fp8.amax(rounded[-1])
-            continue
-        amaxes[name] = fp8.amax(x)
-        scales.append(fp8.call_scale(spec, state, name, amaxes[name]))
-        rounded.append(fp8.round_trip(x, fp8.dtype_of(spec, name), scales[-1]))
+        x8, amaxes[name], scale = fp8.quantise_input(spec, state, name, x)
+        rounded.append(x8.astype(jnp.float32) / scale)
+        scales.append(scale)
     return tuple(rounded), amaxes, tuple(scales)
-
-
-def _given_in_fp8(x) -> bool:
-    return jnp.dtype(x.dtype) == jnp.dtype(jnp.float8_e4m3fn)
-
-
-def _cotangent(gradient: jax.Array, dtype, scale: jax.Array) -> jax.Array:
-    """The gradient with respect to an input of `dtype` (an FP8 input x8 = x * scale:
-    dL/dx8 = dL/dx / scale, rounded to its format)."""
-    if jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn):
-        top = fp8.fp8_max(dtype)
-        return jnp.clip(gradient / scale, -top, top).astype(dtype)
-    return gradient.astype(dtype)
 
 
 def _forward(static, q, k, v, tokens, seed, state):
@@ -94,7 +77,7 @@ def _forward(static, q, k, v, tokens, seed, state):
     max_logit = jnp.max(jnp.where(visible, scores, -jnp.inf), axis=(0, 2, 3))
     new_state = fp8.record(spec, state, amaxes)
     residuals = (q8, k8, v8, weights, keep, p8, o8, state, new_state, input_scales)
-    out_dtype = jnp.bfloat16 if _given_in_fp8(q) else q.dtype
+    out_dtype = jnp.bfloat16 if fp8.given_in_fp8(q) else q.dtype
     return (o8.astype(out_dtype), new_state, max_logit), residuals
 
 
@@ -116,11 +99,15 @@ def _backward(static, residuals, cotangents):
     amaxes["dp"] = fp8.amax(d_scores)
     ds8 = fp8.round_trip(d_scores, fp8.dtype_of(spec, "dp"),
                          fp8.call_scale(spec, state, "dp", amaxes["dp"]))
-    dq = scale * xla._weighted_values(ds8, k8, jnp.float32)
-    dk = scale * _transposed_product(ds8, q8, k8.shape[2])
-    dv = _transposed_product(p8, do8, v8.shape[2])
-    grads = tuple(_cotangent(g, dtype, s) for g, dtype, s in
-                  zip((dq, dk, dv), (q_dtype, k_dtype, v_dtype), input_scales))
+    grads = {"dq": scale * xla._weighted_values(ds8, k8, jnp.float32),
+             "dk": scale * _transposed_product(ds8, q8, k8.shape[2]),
+             "dv": _transposed_product(p8, do8, v8.shape[2])}
+    for name, gradient in grads.items():
+        amaxes[name] = fp8.amax(gradient)
+        grads[name] = fp8.round_trip(gradient, fp8.dtype_of(spec, name),
+                                     fp8.call_scale(spec, state, name, amaxes[name]))
+    grads = tuple(fp8.input_cotangent(g, dtype, s) for g, dtype, s in
+                  zip(grads.values(), (q_dtype, k_dtype, v_dtype), input_scales))
     return (*grads, None, None, fp8.record(spec, new_state, amaxes))
 
 

@@ -1,0 +1,130 @@
+"""The cuDNN backend's FP8 op: the recipe of fusedattn/ops/fp8.py around cuDNN's FP8 SDPA
+graphs (fp8_calls.py), a jax.custom_vjp whose steps are those of the xla emulation
+(ops/backends/xla_fp8.py), which is its oracle:
+
+  forward   q8, k8, v8 = fp8(q), fp8(k), fp8(v) (fp8.quantise_input); cuDNN: S = scale *
+            q8 k8^T, P = softmax(S), P8 = fp8(P) with scale_s, O8 = fp8(P8 v8) with scale_o,
+            amax_s = max P, amax_o = max |O|; out = O8 / scale_o in q's dtype
+  backward  dO8 = fp8(dO); cuDNN: dV8 = fp8(P8^T dO8), dS8 = fp8(P * (dO8 v8^T -
+            rowsum(dO8 * O8))), dQ8 = fp8(scale * dS8 k8), dK8 = fp8(scale * dS8^T q8), with
+            their amaxes; the gradients are dQ8 / scale_dq, ... in the inputs' dtypes
+
+cuDNN takes every scale as an input, so it must know a scale before the pass that uses it.
+Where the recipe takes a scale from this call's own amax (current scaling, or a tensor
+whose history is still empty: the first call), a probe pass measures that amax first:
+amax_s depends on no scale, amax_o on scale_s only, amax_dp (cuDNN's dS) on none of the
+backward's, and the gradients' amaxes on scale_dp. So current scaling runs the forward
+three times (two probes without stats) and the backward three times; delayed scaling
+runs its probes inside a lax.cond that skips them once the history holds values, so
+steady-state training makes one forward and one backward call.
+
+cuDNN's dS carries the attention scale (cudnn_fp8.cc): its scale_dp is the recipe's
+divided by the attention scale (the same dS8 values), its amax_dp the recipe's times it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fusedattn.ops import fp8
+from fusedattn.ops.backends.cudnn import fp8_calls
+from fusedattn.ops.backends.cudnn.graph_key import FP8_E4M3, FP8_HYBRID, _Static
+from fusedattn.ops.enums import Fp8Format
+from fusedattn.ops.spec import AttentionSpec
+
+_ONE = 1.0
+
+
+class _Fp8Static(NamedTuple):
+    """The static part of an FP8 call (hashable: the custom_vjp's nondiff argument)."""
+
+    call: _Static   # the FFI attributes
+    spec: AttentionSpec
+    dtypes: tuple   # of q, k, v (their gradients' dtypes)
+
+
+def attention(spec: AttentionSpec, call: _Static, q, k, v,
+              state: fp8.Fp8State) -> tuple[jax.Array, fp8.Fp8State]:
+    """(out [b, sq, h, dv] in q's dtype (bfloat16 for FP8 inputs), the state with the
+    forward's amaxes recorded) of dense q [b, sq, h, d], k, v [b, skv, h_kv, d]. The gradient
+    with respect to `state` is the state with every amax recorded (ops/fp8.py)."""
+    dtypes = tuple(jnp.dtype(x.dtype) for x in (q, k, v))
+    return _fp8_cudnn(_Fp8Static(call, spec, dtypes), q, k, v, state)
+
+
+def _scales(spec: AttentionSpec, state: fp8.Fp8State, tensors: tuple[str, ...], probe):
+    """The scales of `tensors` in this call: the state's, or from this call's amaxes, which
+    probe() (a tuple of float32 scalars) measures only where the recipe needs them."""
+    needed = fp8.needs_amax(spec, state, tensors)
+    if needed is True:
+        amaxes = probe()
+    else:
+        amaxes = jax.lax.cond(needed, probe,
+                              lambda: tuple(jnp.zeros((), jnp.float32) for _ in tensors))
+    return tuple(fp8.call_scale(spec, state, tensor, amax)
+                 for tensor, amax in zip(tensors, amaxes))
+
+
+def _forward(static: _Fp8Static, q, k, v, state: fp8.Fp8State, training: bool):
+    spec, call = static.spec, static.call
+    quantised = {name: fp8.quantise_input(spec, state, name, x)
+                 for name, x in (("q", q), ("k", k), ("v", v))}
+    (q8, _, scale_q), (k8, _, scale_k), (v8, _, scale_v) = quantised.values()
+    amaxes = {name: amax for name, (_, amax, _) in quantised.items()}
+
+    def run(scale_s, scale_o, with_stats=False):
+        return fp8_calls.forward(call, q8, k8, v8, 1.0 / scale_q, 1.0 / scale_k, 1.0 / scale_v,
+                                 scale_s, scale_o, with_stats)
+
+    (scale_s,) = _scales(spec, state, ("s",), lambda: (run(_ONE, _ONE)[2],))
+    (scale_o,) = _scales(spec, state, ("o",), lambda: (run(scale_s, _ONE)[3],))
+    o8, stats, amaxes["s"], amaxes["o"] = run(scale_s, scale_o, training)
+    new_state = fp8.record(spec, state, amaxes)
+    out_dtype = jnp.bfloat16 if fp8.given_in_fp8(q) else q.dtype
+    out = (o8.astype(jnp.float32) / scale_o).astype(out_dtype)
+    scales = {"q": scale_q, "k": scale_k, "v": scale_v, "s": scale_s, "o": scale_o}
+    return (out, new_state), (q8, k8, v8, o8, stats, scales, state, new_state)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fp8_cudnn(static: _Fp8Static, q, k, v, state):
+    """The primal, run when nobody differentiates the call: the forward without stats."""
+    return _forward(static, q, k, v, state, training=False)[0]
+
+
+def _fp8_cudnn_fwd(static: _Fp8Static, q, k, v, state):
+    return _forward(static, q, k, v, state, training=True)
+
+
+def _fp8_cudnn_bwd(static: _Fp8Static, residuals, cotangents):
+    spec, call = static.spec, static.call
+    q8, k8, v8, o8, stats, scales, state, new_state = residuals
+    d_out = cotangents[0]
+    amaxes = {"do": fp8.amax(d_out)}
+    scale_do = fp8.call_scale(spec, state, "do", amaxes["do"])
+    do8 = fp8.quantise(d_out, fp8.dtype_of(spec, "do"), scale_do)
+    descales = tuple(1.0 / scales[name] for name in ("q", "k", "v", "o")) + (1.0 / scale_do,)
+    fp8_format = FP8_HYBRID if spec.fp8_format == Fp8Format.HYBRID else FP8_E4M3
+
+    def run(scale_dp, grad_scales):
+        """(dq8, dk8, dv8), their amaxes, the recipe's amax_dp; scale_dp the recipe's."""
+        *grads, amax_dq, amax_dk, amax_dv, amax_dp = fp8_calls.backward(
+            call, fp8_format, q8, k8, v8, o8, do8, stats, descales, scales["s"],
+            scale_dp / call.scale, grad_scales)
+        return grads, (amax_dq, amax_dk, amax_dv), amax_dp / call.scale
+
+    ones = (_ONE,) * 3
+    (scale_dp,) = _scales(spec, state, ("dp",), lambda: (run(_ONE, ones)[2],))
+    grad_scales = _scales(spec, state, ("dq", "dk", "dv"), lambda: run(scale_dp, ones)[1])
+    grads, grad_amaxes, amaxes["dp"] = run(scale_dp, grad_scales)
+    amaxes.update(zip(("dq", "dk", "dv"), grad_amaxes))
+    grads = tuple(fp8.input_cotangent(g8.astype(jnp.float32) / scale, dtype, scales[name])
+                  for g8, scale, dtype, name in zip(grads, grad_scales, static.dtypes, "qkv"))
+    return (*grads, fp8.record(spec, new_state, amaxes))
+
+
+_fp8_cudnn.defvjp(_fp8_cudnn_fwd, _fp8_cudnn_bwd)

@@ -1,0 +1,195 @@
+"""cuDNN's FP8 attention (backend "cudnn", config.fp8.enabled) against the xla emulation of
+the same recipe (ops/backends/xla_fp8.py), both run on the GPU.
+
+Tolerance: the two round the same values through FP8, but cuDNN's softmax and sums differ
+from the emulation's float32 ones in the last bits, so a value near an FP8 rounding
+boundary may land on the neighbouring FP8 value (one step: 1/8 to 1/16 of it in E4M3, 1/4
+in E5M2). FP8_CLOSE bounds the largest error by a fraction of the largest entry and
+FP8_RMS the root-mean-square error relative to the entries' (a wrong graph, scale or
+layout misses both by far). The recorded amaxes are maxima of the same float32 values:
+AMAX_RTOL.
+
+Skipped without a GPU of compute capability 9.0 or newer (cuDNN's FP8 SDPA graphs need
+Hopper; an 8.9 GPU gets the reason, checked here too).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_finite, make_config, poison_like, random_array
+
+from fusedattn.ops import Fp8State, explain, fp8, fp8_state_init, fused_attn
+from fusedattn.ops.backends.base import compute_capability
+
+pytestmark = pytest.mark.gpu
+
+FP8_CLOSE = {"e4m3": 0.08, "hybrid": 0.15}
+FP8_RMS = {"e4m3": 0.03, "hybrid": 0.06}
+AMAX_RTOL = 2e-2
+
+
+def _hopper() -> bool:
+    return jax.devices()[0].platform == "gpu" and compute_capability() >= (9, 0)
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="cuDNN's FP8 graphs need sm_90+")
+
+
+def assert_fp8_close(actual, expected, fmt: str, name: str):
+    actual, expected = (np.asarray(x, np.float64) for x in (actual, expected))
+    assert_finite(actual, name)
+    top = np.abs(expected).max()
+    error = np.abs(actual - expected)
+    assert error.max() <= FP8_CLOSE[fmt] * top, f"{name}: max error {error.max()} of {top}"
+    rms = np.sqrt(np.mean(error**2)) / np.sqrt(np.mean(expected**2))
+    assert rms <= FP8_RMS[fmt], f"{name}: relative rms error {rms}"
+
+
+def assert_states_close(actual: Fp8State, expected: Fp8State, name: str):
+    for field in ("scale", "amax_history"):
+        np.testing.assert_allclose(np.asarray(getattr(actual, field)),
+                                   np.asarray(getattr(expected, field)), rtol=AMAX_RTOL,
+                                   err_msg=f"{name}.{field} (columns {fp8.TENSORS})")
+
+
+def _inputs(rng, b=2, sq=256, skv=256, h=4, h_kv=4, d=128, dtype=jnp.bfloat16):
+    return (random_array(rng, (b, sq, h, d), dtype), random_array(rng, (b, skv, h_kv, d), dtype),
+            random_array(rng, (b, skv, h_kv, d), dtype))
+
+
+def _step(config):
+    """(state, q, k, v, d_out) -> (out, the forward's state, (dq, dk, dv, the state's
+    gradient: every amax recorded)), jitted."""
+    def run(q, k, v, state):
+        return fused_attn((q, k, v), config=config, fp8_state=state)
+
+    @jax.jit
+    def step(state, q, k, v, d_out):
+        (out, new_state), pullback = jax.vjp(run, q, k, v, state)
+        return out, new_state, pullback((d_out, jax.tree.map(jnp.zeros_like, new_state)))
+
+    return step
+
+
+def _both(config_overrides, state, q, k, v, d_out):
+    """The step's results through cudnn and through xla, cudnn's after poisoned buffers."""
+    results = {}
+    for backend in ("xla", "cudnn"):
+        config = make_config(backend=backend, **config_overrides)
+        step = _step(config)
+        step.lower(state, q, k, v, d_out)  # graph builds before the poison
+        if backend == "cudnn":
+            poison_like(q, k, v, d_out)
+        results[backend] = jax.block_until_ready(step(state, q, k, v, d_out))
+    return results["cudnn"], results["xla"]
+
+
+def _warm_state(rng, overrides, q, k, v, d_out) -> Fp8State:
+    """The state after one emulated step on other data: a history that is not empty."""
+    config = make_config(backend="xla", **overrides)
+    first = _step(config)(fp8_state_init(config), *(x * 1.5 for x in (q, k, v)), d_out)
+    return first[2][3]
+
+
+@needs_hopper
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+@pytest.mark.parametrize("mask", ["no_mask", "causal"])
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+def test_forward_gradients_and_state_match_the_emulation(rng, fmt, mask, scaling):
+    overrides = dict(mask=mask, fp8={"enabled": True, "format": fmt, "scaling": scaling})
+    q, k, v = _inputs(rng)
+    d_out = random_array(rng, q.shape, jnp.bfloat16)
+    state = _warm_state(rng, overrides, q, k, v, d_out)
+    (out, new_state, grads), (ref_out, ref_state, ref_grads) = _both(overrides, state, q, k, v,
+                                                                     d_out)
+    assert out.dtype == q.dtype
+    assert_fp8_close(out, ref_out, fmt, "out")
+    for got, want, name in zip(grads[:3], ref_grads[:3], ("dq", "dk", "dv")):
+        assert got.dtype == q.dtype
+        assert_fp8_close(got, want, fmt, name)
+    assert_states_close(new_state, ref_state, "forward state")
+    assert_states_close(grads[3], ref_grads[3], "state gradient")
+
+
+@needs_hopper
+def test_grouped_query_heads(rng):
+    overrides = dict(mask="causal", fp8={"enabled": True})
+    q, k, v = _inputs(rng, h=8, h_kv=2)
+    d_out = random_array(rng, q.shape, jnp.bfloat16)
+    state = _warm_state(rng, overrides, q, k, v, d_out)
+    (out, _, grads), (ref_out, _, ref_grads) = _both(overrides, state, q, k, v, d_out)
+    assert_fp8_close(out, ref_out, "e4m3", "out")
+    for got, want, name in zip(grads[:3], ref_grads[:3], ("dq", "dk", "dv")):
+        assert_fp8_close(got, want, "e4m3", name)
+
+
+@needs_hopper
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+def test_state_over_training_steps_equals_the_emulation(rng, fmt):
+    """Delayed scaling from the initial state (probe passes on the first step, none later):
+    each step overwrites the state with its gradient, as the layers do; fresh inputs per step."""
+    overrides = dict(mask="causal", fp8={"enabled": True, "format": fmt, "amax_history_len": 4})
+    config = make_config(**overrides)
+    states = {"cudnn": fp8_state_init(config), "xla": fp8_state_init(config)}
+    steps = {name: _step(make_config(backend=name, **overrides)) for name in states}
+    for index in range(5):
+        q, k, v = (x * (1.0 + 0.5 * index) for x in _inputs(rng))
+        d_out = random_array(rng, q.shape, jnp.bfloat16)
+        results = {name: steps[name](states[name], q, k, v, d_out) for name in states}
+        assert_fp8_close(results["cudnn"][0], results["xla"][0], fmt, f"out at step {index}")
+        states = {name: result[2][3] for name, result in results.items()}
+        assert_states_close(states["cudnn"], states["xla"], f"state after step {index}")
+    assert np.all(np.asarray(states["cudnn"].amax_history[:4]) > 0)
+
+
+@needs_hopper
+def test_inputs_given_in_fp8(rng):
+    overrides = dict(mask="no_mask", fp8={"enabled": True})
+    q, k, v = _inputs(rng)
+    d_out = random_array(rng, q.shape, jnp.bfloat16)
+    state = _warm_state(rng, overrides, q, k, v, d_out)
+    q8, k8, v8 = (fp8.quantise(x, jnp.float8_e4m3fn, state.scale[i]) for i, x in
+                  enumerate((q, k, v)))
+    (out, new_state, grads), (ref_out, ref_state, ref_grads) = _both(overrides, state, q8, k8, v8,
+                                                                     d_out)
+    assert out.dtype == jnp.bfloat16
+    assert_fp8_close(out, ref_out, "e4m3", "out")
+    for got, want, name in zip(grads[:3], ref_grads[:3], ("dq8", "dk8", "dv8")):
+        assert got.dtype == jnp.float8_e4m3fn
+        assert_fp8_close(got.astype(jnp.float32), want.astype(jnp.float32), "e4m3", name)
+    assert_states_close(new_state, ref_state, "forward state")
+
+
+@needs_hopper
+def test_forward_only_call_and_max_logit(rng):
+    """A call nobody differentiates runs cuDNN's forward without stats; max_logit is the
+    emulation's (the largest logit of the FP8 scores)."""
+    overrides = dict(mask="causal", fp8={"enabled": True, "scaling": "current"})
+    q, k, v = _inputs(rng)
+    results = {}
+    for backend in ("xla", "cudnn"):
+        config = make_config(backend=backend, **overrides)
+        results[backend] = jax.jit(lambda q, k, v: fused_attn(
+            (q, k, v), config=config, return_max_logit=True))(q, k, v)
+    (out, state, largest), (ref_out, ref_state, ref_largest) = results["cudnn"], results["xla"]
+    assert_fp8_close(out, ref_out, "e4m3", "out")
+    assert_states_close(state, ref_state, "state")
+    np.testing.assert_allclose(np.asarray(largest), np.asarray(ref_largest), rtol=1e-5)
+
+
+@needs_hopper
+def test_explain_names_cudnn_for_fp8(rng):
+    q, k, v = _inputs(rng)
+    explanation = explain((q, k, v), config=make_config(fp8={"enabled": True}))
+    assert explanation.backend == "cudnn", str(explanation)
+    assert "cuDNN's FP8 SDPA graphs" in str(explanation)
+
+
+@pytest.mark.skipif(jax.devices()[0].platform != "gpu" or _hopper(), reason="a pre-Hopper GPU")
+def test_pre_hopper_gpu_gets_the_reason(rng):
+    q, k, v = _inputs(rng)
+    reason = explain((q, k, v), config=make_config(fp8={"enabled": True})).verdicts["cudnn"]
+    assert "FP8 attention needs compute capability 9.0 (Hopper) or newer" in reason, reason
