@@ -205,12 +205,16 @@ def test_delayed_scaling_scales_unrecorded_tensors_from_their_own_amax(rng):
     assert np.abs(np.asarray(outputs[0][2][0])).max() > 0
 
 
-def test_only_xla_serves_fp8_and_explain_says_why(rng):
+@pytest.mark.skipif(jax.devices()[0].platform == "gpu", reason="cudnn serves FP8 on a GPU")
+def test_fp8_backends_and_explain_says_why(rng):
+    """xla and cudnn have FP8 paths (cudnn's refuses here, on a machine without CUDA, with
+    its reason; its own reasons: tests/test_cudnn_fp8.py); the others say they have none."""
     config = make_config(fp8={"enabled": True})
     q, k, v = _inputs(rng)
     explanation = explain((q, k, v), config=config, platform="cuda")
     assert explanation.backend == "xla"
-    for name in ("cudnn", "flash", "small_seq"):
+    assert explanation.verdicts["cudnn"] == "cudnn: jax has no CUDA backend in this process"
+    for name in ("flash", "small_seq"):
         assert "no FP8 path" in explanation.verdicts[name]
     config.backend = "flash"
     with pytest.raises(ValueError, match="no FP8 path"):
