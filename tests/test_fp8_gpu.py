@@ -177,7 +177,7 @@ def test_forward_only_call_and_max_logit(rng):
     (out, state, largest), (ref_out, ref_state, ref_largest) = results["cudnn"], results["xla"]
     assert_fp8_close(out, ref_out, "e4m3", "out")
     assert_states_close(state, ref_state, "state")
-    np.testing.assert_allclose(np.asarray(largest), np.asarray(ref_largest), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(largest), np.asarray(ref_largest), rtol=1e-3)
 
 
 @needs_hopper
