@@ -11,12 +11,13 @@ graphs (fp8_calls.py), a jax.custom_vjp whose steps are those of the xla emulati
 
 cuDNN takes every scale as an input, so it must know a scale before the pass that uses it.
 Where the recipe takes a scale from this call's own amax (current scaling, or a tensor
-whose history is still empty: the first call), a probe pass measures that amax first:
+whose history is still empty: the first call), probe passes measure the amaxes first:
 amax_s depends on no scale, amax_o on scale_s only, amax_dp (cuDNN's dS) on none of the
-backward's, and the gradients' amaxes on scale_dp. So current scaling runs the forward
-three times (two probes without stats) and the backward three times; delayed scaling
-runs its probes inside a lax.cond that skips them once the history holds values, so
-steady-state training makes one forward and one backward call.
+backward's, and the gradients' amaxes on scale_dp, so two probes per direction. Current
+scaling runs them always (the forward three times, two without stats; the backward three
+times); delayed scaling runs each direction's probes inside one lax.cond that skips them
+once the history holds values, so steady-state training makes one forward and one
+backward call.
 
 cuDNN's dS carries the attention scale (cudnn_fp8.cc): its scale_dp is the recipe's
 divided by the attention scale (the same dS8 values), its amax_dp the recipe's times it.
@@ -58,7 +59,8 @@ def attention(spec: AttentionSpec, call: _Static, q, k, v,
 
 def _scales(spec: AttentionSpec, state: fp8.Fp8State, tensors: tuple[str, ...], probe):
     """The scales of `tensors` in this call: the state's, or from this call's amaxes, which
-    probe() (a tuple of float32 scalars) measures only where the recipe needs them."""
+    probe() (a tuple of float32 scalars, one per tensor) measures, only where the recipe
+    needs any of them (one lax.cond under delayed scaling)."""
     needed = fp8.needs_amax(spec, state, tensors)
     if needed is True:
         amaxes = probe()
@@ -80,8 +82,11 @@ def _forward(static: _Fp8Static, q, k, v, state: fp8.Fp8State, training: bool):
         return fp8_calls.forward(call, q8, k8, v8, 1.0 / scale_q, 1.0 / scale_k, 1.0 / scale_v,
                                  scale_s, scale_o, with_stats)
 
-    (scale_s,) = _scales(spec, state, ("s",), lambda: (run(_ONE, _ONE)[2],))
-    (scale_o,) = _scales(spec, state, ("o",), lambda: (run(scale_s, _ONE)[3],))
+    def probe():
+        amax_s = run(_ONE, _ONE)[2]
+        return amax_s, run(fp8.call_scale(spec, state, "s", amax_s), _ONE)[3]
+
+    scale_s, scale_o = _scales(spec, state, ("s", "o"), probe)
     o8, stats, amaxes["s"], amaxes["o"] = run(scale_s, scale_o, training)
     new_state = fp8.record(spec, state, amaxes)
     out_dtype = jnp.bfloat16 if fp8.given_in_fp8(q) else q.dtype
@@ -117,10 +122,13 @@ def _fp8_cudnn_bwd(static: _Fp8Static, residuals, cotangents):
             scale_dp / call.scale, grad_scales)
         return grads, (amax_dq, amax_dk, amax_dv), amax_dp / call.scale
 
-    ones = (_ONE,) * 3
-    (scale_dp,) = _scales(spec, state, ("dp",), lambda: (run(_ONE, ones)[2],))
-    grad_scales = _scales(spec, state, ("dq", "dk", "dv"), lambda: run(scale_dp, ones)[1])
-    grads, grad_amaxes, amaxes["dp"] = run(scale_dp, grad_scales)
+    def probe():
+        ones = (_ONE,) * 3
+        amax_dp = run(_ONE, ones)[2]
+        return (amax_dp, *run(fp8.call_scale(spec, state, "dp", amax_dp), ones)[1])
+
+    scale_dp, *grad_scales = _scales(spec, state, ("dp", "dq", "dk", "dv"), probe)
+    grads, grad_amaxes, amaxes["dp"] = run(scale_dp, tuple(grad_scales))
     amaxes.update(zip(("dq", "dk", "dv"), grad_amaxes))
     grads = tuple(fp8.input_cotangent(g8.astype(jnp.float32) / scale, dtype, scales[name])
                   for g8, scale, dtype, name in zip(grads, grad_scales, static.dtypes, "qkv"))
