@@ -42,7 +42,8 @@ def fp8_attention(q, k, v, *, scales: dict[str, float], fmt="e4m3", scaling="del
                   margin=0, causal=True, sequence=None, padding=False, keep=None, rate=0.0,
                   dout=None) -> Fp8Reference:
     """q [b, sq, h, d], k/v [b, skv, h_kv, d] (float64); `scales` the state's scales per
-    tensor (read under delayed scaling; current scaling derives them from the amaxes)."""
+    tensor (read under delayed scaling; current scaling derives them from the amaxes).
+    s is the softmax numerators exp(S - rowmax) (xla_fp8.py's module docstring)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     b, sq, h, d = q.shape
     skv, h_kv = k.shape[1], k.shape[2]
@@ -69,11 +70,14 @@ def fp8_attention(q, k, v, *, scales: dict[str, float], fmt="e4m3", scaling="del
     row_max = np.max(masked, axis=-1, keepdims=True)
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)
     exps = np.where(visible, np.exp(np.where(visible, scores, 0.0) - row_max), 0.0)
-    total = exps.sum(-1, keepdims=True)
-    probs = exps / np.where(total > 0, total, 1.0)
+    total = np.sum(exps, axis=-1, keepdims=True)
+    total = np.where(total > 0, total, 1.0)
+    probs = exps / total
     multiplier = 1.0 if keep is None else np.where(keep, 1.0 / (1.0 - rate), 0.0)
-    p8 = fp8("s", probs * multiplier)
-    o8 = fp8("o", np.einsum("bhij,bjhe->bihe", p8, vh))
+    e8 = fp8("s", exps * multiplier)      # the numerators, normalised after the product
+    o8 = fp8("o", np.einsum("bhij,bjhe->bihe", e8, vh) / total.transpose(0, 2, 1, 3))
+    # The backward stores the normalised weights with the forward's scale.
+    p8 = round_trip(probs * multiplier, fp8_dtype(fmt, "s"), used["s"])
     result = Fp8Reference(out=o8, grads=None, amax=amax, scales=used,
                           max_logit=np.max(masked, axis=(0, 2, 3)))
     if dout is None:

@@ -96,8 +96,8 @@ def _targets(text: str) -> list[str]:
 
 
 @pytest.mark.parametrize("scaling, forward_calls, backward_calls", [
-    ("current", 3, 3),   # two probes and the call, each direction
-    ("delayed", 3, 3),   # the same, each direction's probes in one conditional
+    ("current", 2, 3),   # the probes (of amax_o; of amax_dp, then dq/dk/dv's) and the calls
+    ("delayed", 2, 3),   # the same, each direction's probes in one conditional
 ])
 def test_lowers_to_the_fp8_calls_with_their_probes(fake_cuda, scaling, forward_calls,
                                                    backward_calls):

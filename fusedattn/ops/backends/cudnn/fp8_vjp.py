@@ -3,18 +3,23 @@ graphs (fp8_calls.py), a jax.custom_vjp whose steps are those of the xla emulati
 (ops/backends/xla_fp8.py), which is its oracle:
 
   forward   q8, k8, v8 = fp8(q), fp8(k), fp8(v) (fp8.quantise_input); cuDNN: S = scale *
-            q8 k8^T, P = softmax(S), P8 = fp8(P) with scale_s, O8 = fp8(P8 v8) with scale_o,
-            amax_s = max P, amax_o = max |O|; out = O8 / scale_o in q's dtype
-  backward  dO8 = fp8(dO); cuDNN: dV8 = fp8(P8^T dO8), dS8 = fp8(P * (dO8 v8^T -
-            rowsum(dO8 * O8))), dQ8 = fp8(scale * dS8 k8), dK8 = fp8(scale * dS8^T q8), with
-            their amaxes; the gradients are dQ8 / scale_dq, ... in the inputs' dtypes
+            q8 k8^T, the softmax numerators exp(S - row max) in FP8 with scale_s, O8 =
+            fp8(E8 v8 / rowsum) with scale_o, amax_o = max |O|; out = O8 / scale_o
+  backward  dO8 = fp8(dO); cuDNN: P = softmax(S) from the stats, dV8 = fp8(fp8(P)^T dO8),
+            dS8 = fp8(P * (dO8 v8^T - rowsum(dO8 * O8))), dQ8 = fp8(scale * dS8 k8),
+            dK8 = fp8(scale * dS8^T q8), with their amaxes; the gradients are dQ8 /
+            scale_dq, ... in the inputs' dtypes
+
+s's amax is the recipe's, 1 (the numerators' largest, at each row's max): cuDNN's
+amax_s output is not read. (cuDNN's numerators are relative to a running row max over
+key blocks, the emulation's to the final one: the same values up to FP8 rounding.)
 
 cuDNN takes every scale as an input, so it must know a scale before the pass that uses it.
 Where the recipe takes a scale from this call's own amax (current scaling, or a tensor
 whose history is still empty: the first call), probe passes measure the amaxes first:
-amax_s depends on no scale, amax_o on scale_s only, amax_dp (cuDNN's dS) on none of the
-backward's, and the gradients' amaxes on scale_dp, so two probes per direction. Current
-scaling runs them always (the forward three times, two without stats; the backward three
+amax_o depends on scale_s (known), amax_dp (cuDNN's dS) on none of the backward's scales,
+and the gradients' amaxes on scale_dp: one probe forward, two probe backwards. Current
+scaling runs them always (the forward twice, the probe without stats; the backward three
 times); delayed scaling runs each direction's probes inside one lax.cond that skips them
 once the history holds values, so steady-state training makes one forward and one
 backward call.
@@ -82,12 +87,10 @@ def _forward(static: _Fp8Static, q, k, v, state: fp8.Fp8State, training: bool):
         return fp8_calls.forward(call, q8, k8, v8, 1.0 / scale_q, 1.0 / scale_k, 1.0 / scale_v,
                                  scale_s, scale_o, with_stats)
 
-    def probe():
-        amax_s = run(_ONE, _ONE)[2]
-        return amax_s, run(fp8.call_scale(spec, state, "s", amax_s), _ONE)[3]
-
-    scale_s, scale_o = _scales(spec, state, ("s", "o"), probe)
-    o8, stats, amaxes["s"], amaxes["o"] = run(scale_s, scale_o, training)
+    amaxes["s"] = jnp.ones((), jnp.float32)
+    scale_s = fp8.call_scale(spec, state, "s", amaxes["s"])
+    (scale_o,) = _scales(spec, state, ("o",), lambda: (run(scale_s, _ONE)[3],))
+    o8, stats, _, amaxes["o"] = run(scale_s, scale_o, training)
     new_state = fp8.record(spec, state, amaxes)
     out_dtype = jnp.bfloat16 if fp8.given_in_fp8(q) else q.dtype
     out = (o8.astype(jnp.float32) / scale_o).astype(out_dtype)
