@@ -1,7 +1,9 @@
 """FP8 attention's scaling recipe: formats, the per-tensor state, quantisation.
 
 An FP8 attention call (config.fp8.enabled) holds ten tensors in FP8 (TENSORS): the
-inputs q, k, v; s, the softmax weights P; o, the output; do, the output's gradient;
+inputs q, k, v; s, the softmax numerators exp(S - rowmax) in the forward (normalised
+after the P.V product, as cuDNN's FP8 kernels do; amax 1) and the weights P in the
+backward, with the same scale; o, the output; do, the output's gradient;
 dp, the score gradient dS = P * (dP - delta) that feeds the dQ and dK matmuls; and the
 gradients dq, dk, dv (cuDNN's FP8 backward on Hopper writes them in FP8, as
 TransformerEngine's META_DQKV scales them). Each has a scale: it is stored as
