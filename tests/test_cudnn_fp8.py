@@ -84,6 +84,22 @@ def test_cudnn_checks_the_fp8_graphs_and_gives_its_reason(fake_cuda, monkeypatch
     assert asked[0][-1] == code and asked[0][7] == 0  # the FP8 graphs, not bf16 ones
 
 
+def test_delayed_scaling_checks_the_probe_graphs_too(fake_cuda, monkeypatch):
+    asked = []
+
+    def check(params, scale, dropout, device):
+        asked.append(params)
+        return "no padding" if params[12] == 1 else None   # segments
+
+    monkeypatch.setattr(cudnn_library, "check", check)
+    reason = cudnn.BACKEND.supports(fp8_spec(), shapes(), "cuda")
+    assert reason.endswith("(e4m3 format) (its probe graphs, with a padding mask): no padding")
+    assert [params[12] for params in asked] == [0, 1]
+    asked.clear()
+    assert cudnn.BACKEND.supports(fp8_spec(fp8={"scaling": "current"}), shapes(), "cuda") is None
+    assert [params[12] for params in asked] == [0]
+
+
 def test_explain_names_the_fp8_path(fake_cuda):
     q = jax.ShapeDtypeStruct((2, 128, 4, 128), jnp.bfloat16)
     explanation = explain((q, q, q), config=make_config(fp8={"enabled": True}))
@@ -97,7 +113,7 @@ def _targets(text: str) -> list[str]:
 
 @pytest.mark.parametrize("scaling, forward_calls, backward_calls", [
     ("current", 2, 3),   # the probes (of amax_o; of amax_dp, then dq/dk/dv's) and the calls
-    ("delayed", 2, 3),   # the same, each direction's probes in one conditional
+    ("delayed", 2, 3),   # the same, with padding masks of zero lengths once not needed
 ])
 def test_lowers_to_the_fp8_calls_with_their_probes(fake_cuda, scaling, forward_calls,
                                                    backward_calls):
@@ -115,5 +131,6 @@ def test_lowers_to_the_fp8_calls_with_their_probes(fake_cuda, scaling, forward_c
     assert targets.count(cudnn_library.FP8_FWD_TARGET) == forward_calls, targets
     assert targets.count(cudnn_library.FP8_BWD_TARGET) == backward_calls, targets
     assert cudnn_library.FWD_TARGET not in targets
-    conditionals = len(re.findall(r"stablehlo\.(?:case|if)\b", text))
-    assert conditionals == (0 if scaling == "current" else 2), conditionals
+    assert not re.findall(r"stablehlo\.(?:case|if|while)\b", text)  # no host round trips
+    segments = re.findall(r"custom_call @fusedattn_cudnn_fp8_\w+\(.*segments = (\d+)", text)
+    assert sorted(segments) == sorted(["0"] * 2 + ["1"] * 3 if scaling == "delayed" else ["0"] * 5)

@@ -20,7 +20,8 @@ from fusedattn.ops.backends.cudnn.graph_key import (FP8_E4M3, FP8_HYBRID, _defau
                                                     _Static)
 from fusedattn.ops.backends.cudnn.segments import _segments
 from fusedattn.ops.backends.cudnn.vjp import _cudnn
-from fusedattn.ops.enums import BiasType, Fp8Format, MaskType, SequenceFormat, SoftmaxType
+from fusedattn.ops.enums import (BiasType, Fp8Format, Fp8Scaling, MaskType, SequenceFormat,
+                                  SoftmaxType)
 from fusedattn.ops.spec import AttentionSpec
 
 
@@ -213,13 +214,19 @@ def _fp8_reason(spec: AttentionSpec, shapes: CallShapes | None) -> str | None:
     static = _static(spec, _default_scale(spec, shapes.head_dim_qk), False, False,
                      shapes.seqlen_q, shapes.seqlen_kv)
     fp8_format = FP8_HYBRID if spec.fp8_format == Fp8Format.HYBRID else FP8_E4M3
-    params = _graph_params(static, shapes.batch, shapes.num_heads, shapes.num_kv_heads,
-                           shapes.seqlen_q, shapes.seqlen_kv, shapes.head_dim_qk,
-                           shapes.head_dim_v, jnp.float8_e4m3fn, 0, 0, fp8_format)
-    why = cudnn_library.check(params, static.scale, 0.0, _device_ordinal())
-    if why is not None:
-        return (f"cudnn: cuDNN {cudnn_library.version_string(version)} on compute capability "
-                f"{major}.{minor} cannot run this FP8 call ({spec.fp8_format} format): {why}")
+    # Delayed scaling's probe passes run the graphs with a padding mask (fp8_vjp.py).
+    graphs = [static] + ([static._replace(segments=1)]
+                         if spec.fp8_scaling == Fp8Scaling.DELAYED else [])
+    for graph in graphs:
+        params = _graph_params(graph, shapes.batch, shapes.num_heads, shapes.num_kv_heads,
+                               shapes.seqlen_q, shapes.seqlen_kv, shapes.head_dim_qk,
+                               shapes.head_dim_v, jnp.float8_e4m3fn, 0, 0, fp8_format)
+        why = cudnn_library.check(params, static.scale, 0.0, _device_ordinal())
+        if why is not None:
+            which = " (its probe graphs, with a padding mask)" if graph.segments else ""
+            return (f"cudnn: cuDNN {cudnn_library.version_string(version)} on compute "
+                    f"capability {major}.{minor} cannot run this FP8 call ({spec.fp8_format} "
+                    f"format){which}: {why}")
     return None
 
 

@@ -20,9 +20,10 @@ whose history is still empty: the first call), probe passes measure the amaxes f
 amax_o depends on scale_s (known), amax_dp (cuDNN's dS) on none of the backward's scales,
 and the gradients' amaxes on scale_dp: one probe forward, two probe backwards. Current
 scaling runs them always (the forward twice, the probe without stats; the backward three
-times); delayed scaling runs each direction's probes inside one lax.cond that skips them
-once the history holds values, so steady-state training makes one forward and one
-backward call.
+times). Delayed scaling needs them only while a history is empty (the first call), and
+never branches for it (an XLA conditional costs a host round trip on the GPU, about
+0.1 ms): its probes are cuDNN's graphs with a padding mask whose lengths are the full
+ones while needed and zeros once the history holds values, when they do no work.
 
 cuDNN's dS carries the attention scale (cudnn_fp8.cc): its scale_dp is the recipe's
 divided by the attention scale (the same dS8 values), its amax_dp the recipe's times it.
@@ -62,18 +63,25 @@ def attention(spec: AttentionSpec, call: _Static, q, k, v,
     return _fp8_cudnn(_Fp8Static(call, spec, dtypes), q, k, v, state)
 
 
-def _scales(spec: AttentionSpec, state: fp8.Fp8State, tensors: tuple[str, ...], probe):
+def _scales(spec: AttentionSpec, state: fp8.Fp8State, tensors: tuple[str, ...], probe,
+            full_lengths):
     """The scales of `tensors` in this call: the state's, or from this call's amaxes, which
-    probe() (a tuple of float32 scalars, one per tensor) measures, only where the recipe
-    needs any of them (one lax.cond under delayed scaling)."""
+    probe(lengths) (a tuple of float32 scalars, one per tensor) measures. Under delayed
+    scaling the probe runs with `full_lengths` (int32 seqlen_q, seqlen_kv [b]) while the
+    recipe needs an amax, else with zero lengths: no work, and its amaxes are not read."""
     needed = fp8.needs_amax(spec, state, tensors)
     if needed is True:
-        amaxes = probe()
+        amaxes = probe(None)
     else:
-        amaxes = jax.lax.cond(needed, probe,
-                              lambda: tuple(jnp.zeros((), jnp.float32) for _ in tensors))
+        lengths = tuple(jnp.where(needed, length, 0) for length in full_lengths)
+        amaxes = tuple(jnp.where(needed, amax, 0.0) for amax in probe(lengths))
     return tuple(fp8.call_scale(spec, state, tensor, amax)
                  for tensor, amax in zip(tensors, amaxes))
+
+
+def _full_lengths(q, k):
+    b, sq = q.shape[:2]
+    return jnp.full((b,), sq, jnp.int32), jnp.full((b,), k.shape[1], jnp.int32)
 
 
 def _forward(static: _Fp8Static, q, k, v, state: fp8.Fp8State, training: bool):
@@ -83,13 +91,15 @@ def _forward(static: _Fp8Static, q, k, v, state: fp8.Fp8State, training: bool):
     (q8, _, scale_q), (k8, _, scale_k), (v8, _, scale_v) = quantised.values()
     amaxes = {name: amax for name, (_, amax, _) in quantised.items()}
 
-    def run(scale_s, scale_o, with_stats=False):
+    def run(scale_s, scale_o, with_stats=False, lengths=None):
         return fp8_calls.forward(call, q8, k8, v8, 1.0 / scale_q, 1.0 / scale_k, 1.0 / scale_v,
-                                 scale_s, scale_o, with_stats)
+                                 scale_s, scale_o, with_stats, lengths)
 
     amaxes["s"] = jnp.ones((), jnp.float32)
     scale_s = fp8.call_scale(spec, state, "s", amaxes["s"])
-    (scale_o,) = _scales(spec, state, ("o",), lambda: (run(scale_s, _ONE)[3],))
+    (scale_o,) = _scales(spec, state, ("o",),
+                         lambda lengths: (run(scale_s, _ONE, lengths=lengths)[3],),
+                         _full_lengths(q8, k8))
     o8, stats, _, amaxes["o"] = run(scale_s, scale_o, training)
     new_state = fp8.record(spec, state, amaxes)
     out_dtype = jnp.bfloat16 if fp8.given_in_fp8(q) else q.dtype
@@ -118,19 +128,20 @@ def _fp8_cudnn_bwd(static: _Fp8Static, residuals, cotangents):
     descales = tuple(1.0 / scales[name] for name in ("q", "k", "v", "o")) + (1.0 / scale_do,)
     fp8_format = FP8_HYBRID if spec.fp8_format == Fp8Format.HYBRID else FP8_E4M3
 
-    def run(scale_dp, grad_scales):
+    def run(scale_dp, grad_scales, lengths=None):
         """(dq8, dk8, dv8), their amaxes, the recipe's amax_dp; scale_dp the recipe's."""
         *grads, amax_dq, amax_dk, amax_dv, amax_dp = fp8_calls.backward(
             call, fp8_format, q8, k8, v8, o8, do8, stats, descales, scales["s"],
-            scale_dp / call.scale, grad_scales)
+            scale_dp / call.scale, grad_scales, lengths)
         return grads, (amax_dq, amax_dk, amax_dv), amax_dp / call.scale
 
-    def probe():
+    def probe(lengths):
         ones = (_ONE,) * 3
-        amax_dp = run(_ONE, ones)[2]
-        return (amax_dp, *run(fp8.call_scale(spec, state, "dp", amax_dp), ones)[1])
+        amax_dp = run(_ONE, ones, lengths)[2]
+        return (amax_dp, *run(fp8.call_scale(spec, state, "dp", amax_dp), ones, lengths)[1])
 
-    scale_dp, *grad_scales = _scales(spec, state, ("dp", "dq", "dk", "dv"), probe)
+    scale_dp, *grad_scales = _scales(spec, state, ("dp", "dq", "dk", "dv"), probe,
+                                     _full_lengths(q8, k8))
     grads, grad_amaxes, amaxes["dp"] = run(scale_dp, tuple(grad_scales))
     amaxes.update(zip(("dq", "dk", "dv"), grad_amaxes))
     grads = tuple(fp8.input_cotangent(g8.astype(jnp.float32) / scale, dtype, scales[name])
