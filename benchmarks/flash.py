@@ -1,6 +1,9 @@
 """The flash backend's CUDA kernels against cuDNN (ours and JAX's) and FlashAttention-3.
 
-Impls: "flash" (fusedattn.ops.fused_attn with backend "flash"), "cudnn" (ours, backend
+Impls: "flash" (fusedattn.ops.fused_attn with backend "flash"), "flash_sm80" (the same with
+the sm_80 mma.sync kernels named, FUSEDATTN_FLASH_KERNEL=sm80 while it traces: on an H200
+the portable kernels' NVIDIA text instead of the sm_90a forward), "xla" (ours, backend
+"xla": the pure-JAX reference), "cudnn" (ours, backend
 "cudnn"), "jax_cudnn" (jax.nn.dot_product_attention(implementation="cudnn")), "fa3"
 (flash_attn3_jax.flash_mha, head dim 128 only, where the wheel is installed),
 "flash_dropout" and "cudnn_dropout" (ours with dropout 0.1, training; at the first shape
@@ -18,6 +21,9 @@ a large bf16 matmul measured on the H200.
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +52,29 @@ def ours(backend: str, causal: bool, dropout: float = 0.0):
     return attend
 
 
+@contextlib.contextmanager
+def _sm80_named():
+    """FUSEDATTN_FLASH_KERNEL=sm80 for the duration (the flash backend reads it when it traces)."""
+    before = os.environ.get("FUSEDATTN_FLASH_KERNEL")
+    os.environ["FUSEDATTN_FLASH_KERNEL"] = "sm80"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["FUSEDATTN_FLASH_KERNEL"]
+        else:
+            os.environ["FUSEDATTN_FLASH_KERNEL"] = before
+
+
+def ours_sm80(causal: bool):
+    inner = ours("flash", causal)
+
+    def attend(q, k, v):
+        with _sm80_named():
+            return inner(q, k, v)
+    return attend
+
+
 def jax_cudnn(causal: bool):
     def attend(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
@@ -61,8 +90,8 @@ def fa3(causal: bool):
 
 
 def impls(causal: bool, d: int, dropout: bool) -> dict:
-    table = {"flash": ours("flash", causal), "cudnn": ours("cudnn", causal),
-             "jax_cudnn": jax_cudnn(causal)}
+    table = {"flash": ours("flash", causal), "flash_sm80": ours_sm80(causal), "xla": ours("xla", causal),
+             "cudnn": ours("cudnn", causal), "jax_cudnn": jax_cudnn(causal)}
     if dropout:
         table.update(flash_dropout=ours("flash", causal, 0.1), cudnn_dropout=ours("cudnn", causal, 0.1))
     if d == 128:
@@ -70,7 +99,7 @@ def impls(causal: bool, d: int, dropout: bool) -> dict:
     return table
 
 
-IMPL_NAMES = ("flash", "cudnn", "jax_cudnn", "fa3", "flash_dropout", "cudnn_dropout")
+IMPL_NAMES = ("flash", "flash_sm80", "xla", "cudnn", "jax_cudnn", "fa3", "flash_dropout", "cudnn_dropout")
 
 
 def add_arguments(parser):
@@ -150,10 +179,11 @@ def summarize(rows):
 
 def print_table(summary):
     fmt = lambda x, f="{:.2f}": "n/a" if x is None else f.format(x)
-    print(f"\n{'case':<30}{'pass':<8}{'flash':>7}{'cudnn':>7}{'jaxcd':>7}{'fa3':>7}"
+    print(f"\n{'case':<30}{'pass':<8}{'flash':>7}{'sm80':>7}{'xla':>7}{'cudnn':>7}{'jaxcd':>7}{'fa3':>7}"
           f"{'vs cudnn':>9}{'vs fa3':>8}{'drop vs cudnn':>14}{'drop/plain':>11}")
     for s in summary:
         print(f"{s['name']:<30}{s['pass']:<8}{fmt(s['flash_tflops'], '{:.0f}'):>7}"
+              f"{fmt(s['flash_sm80_tflops'], '{:.0f}'):>7}{fmt(s['xla_tflops'], '{:.0f}'):>7}"
               f"{fmt(s['cudnn_tflops'], '{:.0f}'):>7}{fmt(s['jax_cudnn_tflops'], '{:.0f}'):>7}"
               f"{fmt(s['fa3_tflops'], '{:.0f}'):>7}{fmt(s['speed_vs_cudnn'], '{:.3f}'):>9}"
               f"{fmt(s['speed_vs_fa3'], '{:.3f}'):>8}"

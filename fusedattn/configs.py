@@ -23,6 +23,7 @@ def attention_config() -> ml_collections.ConfigDict:
     config.scale = config_dict.placeholder(float)
     config.window_size = (-1, -1)
     config.deterministic_backward = False
+    config.guard_masked_values = False
 
     config.sequence = ml_collections.ConfigDict()
     config.sequence.format = "none"

@@ -58,6 +58,10 @@ DESCRIPTIONS: dict[str, tuple[str | None, str]] = {
     "window_size": ("(left, right) inclusive, -1 unbounded",
                     "sliding window, measured from the mask's diagonal"),
     "deterministic_backward": ("bool", "True: bitwise-reproducible gradients"),
+    "guard_masked_values": (
+        "bool", "True: NaN/Inf at masked keys never reach other rows, also on kernels that would "
+                "leak them (a NaN check plus a conditional; see "
+                "[backends.md](backends.md#masked-keys-that-hold-nan-or-inf))"),
     "sequence.format": (None, "which sequence descriptor the layers build or expect"),
     "sequence.max_segments_per_seq": (
         "int >= 1", "static; lengths + offsets descriptors may be wider, and q and kv of different "

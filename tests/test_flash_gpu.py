@@ -7,10 +7,17 @@ vectors, the softmax sink, Philox dropout from the jnp definition, so dropout ma
 match bit for bit to pass), with outputs poisoned before every call. Shapes are chosen
 off the kernels' tile sizes (64 queries, 32/64 keys) so that partial tiles, skipped
 tiles and the span summaries' edges are all exercised.
+
+Every test runs twice: with the kernels the device picks ("device": on an H100/H200 the
+sm_90a forward where built) and with the sm_80 (mma.sync) kernels named through
+FUSEDATTN_FLASH_KERNEL=sm80 ("sm80"), so that the whole matrix covers the portable
+kernels' NVIDIA text on a Hopper GPU too (on older GPUs "sm80" is what "device" runs, and
+skips).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -30,6 +37,18 @@ pytestmark = pytest.mark.gpu
 
 DTYPES = (jnp.bfloat16, jnp.float16)
 HEAD_DIMS = (64, 128, 256)
+
+
+@pytest.fixture(autouse=True, params=["device", "sm80"])
+def flash_kernel(request, monkeypatch):
+    """The kernels a test runs: those the device picks, or the sm_80 ones named."""
+    if request.param == "device":
+        monkeypatch.delenv(flash.KERNEL_VARIABLE, raising=False)
+    elif flash.compute_capability() != (9, 0) or not flash._library.flash_sm90_head_dims("cuda"):
+        pytest.skip("this device and build run the sm_80 kernels already")
+    else:
+        monkeypatch.setenv(flash.KERNEL_VARIABLE, "sm80")
+    return request.param
 
 
 def _built(d: int) -> bool:
@@ -107,15 +126,22 @@ def test_dropout_masks_match_the_shared_philox(rng, d, kind, window):
     check(rng, make_spec(kind, "learnable", window, dropout_rate=0.3), args)
 
 
-def test_backward_is_bitwise_deterministic(rng):
+def test_backward_is_bitwise_deterministic_on_request(rng):
+    """config.deterministic_backward: the sm_80 backward (no atomics) on every device, the
+    same bits twice. Without it an sm_90 device runs the sm_90a backward, whose dQ sums with
+    atomics: equal within rounding, not bitwise."""
     args = make_args(rng, b=2, sq=300, skv=300, h=8, h_kv=2, d=128, dtype=jnp.bfloat16,
                      kind="packed", seed=np.array([7, 11], np.uint32))
     spec = make_spec("packed", dropout_rate=0.1)
+    repeatable = dataclasses.replace(spec, deterministic_backward=True)
     do = jnp.asarray(rng.standard_normal(args.q.shape), jnp.bfloat16)
-    first = run_flash(spec, args, 0.1, do)
-    second = run_flash(spec, args, 0.1, do)
+    first = run_flash(repeatable, args, 0.1, do)
+    second = run_flash(repeatable, args, 0.1, do)
     for name in ("o", "dq", "dk", "dv"):
         assert np.array_equal(np.asarray(first[name]), np.asarray(second[name])), name
+    default = run_flash(spec, args, 0.1, do)
+    for name in ("o", "dq", "dk", "dv"):
+        assert_close(default[name], first[name], tolerance(jnp.bfloat16), name)
 
 
 def test_long_causal_skips_tiles_exactly(rng):
@@ -194,10 +220,14 @@ def test_supports_on_cuda():
     assert "v's head dim" in reason
 
 
-def test_explain_names_flash_on_the_gpu(rng):
+def test_explain_names_flash_on_the_gpu(rng, flash_kernel):
     q = jnp.asarray(rng.standard_normal((2, 128, 4, 128)), jnp.bfloat16)
     config = make_config(backend="flash", mask="causal")
-    assert explain((q, q, q), config=config).backend == "flash"
+    explanation = explain((q, q, q), config=config)
+    assert explanation.backend == "flash"
+    if flash_kernel == "sm80":
+        assert explanation.kernels["flash"] == (
+            "flash: sm80 mma.sync forward and backward (named by FUSEDATTN_FLASH_KERNEL=sm80)")
     config = make_config(backend="flash", mask="causal")
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         fused_attn((q.astype(jnp.float32),) * 3, config=config)

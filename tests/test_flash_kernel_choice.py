@@ -1,8 +1,11 @@
-"""Which CUDA kernels the flash backend names for a call (no GPU needed): the rule of
-ops_cuda/cuda/flash/flash.cu (forward_kernel_of) as fusedattn/ops/backends/flash.py states
-it, and explain's line for it."""
+"""Which CUDA kernels the flash backend names for a call (no GPU needed): the rules of
+ops_cuda/cuda/flash/flash.cu (forward_kernel_of, backward_kernel_of) as
+fusedattn/ops/backends/flash.py states them, explain's line for them, and the workspace the
+sm_90a backward's dQ accumulator adds."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 import pytest
@@ -11,6 +14,7 @@ from conftest import make_config
 from fusedattn.ops import explain
 from fusedattn.ops.backends import flash
 from fusedattn.ops.backends.base import CallShapes
+from fusedattn.ops.spec import AttentionSpec
 
 
 def _shapes(head_dim: int) -> CallShapes:
@@ -19,13 +23,22 @@ def _shapes(head_dim: int) -> CallShapes:
                       bias_shape=None, dropout=False)
 
 
+def _spec(deterministic_backward: bool = False) -> AttentionSpec:
+    return AttentionSpec.from_config(dict(deterministic_backward=deterministic_backward))
+
+
 @pytest.fixture
 def device(monkeypatch):
-    """Sets the compute capability and the sm_90a head dims that flash.py reads."""
-    def set_device(capability, sm90_head_dims):
+    """Sets the compute capability and the sm_90a head dims (forward; backward: those of them
+    below 256, as flash.cu builds it, unless given) that flash.py reads."""
+    def set_device(capability, sm90_head_dims, backward_head_dims=None):
+        backward = ({d for d in sm90_head_dims if d < 256} if backward_head_dims is None
+                    else backward_head_dims)
         monkeypatch.setattr(flash, "compute_capability", lambda: capability)
         monkeypatch.setattr(flash._library, "flash_sm90_head_dims",
                             lambda platform="cuda": frozenset(sm90_head_dims))
+        monkeypatch.setattr(flash._library, "flash_sm90_backward_head_dims",
+                            lambda platform="cuda": frozenset(backward))
     return set_device
 
 
@@ -42,12 +55,65 @@ def test_the_forward_kernel_rule(device, capability, head_dims, d, skv, expected
     assert flash._cuda_forward_kernel(d, skv) == expected
 
 
+@pytest.mark.parametrize("capability,head_dims,d,sq,skv,deterministic,expected", [
+    ((9, 0), {64, 128}, 128, 300, 1, False, "sm90"),
+    ((9, 0), {64, 128}, 64, 1, 300, False, "sm90"),
+    ((9, 0), {64, 128}, 128, 300, 300, True, "sm80"),  # atomics are not bitwise repeatable
+    ((9, 0), {128}, 64, 300, 300, False, "sm80"),      # no sm_90a backward for the head dim
+    ((9, 0), {64, 128}, 256, 300, 300, False, "sm80"),  # d256: the sm_80 kernels
+    ((9, 0), set(), 128, 300, 300, False, "sm80"),     # a library built without sm_90
+    ((9, 0), {128}, 128, 0, 300, False, "sm80"),       # no queries or no keys: TMA describes
+    ((9, 0), {128}, 128, 300, 0, False, "sm80"),       # no empty tensor
+    ((8, 0), {64, 128}, 128, 300, 300, False, "sm80"),
+    ((10, 0), {64, 128}, 128, 300, 300, False, "sm80"),
+])
+def test_the_backward_kernel_rule(device, capability, head_dims, d, sq, skv, deterministic,
+                                  expected):
+    device(capability, head_dims | {256}, head_dims)
+    assert flash._cuda_backward_kernel(d, sq, skv, deterministic) == expected
+
+
 def test_kernel_text_names_both_passes(device):
+    device((9, 0), {128, 256})
+    spec, deterministic = _spec(), _spec(deterministic_backward=True)
+    assert flash.BACKEND.kernel(spec, _shapes(128), "cuda") == \
+        "flash: sm90 wgmma forward, sm90 wgmma backward"
+    assert flash.BACKEND.kernel(deterministic, _shapes(128), "cuda") == \
+        "flash: sm90 wgmma forward, sm80 backward (deterministic_backward)"
+    assert flash.BACKEND.kernel(spec, _shapes(256), "cuda") == \
+        "flash: sm90 wgmma forward, sm80 backward"
+    assert flash.BACKEND.kernel(spec, _shapes(64), "cuda") == \
+        "flash: sm80 mma.sync forward and backward"
+    assert flash.BACKEND.kernel(deterministic, _shapes(64), "cuda") == \
+        "flash: sm80 mma.sync forward and backward (deterministic_backward)"
+    assert flash.BACKEND.kernel(spec, _shapes(128), "cpu") is None
+    assert flash.BACKEND.kernel(spec, None, "cuda") is None
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_workspace_holds_the_dq_accumulator_where_the_sm90_backward_runs(
+        device, monkeypatch, deterministic):
+    """flash.cu checks the workspace against the same rule: spans, delta, then (sm_90a
+    backward only) float32 [b, sq, h, d], each part 256-byte aligned."""
     device((9, 0), {128})
-    assert flash.BACKEND.kernel(_shapes(128), "cuda") == "flash: sm90 wgmma forward, sm80 backward"
-    assert flash.BACKEND.kernel(_shapes(64), "cuda") == "flash: sm80 mma.sync forward and backward"
-    assert flash.BACKEND.kernel(_shapes(128), "cpu") is None
-    assert flash.BACKEND.kernel(None, "cuda") is None
+    monkeypatch.setattr(flash, "current_platform", lambda: "cuda")
+    b, sq, skv, h, d = 2, 300, 170, 4, 128
+    q, k = jnp.zeros((b, sq, h, d), jnp.bfloat16), jnp.zeros((b, skv, 2, d), jnp.bfloat16)
+    tokens = jnp.zeros((b, sq), jnp.int32)
+    spans = 2 * ((-(-sq // 32) + -(-skv // 32)) * 32)  # two token rows of 32-byte summaries
+    delta = -(-(b * h * sq * 4) // 256) * 256
+    (forward,) = flash._cuda_workspace(q, k, tokens, backward=False)
+    (backward,) = flash._cuda_workspace(q, k, tokens, backward=True, deterministic=deterministic)
+    assert forward.shape == (-(-spans // 256) * 256,)
+    accumulator = 0 if deterministic else b * sq * h * d * 4
+    assert backward.shape == (forward.shape[0] + delta + accumulator,)
+
+
+def test_the_backward_call_carries_the_deterministic_attribute():
+    static = flash._static(_spec(deterministic_backward=True), 0.125, _spec().softmax, False)
+    assert static.attributes(backward=True)["deterministic"] is True
+    assert "deterministic" not in static.attributes(backward=False)
+    assert flash._static(_spec(), 0.125, _spec().softmax, False).deterministic is False
 
 
 def test_explain_prints_the_kernels_of_the_serving_backend(device, monkeypatch, rng):
@@ -57,7 +123,87 @@ def test_explain_prints_the_kernels_of_the_serving_backend(device, monkeypatch, 
     assert [line.split() for line in str(on_cpu).splitlines() if "flash" in line][1] == \
         ["->", "flash", "ok"]
     device((9, 0), {64})
-    monkeypatch.setattr(flash, "_cuda_reason", lambda shapes: None)  # as if on a CUDA GPU
+    monkeypatch.setattr(flash, "_gpu_reason", lambda shapes, platform: None)  # as if on a GPU
     on_gpu = explain((q, q, q), config=make_config(backend="flash"), platform="cuda")
-    assert on_gpu.kernels == {"flash": "flash: sm90 wgmma forward, sm80 backward"}
-    assert "ok (flash: sm90 wgmma forward, sm80 backward)" in str(on_gpu)
+    assert on_gpu.kernels == {"flash": "flash: sm90 wgmma forward, sm90 wgmma backward"}
+    assert "ok (flash: sm90 wgmma forward, sm90 wgmma backward)" in str(on_gpu)
+    repeatable = explain((q, q, q), config=make_config(backend="flash", deterministic_backward=True),
+                         platform="cuda")
+    assert repeatable.kernels == {
+        "flash": "flash: sm90 wgmma forward, sm80 backward (deterministic_backward)"}
+
+
+@pytest.mark.parametrize("capability,head_dims", [((9, 0), {64, 128, 256}), ((8, 0), set())])
+def test_the_environment_variable_names_the_sm80_kernels(device, monkeypatch, capability,
+                                                         head_dims):
+    device(capability, head_dims)
+    monkeypatch.setenv(flash.KERNEL_VARIABLE, "sm80")
+    assert flash._cuda_forward_kernel(128, 300) == "sm80"
+    assert flash._cuda_backward_kernel(128, 300, 300, False) == "sm80"
+    assert flash.BACKEND.kernel(_spec(), _shapes(128), "cuda") == \
+        "flash: sm80 mma.sync forward and backward (named by FUSEDATTN_FLASH_KERNEL=sm80)"
+    monkeypatch.setenv(flash.KERNEL_VARIABLE, "")
+    assert flash._cuda_forward_kernel(128, 300) == ("sm90" if head_dims else "sm80")
+    assert flash._cuda_backward_kernel(128, 300, 300, False) == ("sm90" if head_dims else "sm80")
+
+
+def test_an_unknown_kernel_name_is_refused(device, monkeypatch):
+    device((9, 0), {128})
+    monkeypatch.setenv(flash.KERNEL_VARIABLE, "sm90a")
+    with pytest.raises(ValueError,
+                       match="FUSEDATTN_FLASH_KERNEL must be unset, empty or 'sm80', got 'sm90a'"):
+        flash._cuda_forward_kernel(128, 300)
+
+
+@pytest.fixture
+def rocm(monkeypatch):
+    """A loaded ROCm library with the given flash head dims on a device of the given gfx target."""
+    def set_rocm(arch, head_dims, reason=None):
+        monkeypatch.setattr(flash._library, "available", lambda platform: reason)
+        monkeypatch.setattr(flash._library, "flash_head_dims",
+                            lambda platform="cuda": frozenset(head_dims))
+        monkeypatch.setattr(flash, "_rocm_arch", lambda: arch)
+    return set_rocm
+
+
+def test_rocm_serves_the_built_head_dims_on_cdna(rocm):
+    rocm("gfx90a", {64, 128})
+    spec = AttentionSpec.from_config(make_config(backend="flash"))
+    assert flash.BACKEND.supports(spec, _shapes(128), "rocm") is None
+    assert flash.BACKEND.kernel(_spec(), _shapes(128), "rocm") == (
+        "flash: MFMA forward and backward (the sm80 kernels' text, gfx90a/gfx94x; "
+        "compile-checked only, never run on AMD hardware)")
+
+
+@pytest.mark.parametrize("arch,d,dtype,reason,expected", [
+    ("gfx1100", 128, jnp.bfloat16, None,
+     "written for CDNA GPUs (gfx90a, gfx940, gfx941, gfx942: MFMA, wave64), this GPU is gfx1100"),
+    ("gfx90a", 256, jnp.bfloat16, None,
+     "no ROCm kernel for head dim 256 in this build (built: [64, 128]; the kernels exist for 64, 128,"),
+    ("gfx942", 64, jnp.float32, None,
+     "the ROCm kernels take bfloat16 or float16 inputs, got float32"),
+    ("gfx90a", 64, jnp.bfloat16, "the ROCm op library was not built",
+     "flash: the ROCm op library was not built"),
+])
+def test_rocm_reasons(rocm, arch, d, dtype, reason, expected):
+    rocm(arch, {64, 128}, reason)
+    shapes = dataclasses.replace(_shapes(d), dtype=jnp.dtype(dtype))
+    spec = AttentionSpec.from_config(make_config(backend="flash"))
+    assert expected in flash.BACKEND.supports(spec, shapes, "rocm")
+
+
+@pytest.mark.parametrize("value,named", [(None, False), ("", False), ("sm80", True)])
+def test_the_named_kernel_travels_as_the_gpu_calls_attribute(monkeypatch, value, named):
+    """Read when the call is traced, carried to flash.cu as "kernel"; the host handler has none."""
+    if value is None:
+        monkeypatch.delenv(flash.KERNEL_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(flash.KERNEL_VARIABLE, value)
+    static = flash._static(AttentionSpec.from_config(make_config(backend="flash")), 0.1,
+                           flash.SoftmaxType.VANILLA, False)
+    assert static.sm80_named is named
+    monkeypatch.setattr(flash, "current_platform", lambda: "cuda")
+    assert static.attributes(backward=False)["kernel"] == int(named)
+    assert static.attributes(backward=True)["kernel"] == int(named)
+    monkeypatch.setattr(flash, "current_platform", lambda: "cpu")
+    assert "kernel" not in static.attributes(backward=True)

@@ -36,3 +36,18 @@ def test_unbuilt_library_names_the_missing_compiler(monkeypatch):
     assert "no hipcc was found" in _library._load("ROCM")
     assert "no nvcc was found" in _library._load("CUDA")
     assert "host library was not built" in _library._load("cpu")
+
+
+def test_rocm_library_holds_the_flash_kernels(monkeypatch):
+    """The ROCm library's flash handlers (fusedattn_flash_fwd/bwd under ROCM) and their head dims:
+    those of FUSEDATTN_FLASH_HEAD_DIMS it can build (64, 128; never 256)."""
+    assert _library.ROCM_TARGETS["fusedattn_flash_fwd"] == "FusedattnFlashFwdRocm"
+    assert _library.ROCM_TARGETS["fusedattn_flash_bwd"] == "FusedattnFlashBwdRocm"
+    if _library.library_path("fusedattn_rocm") is None:
+        assert "ROCM" not in REQUIRED, "libfusedattn_rocm was not built (FUSEDATTN_REQUIRE_LIBRARIES)"
+        pytest.skip("libfusedattn_rocm was not built on this machine")
+    monkeypatch.setattr(_library, "_has_jax_backend", lambda platform: True)
+    assert _library._load("ROCM") is None
+    monkeypatch.setattr(_library, "available", lambda platform: None)
+    head_dims = _library.flash_head_dims("rocm")
+    assert head_dims and head_dims <= {64, 128}, head_dims

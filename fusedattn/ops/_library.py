@@ -8,8 +8,8 @@ of FFI handler symbols, without any Python ABI:
     fusedattn/_lib/libfusedattn_rocm.so   likewise, with hipcc; platform "ROCM"
 
 The CUDA and ROCm libraries are built from the same sources (ops_cuda/cuda),
-so they export the same handlers, except the flash kernels (ops_cuda/cuda/flash)
-and the paged decode kernel (ops_cuda/cuda/paged_decode.cu), which the CUDA library
+so they export the same handlers (the flash kernels under names of their platform),
+except the paged decode kernel (ops_cuda/cuda/paged_decode.cu), which the CUDA library
 alone has.
 
 `load(platform)` opens the platform's library once with ctypes and registers
@@ -49,13 +49,18 @@ GPU_TARGETS = {
     "fusedattn_small_seq_bwd": "FusedattnSmallSeqBwdGpu",
 }
 
-# The flash and paged decode kernels are CUDA only (mma.sync, cp.async): the ROCm library
-# lacks them.
+# The paged decode kernel is CUDA only (cp.async): the ROCm library lacks it. The flash
+# kernels are one source over a tensor-core layer per vendor (ops_cuda/cuda/flash/tensor_core.cuh).
 CUDA_TARGETS = {
     **GPU_TARGETS,
     "fusedattn_flash_fwd": "FusedattnFlashFwdCuda",
     "fusedattn_flash_bwd": "FusedattnFlashBwdCuda",
     "fusedattn_paged_decode_fwd": "FusedattnPagedDecodeFwdCuda",
+}
+ROCM_TARGETS = {
+    **GPU_TARGETS,
+    "fusedattn_flash_fwd": "FusedattnFlashFwdRocm",
+    "fusedattn_flash_bwd": "FusedattnFlashBwdRocm",
 }
 
 # JAX platform name for register_ffi_target -> (library stem, targets, the compiler that
@@ -63,7 +68,7 @@ CUDA_TARGETS = {
 _LIBRARIES = {
     "cpu": ("fusedattn_host", HOST_TARGETS, None),
     "CUDA": ("fusedattn_cuda", CUDA_TARGETS, ("nvcc", "the CUDA toolkit")),
-    "ROCM": ("fusedattn_rocm", GPU_TARGETS, ("hipcc", "ROCm (HIP)")),
+    "ROCM": ("fusedattn_rocm", ROCM_TARGETS, ("hipcc", "ROCm (HIP)")),
 }
 
 _lock = threading.Lock()
@@ -182,12 +187,20 @@ def _head_dims(platform: str, symbol: str) -> frozenset[int]:
 
 
 def flash_head_dims(platform: str = "cuda") -> frozenset[int]:
-    """The head dims the loaded CUDA library's flash kernels were built for (empty when the
-    library is not loaded)."""
-    return _head_dims(platform, "FusedattnFlashCudaHeadDims")
+    """The head dims the loaded CUDA or ROCm library's flash kernels were built for (empty
+    when the library is not loaded)."""
+    symbol = ("FusedattnFlashRocmHeadDims" if _ffi_platform(platform) == "ROCM"
+              else "FusedattnFlashCudaHeadDims")
+    return _head_dims(platform, symbol)
 
 
 def flash_sm90_head_dims(platform: str = "cuda") -> frozenset[int]:
     """The head dims of the loaded CUDA library's sm_90a (wgmma) flash forward kernel (empty
     when the library is not loaded or was built without sm_90)."""
     return _head_dims(platform, "FusedattnFlashCudaSm90HeadDims")
+
+
+def flash_sm90_backward_head_dims(platform: str = "cuda") -> frozenset[int]:
+    """The head dims of the loaded CUDA library's sm_90a (wgmma) flash backward kernel (empty
+    when the library is not loaded or was built without sm_90)."""
+    return _head_dims(platform, "FusedattnFlashCudaSm90BackwardHeadDims")

@@ -7,8 +7,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fusedattn.ops import (context_parallel, fp8, layouts, max_logit, paged, philox, registry,
-                           validation)
+from fusedattn.ops import (context_parallel, fp8, layouts, masked_values, max_logit, paged,
+                           philox, registry, validation)
 from fusedattn.ops.backends.base import CallShapes, CanonicalArgs
 from fusedattn.ops.enums import BiasType, SoftmaxType
 from fusedattn.ops.sequence import SequenceDescriptor, dense_token_info
@@ -87,10 +87,12 @@ def fused_attn(qkv, *, config, bias=None, softmax_offset=None, sequence=None,
             spec, args, scale, fp8.check_call(spec, fp8_state, q.dtype))
         extras = (new_state,)
     elif spec.context_axis is not None:
-        out = context_parallel.attention(spec, backend.name, args, scale)
+        out = _exact_at_masked_values(
+            spec, backend, lambda a: context_parallel.attention(spec, backend.name, a, scale), args)
         largest = context_parallel.max_logit(spec, args, scale) if return_max_logit else None
     else:
-        out = backend.attention(spec, args, scale)
+        out = _exact_at_masked_values(spec, backend,
+                                      lambda a: backend.attention(spec, a, scale), args)
         largest = max_logit.max_logit(spec, args, scale) if return_max_logit else None
     if spec.uses_segments:
         broken = validation.broken_rows(sequence, spec, shapes.seqlen_q, shapes.seqlen_kv)
@@ -98,6 +100,16 @@ def fused_attn(qkv, *, config, bias=None, softmax_offset=None, sequence=None,
     out = layouts.from_bshd(out, spec.qkv_layout)
     extras += (largest,) if return_max_logit else ()
     return (out, *extras) if extras else out
+
+
+def _exact_at_masked_values(spec: AttentionSpec, backend, attention, args: CanonicalArgs
+                            ) -> jax.Array:
+    """attention(args); with config.guard_masked_values, guarded (masked_values) where the
+    backend's kernels would let a masked NaN/Inf key or value leak into other rows."""
+    if not spec.guard_masked_values or backend.masked_values_exact(spec,
+                                                                   registry.current_platform()):
+        return attention(args)
+    return masked_values.guarded(attention, args)
 
 
 def _check_extras(spec: AttentionSpec, fp8_state, return_max_logit) -> None:

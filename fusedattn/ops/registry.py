@@ -74,7 +74,8 @@ def explain_spec(spec: AttentionSpec, shapes: CallShapes, platform: str) -> Expl
     for name, reason in verdicts.items():
         # FP8 calls: the backend's `fp8_kernel`, where it has one.
         describe = getattr(BACKENDS[name], "fp8_kernel" if spec.fp8_enabled else "kernel", None)
-        text = describe(shapes, platform) if reason is None and describe is not None else None
+        text = (describe(spec, shapes, platform) if reason is None and describe is not None
+                else None)
         if text is not None:
             kernels[name] = text
     return Explanation(backend=chosen, verdicts=verdicts, requested=str(spec.backend),

@@ -21,7 +21,7 @@ from fusedattn.ops.enums import (
 
 _TOP_KEYS = (
     "backend", "qkv_layout", "mask", "bias", "softmax", "dropout_rate", "scale",
-    "window_size", "deterministic_backward", "sequence", "small_seq", "context_parallel", "fp8",
+    "window_size", "deterministic_backward", "guard_masked_values", "sequence", "small_seq", "context_parallel", "fp8",
 )
 _SEQUENCE_KEYS = ("format", "max_segments_per_seq", "max_seqlen_q", "max_seqlen_kv",
                   "check_bounds")
@@ -46,6 +46,7 @@ class AttentionSpec:
     scale: float | None = None
     window_size: tuple[int, int] = (-1, -1)
     deterministic_backward: bool = False
+    guard_masked_values: bool = False
     sequence_format: SequenceFormat = SequenceFormat.NONE
     max_segments_per_seq: int = 1
     max_seqlen_q: int | None = None
@@ -98,6 +99,8 @@ class AttentionSpec:
             window_size=_window(top.get("window_size", (-1, -1))),
             deterministic_backward=_bool(top.get("deterministic_backward", False),
                                          "deterministic_backward"),
+            guard_masked_values=_bool(top.get("guard_masked_values", False),
+                                      "guard_masked_values"),
             sequence_format=SequenceFormat.parse(sequence.get("format", "none"), "sequence.format"),
             max_segments_per_seq=_positive_int(sequence.get("max_segments_per_seq", 1),
                                                "sequence.max_segments_per_seq"),

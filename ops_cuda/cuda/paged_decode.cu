@@ -35,7 +35,7 @@
 #include "fusedattn/paged.h"
 #include "fusedattn/paged_decode_ffi.h"
 #include "fusedattn/softmax.h"
-#include "flash/mma.cuh"  // cp.async, ldmatrix, mma.sync and the swizzled tiles
+#include "flash/tensor_core.cuh"  // mma.cuh: cp.async, ldmatrix, mma.sync and the swizzled tiles
 #include "xla/ffi/api/ffi.h"
 
 namespace fusedattn {
@@ -43,9 +43,9 @@ namespace paged_decode {
 namespace {
 
 namespace ffi = xla::ffi;
-using flash::cp_async_16;
-using flash::cp_async_commit;
-using flash::cp_async_wait;
+using flash::copy_chunk;
+using flash::tile_copies_commit;
+using flash::tile_copies_wait;
 using flash::smem_address;
 using flash::SwizzledTile;
 
@@ -210,8 +210,8 @@ struct Pass {
         at = ((static_cast<int64_t>(table[page]) * p.page_size + slot) * p.kv_heads + g) * D + c * 8;
       }
       const uint32_t offset = static_cast<uint32_t>((c ^ (j % 8)) * 16);
-      cp_async_16(k_tile.row(j) + offset, a.k + at, valid);
-      cp_async_16(v_tile.row(j) + offset, a.v + at, valid);
+      copy_chunk(k_tile.row(j) + offset, a.k + at, valid);
+      copy_chunk(v_tile.row(j) + offset, a.v + at, valid);
     }
   }
 
@@ -285,17 +285,17 @@ struct Pass {
 #pragma unroll
     for (int s = 0; s < T::kStages - 1; ++s) {
       if (s < n_tiles) load_tile(begin + s * kKeys, end, s);
-      cp_async_commit();
+      tile_copies_commit();
     }
     for (int t = 0; t < n_tiles; ++t) {
-      cp_async_wait<T::kStages - 2>();
+      tile_copies_wait<T::kStages - 2>();
       __syncthreads();  // tile t has landed; every warp is done with the stage refilled next
       const int ahead = t + T::kStages - 1;
       if (ahead < n_tiles) load_tile(begin + ahead * kKeys, end, ahead % T::kStages);
-      cp_async_commit();
+      tile_copies_commit();
       compute(t % T::kStages, begin + t * kKeys, end, m, l, o);
     }
-    cp_async_wait<0>();
+    tile_copies_wait<0>();
     __syncthreads();  // the stages are free: the merge area overlays them
     merge(m, l, o, out_m, out_l);
   }

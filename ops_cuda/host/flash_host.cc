@@ -313,7 +313,7 @@ ffi::Error FlashBwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
                         ffi::AnyBuffer dout, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> d_offset, float scale,
                         bool causal, int64_t window_left, int64_t window_right, int32_t softmax_type,
-                        double dropout_rate) {
+                        double dropout_rate, bool /*deterministic: the host backward always is*/) {
   constexpr const char* kOp = "fusedattn_flash_bwd (cpu)";
   AttentionParams p;
   std::vector<int64_t> lead;

@@ -93,6 +93,11 @@ class Backend(Protocol):
 
     name: str
 
+    def masked_values_exact(self, spec: AttentionSpec, platform: str) -> bool:
+        """Whether masked keys holding NaN/Inf contribute nothing to the call's output and
+        gradients (selected out, not multiplied by a zero probability); where not,
+        fused_attn guards the call (fusedattn.ops.masked_values)."""
+
     def supports(self, spec: AttentionSpec, shapes: CallShapes, platform: str) -> str | None:
         """None when this backend can serve the call on `platform`, else the reason."""
 

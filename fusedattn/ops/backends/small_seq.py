@@ -75,6 +75,9 @@ def query_bound(spec: AttentionSpec, seqlen_q: int) -> int:
 class SmallSeqBackend:
     name = "small_seq"
 
+    def masked_values_exact(self, spec: AttentionSpec, platform: str) -> bool:
+        return True  # keys past a segment's end are never loaded (tests/test_masked_values.py)
+
     def supports(self, spec: AttentionSpec, shapes: CallShapes, platform: str) -> str | None:
         if spec.mask not in (MaskType.NO_MASK, MaskType.PADDING):
             return (f"small_seq: serves masks 'no_mask' and 'padding' only (one query per segment), "

@@ -194,6 +194,9 @@ class XlaBackend:
 
     name = "xla"
 
+    def masked_values_exact(self, spec: AttentionSpec, platform: str) -> bool:
+        return True  # see attention() below
+
     def supports(self, spec: AttentionSpec, shapes: CallShapes, platform: str) -> str | None:
         return None
 

@@ -1,9 +1,10 @@
-// The flash backward kernels (CUDA, sm_80 and later), deterministic by construction
+// The flash backward kernels (CUDA sm_80 and later; AMD CDNA through mfma.cuh),
+// deterministic by construction
 // (every gradient element has one writer, no atomics):
 //
 //   softmax_delta_kernel   delta_i = rowsum(dO_i * O_i)                    [B, H, Sq]
 //   sink_gradient_kernel   d_offset[b, h] = -sum_i exp(sink - lse_i) delta_i   (learnable softmax)
-//   dkdv_kernel            a block owns 64 keys of one K/V head (16 per warp) and a range of
+//   dkdv_kernel            a block owns 64 keys of one K/V head (kWarpRows per warp) and a range of
 //                          output columns, and streams the (query head, query tile) pairs of its
 //                          GQA group: S^T = K Q^T, dP^T = V dO^T, dV += (P o drop)^T dO,
 //                          dK += dS^T Q with dS = P o (drop o dP - delta)
@@ -22,24 +23,28 @@
 namespace fusedattn {
 namespace flash {
 
-// rows of 16-bit elements: one warp per row of D elements, 16 rows per block.
+// The block size of softmax_delta_kernel, and the rows (one per warp) each block takes per pass.
+constexpr int kDeltaThreads = 128;
+constexpr int kDeltaRowsPerBlock = kDeltaThreads / kWarpSize;
+
+// rows of 16-bit elements: one warp per row of D elements.
 template <ElementType ET, int D>
-__global__ void __launch_bounds__(128) softmax_delta_kernel(const FlashArgs a) {
+__global__ void __launch_bounds__(kDeltaThreads) softmax_delta_kernel(const FlashArgs a) {
   const AttentionParams& p = a.p;
   const int64_t rows = p.batch * p.seqlen_q * p.heads;  // (b, i, h) in memory order
-  const int lane = threadIdx.x % 32;
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32; row < rows;
-       row += static_cast<int64_t>(gridDim.x) * 4) {
+  const int lane = threadIdx.x % kWarpSize;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kDeltaRowsPerBlock + threadIdx.x / kWarpSize; row < rows;
+       row += static_cast<int64_t>(gridDim.x) * kDeltaRowsPerBlock) {
     float sum = 0.0f;
 #pragma unroll
-    for (int d = 2 * lane; d < D; d += 64) {
+    for (int d = 2 * lane; d < D; d += 2 * kWarpSize) {
       const uint32_t o2 = *reinterpret_cast<const uint32_t*>(a.o + row * D + d);
       const uint32_t g2 = *reinterpret_cast<const uint32_t*>(a.dout + row * D + d);
       sum += Element<ET>::load(static_cast<uint16_t>(o2)) * Element<ET>::load(static_cast<uint16_t>(g2));
       sum += Element<ET>::load(static_cast<uint16_t>(o2 >> 16)) * Element<ET>::load(static_cast<uint16_t>(g2 >> 16));
     }
 #pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) sum += warp_shfl_xor(sum, offset);
     if (lane == 0) {
       const int64_t h = row % p.heads, bi = row / p.heads;
       const int64_t i = bi % p.seqlen_q, b = bi / p.seqlen_q;
@@ -48,17 +53,38 @@ __global__ void __launch_bounds__(128) softmax_delta_kernel(const FlashArgs a) {
   }
 }
 
+// The segment ids and positions of a lane's fragment rows (those of `at`) where the rows
+// are keys (0 past the end: no query sees them).
+struct KeyRows {
+  int32_t seg[kLaneRows], pos[kLaneRows];
+};
+
+__device__ __forceinline__ KeyRows key_rows(const HeadContext& c, const FragmentCoords& at, int64_t seqlen_kv) {
+  KeyRows k;
+#pragma unroll
+  for (int r = 0; r < kLaneRows; ++r) {
+    const int64_t j = at.row(kRowElems * r);
+    k.seg[r] = j < seqlen_kv ? c.kv_seg[j] : 0;
+    k.pos[r] = j < seqlen_kv ? c.kv_pos[j] : 0;
+  }
+  return k;
+}
+
 // d_offset[b, h] for the learnable softmax (sink_gradient.cu); needs a.delta.
 void launch_sink_gradient(gpuStream_t stream, const FlashArgs& a);
 
 template <int D>
 struct DkDvTiles {
   static constexpr int kN = 64;                   // keys per block
-  static constexpr int kM = D == 64 ? 64 : 32;    // queries per tile (registers: dK, dV and S^T, dP^T)
-  static constexpr int kOut = D == 256 ? 128 : D;  // output columns per block
+  // queries per tile (registers: dK, dV and S^T, dP^T; on AMD d=64 spilled with 64)
+  static constexpr int kM = D == 64 && kWarpSize == 32 ? 64 : 32;
+  // output columns per block (registers: dK and dV hold kOut floats a lane; on AMD the d=128 kernel
+  // spilled with all 128 columns, so it takes 64 per block)
+  static constexpr int kOut = D == 256 || (kWarpSize == 64 && D == 128) ? D / 2 : D;
   static constexpr int kThreads = 128;
   static constexpr int kChunks = D / 8;
-  static constexpr int kSharedBytes = (2 * kN + 4 * kM) * D * 2;  // K, V, then two stages of Q and dO
+  static constexpr int kSharedBytes = (2 * kN + 2 * kPipelineStages * kM) * D * 2;  // K, V, then the stages of Q and dO
+  static_assert(kN == kThreads / kWarpSize * kWarpRows, "one fragment of rows per warp");
 };
 
 template <ElementType ET, int D>
@@ -73,9 +99,9 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads) dkdv_kernel(const Flas
   const int64_t n0 = (tile % n_kv_tiles) * T::kN;
   const int64_t bg = tile / n_kv_tiles, g = bg % p.kv_heads, b = bg / p.kv_heads;
   const int64_t group = p.heads / p.kv_heads;
-  const int warp = threadIdx.x / 32;
+  const int warp = threadIdx.x / kWarpSize;
 
-  const uint32_t base = smem_address(smem);
+  const SharedAddress base = smem_address(smem);
   const SwizzledTile<T::kChunks> k_tile{base}, v_tile{base + T::kN * D * 2};
   const auto q_tile = [&](int s) { return SwizzledTile<T::kChunks>{base + (2 * T::kN + 2 * s * T::kM) * D * 2}; };
   const auto do_tile = [&](int s) {
@@ -84,19 +110,13 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads) dkdv_kernel(const Flas
 
   const int64_t q_stride = p.heads * D, kv_stride = p.kv_heads * D;
   const int64_t kv_offset = (b * p.seqlen_kv * p.kv_heads + g) * D;
-  load_tile_async<T::kN, T::kChunks, T::kThreads>(k_tile, a.k + kv_offset, kv_stride, n0, p.seqlen_kv);
-  load_tile_async<T::kN, T::kChunks, T::kThreads>(v_tile, a.v + kv_offset, kv_stride, n0, p.seqlen_kv);
-  cp_async_commit();
+  load_tile<T::kN, T::kChunks, T::kThreads>(k_tile, a.k + kv_offset, kv_stride, n0, p.seqlen_kv);
+  load_tile<T::kN, T::kChunks, T::kThreads>(v_tile, a.v + kv_offset, kv_stride, n0, p.seqlen_kv);
+  tile_copies_commit();
 
   const HeadContext c0 = head_context(a, b, g * group);  // token vectors and spans: shared by the group
-  const FragmentCoords at{n0 + 16 * warp, 0, static_cast<int>(threadIdx.x % 32)};
-  int32_t key_seg[2], key_pos[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t j = at.row(2 * r);
-    key_seg[r] = j < p.seqlen_kv ? c0.kv_seg[j] : 0;
-    key_pos[r] = j < p.seqlen_kv ? c0.kv_pos[j] : 0;
-  }
+  const FragmentCoords at{n0 + kWarpRows * warp, 0, static_cast<int>(threadIdx.x % kWarpSize)};
+  const KeyRows keys = key_rows(c0, at, p.seqlen_kv);
   float dk[T::kOut / 8][4], dv[T::kOut / 8][4];
   zero(dk);
   zero(dv);
@@ -111,8 +131,8 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads) dkdv_kernel(const Flas
   const auto q_offset = [&](int u) { return (b * p.seqlen_q * p.heads + g * group + u / n_q_tiles) * D; };
   const auto load = [&](int u, int s) {
     const int64_t m0 = static_cast<int64_t>(u % n_q_tiles) * T::kM;
-    load_tile_async<T::kM, T::kChunks, T::kThreads>(q_tile(s), a.q + q_offset(u), q_stride, m0, p.seqlen_q);
-    load_tile_async<T::kM, T::kChunks, T::kThreads>(do_tile(s), a.dout + q_offset(u), q_stride, m0, p.seqlen_q);
+    load_tile<T::kM, T::kChunks, T::kThreads>(q_tile(s), a.q + q_offset(u), q_stride, m0, p.seqlen_q);
+    load_tile<T::kM, T::kChunks, T::kThreads>(do_tile(s), a.dout + q_offset(u), q_stride, m0, p.seqlen_q);
   };
   const auto compute = [&](int u, int s, bool full) {
     const int64_t h = g * group + u / n_q_tiles;
@@ -122,14 +142,14 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads) dkdv_kernel(const Flas
     float st[T::kM / 8][4], dpt[T::kM / 8][4];  // S^T and dP^T: rows are keys, columns queries
     zero(st);
     zero(dpt);
-    warp_rows_times_rows<ET, D, T::kM>(st, k_tile, 16 * warp, q_tile(s));
-    warp_rows_times_rows<ET, D, T::kM>(dpt, v_tile, 16 * warp, do_tile(s));
+    warp_rows_times_rows<ET, D, T::kM>(st, k_tile, kWarpRows * warp, q_tile(s));
+    warp_rows_times_rows<ET, D, T::kM>(dpt, v_tile, kWarpRows * warp, do_tile(s));
     const FragmentCoords qc{at.row0, static_cast<int64_t>(u % n_q_tiles) * T::kM, at.lane};
-    float lse_scaled[T::kM / 8][2], delta_of[T::kM / 8][2];  // the lane's query columns
+    float lse_scaled[T::kM / 8][kRowElems], delta_of[T::kM / 8][kRowElems];  // the lane's query columns
 #pragma unroll
     for (int n = 0; n < T::kM / 8; ++n) {
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
+      for (int e = 0; e < kRowElems; ++e) {
         const int64_t i = qc.col(n, e);
         lse_scaled[n][e] = i < p.seqlen_q ? lse[i] * kLog2e : INFINITY;
         delta_of[n][e] = i < p.seqlen_q ? delta[i] : 0.0f;
@@ -139,11 +159,12 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads) dkdv_kernel(const Flas
 #pragma unroll
     for (int n = 0; n < T::kM / 8; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) st[n][e] = exp2f(st[n][e] * scale_log2 - lse_scaled[n][e % 2]);
+      for (int e = 0; e < 4; ++e) st[n][e] = exp2f(st[n][e] * scale_log2 - lse_scaled[n][e % kRowElems]);
     }
     if (!full) {
       mask_fragment(st, 0.0f, [&](int n, int e) {
-        return visible(p.mask, query_token(c, qc.col(n, e), p.seqlen_q), key_seg[e / 2], key_pos[e / 2]);
+        return visible(p.mask, query_token(c, qc.col(n, e), p.seqlen_q), keys.seg[e / kRowElems],
+                       keys.pos[e / kRowElems]);
       });
     }
     // st: P^T; then dS^T = P^T o (drop o dP^T - delta) into dpt, and st: (P o drop)^T
@@ -153,7 +174,7 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads) dkdv_kernel(const Flas
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float f = dropout_factor(p, c, h, qc.col(n, e), qc.row(e));
-          dpt[n][e] = st[n][e] * (f * dpt[n][e] - delta_of[n][e % 2]);
+          dpt[n][e] = st[n][e] * (f * dpt[n][e] - delta_of[n][e % kRowElems]);
           st[n][e] *= f;
         }
       }
@@ -161,7 +182,7 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads) dkdv_kernel(const Flas
 #pragma unroll
       for (int n = 0; n < T::kM / 8; ++n) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dpt[n][e] = st[n][e] * (dpt[n][e] - delta_of[n][e % 2]);
+        for (int e = 0; e < 4; ++e) dpt[n][e] = st[n][e] * (dpt[n][e] - delta_of[n][e % kRowElems]);
       }
     }
     warp_regs_times_rows<ET, T::kM, T::kOut>(dv, st, do_tile(s), column_block * (T::kOut / 8));
@@ -170,17 +191,19 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads) dkdv_kernel(const Flas
   stream_tiles<T::kThreads>(static_cast<int>(group) * n_q_tiles, relation, load, compute);
 
   const FragmentCoords out{at.row0, column_block * T::kOut, at.lane};
-  store_rows<ET>(dk, {p.scale, p.scale}, a.dk + kv_offset, kv_stride, out, p.seqlen_kv);
-  store_rows<ET>(dv, {1.0f, 1.0f}, a.dv + kv_offset, kv_stride, out, p.seqlen_kv);
+  store_rows<ET>(dk, p.scale, a.dk + kv_offset, kv_stride, out, p.seqlen_kv);
+  store_rows<ET>(dv, 1.0f, a.dv + kv_offset, kv_stride, out, p.seqlen_kv);
 }
 
 template <int D>
 struct DqTiles {
-  static constexpr int kM = 64;                  // queries per block
-  static constexpr int kN = D == 256 ? 32 : 64;  // keys per tile
+  static constexpr int kM = 64;  // queries per block
+  // keys per tile (registers; AMD D=128: Q, dO, K and V within the 64 KB of LDS)
+  static constexpr int kN = D == 256 || (kWarpSize == 64 && D == 128) ? 32 : 64;
   static constexpr int kThreads = 128;
   static constexpr int kChunks = D / 8;
-  static constexpr int kSharedBytes = (2 * kM + 4 * kN) * D * 2;  // Q, dO, then two stages of K and V
+  static constexpr int kSharedBytes = (2 * kM + 2 * kPipelineStages * kN) * D * 2;  // Q, dO, then the stages of K and V
+  static_assert(kM == kThreads / kWarpSize * kWarpRows, "one fragment of rows per warp");
 };
 
 template <ElementType ET, int D>
@@ -193,9 +216,9 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads) dq_kernel(const FlashArg
   const int64_t m0 = (n_q_tiles - 1 - blockIdx.x % n_q_tiles) * T::kM;
   const int64_t h = bh % p.heads, b = bh / p.heads, g = kv_head_of(h, p.heads, p.kv_heads);
   const HeadContext c = head_context(a, b, h);
-  const int warp = threadIdx.x / 32;
+  const int warp = threadIdx.x / kWarpSize;
 
-  const uint32_t base = smem_address(smem);
+  const SharedAddress base = smem_address(smem);
   const SwizzledTile<T::kChunks> q_tile{base}, do_tile{base + T::kM * D * 2};
   const auto k_tile = [&](int s) { return SwizzledTile<T::kChunks>{base + (2 * T::kM + 2 * s * T::kN) * D * 2}; };
   const auto v_tile = [&](int s) {
@@ -205,18 +228,18 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads) dq_kernel(const FlashArg
   const int64_t q_stride = p.heads * D, kv_stride = p.kv_heads * D;
   const int64_t q_offset = (b * p.seqlen_q * p.heads + h) * D;
   const int64_t kv_offset = (b * p.seqlen_kv * p.kv_heads + g) * D;
-  load_tile_async<T::kM, T::kChunks, T::kThreads>(q_tile, a.q + q_offset, q_stride, m0, p.seqlen_q);
-  load_tile_async<T::kM, T::kChunks, T::kThreads>(do_tile, a.dout + q_offset, q_stride, m0, p.seqlen_q);
-  cp_async_commit();
+  load_tile<T::kM, T::kChunks, T::kThreads>(q_tile, a.q + q_offset, q_stride, m0, p.seqlen_q);
+  load_tile<T::kM, T::kChunks, T::kThreads>(do_tile, a.dout + q_offset, q_stride, m0, p.seqlen_q);
+  tile_copies_commit();
 
-  const FragmentCoords at{m0 + 16 * warp, 0, static_cast<int>(threadIdx.x % 32)};
-  QueryToken query[2];
-  float lse[2], delta[2];
+  const FragmentCoords at{m0 + kWarpRows * warp, 0, static_cast<int>(threadIdx.x % kWarpSize)};
+  QueryToken query[kLaneRows];
+  float lse_scaled[kLaneRows], delta[kLaneRows];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t i = at.row(2 * r);
+  for (int r = 0; r < kLaneRows; ++r) {
+    const int64_t i = at.row(kRowElems * r);
     query[r] = query_token(c, i, p.seqlen_q);
-    lse[r] = i < p.seqlen_q ? a.lse[(b * p.heads + h) * p.seqlen_q + i] : INFINITY;
+    lse_scaled[r] = (i < p.seqlen_q ? a.lse[(b * p.heads + h) * p.seqlen_q + i] : INFINITY) * kLog2e;
     delta[r] = i < p.seqlen_q ? a.delta[(b * p.heads + h) * p.seqlen_q + i] : 0.0f;
   }
   float dq[D / 8][4];
@@ -229,26 +252,25 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads) dq_kernel(const FlashArg
   };
   const auto load = [&](int t, int s) {
     const int64_t j0 = static_cast<int64_t>(t) * T::kN;
-    load_tile_async<T::kN, T::kChunks, T::kThreads>(k_tile(s), a.k + kv_offset, kv_stride, j0, p.seqlen_kv);
-    load_tile_async<T::kN, T::kChunks, T::kThreads>(v_tile(s), a.v + kv_offset, kv_stride, j0, p.seqlen_kv);
+    load_tile<T::kN, T::kChunks, T::kThreads>(k_tile(s), a.k + kv_offset, kv_stride, j0, p.seqlen_kv);
+    load_tile<T::kN, T::kChunks, T::kThreads>(v_tile(s), a.v + kv_offset, kv_stride, j0, p.seqlen_kv);
   };
   const float scale_log2 = p.scale * kLog2e;
-  const float lse_scaled[2] = {lse[0] * kLog2e, lse[1] * kLog2e};
   const auto compute = [&](int t, int s, bool full) {
     float sc[T::kN / 8][4], dp[T::kN / 8][4];
     zero(sc);
     zero(dp);
-    warp_rows_times_rows<ET, D, T::kN>(sc, q_tile, 16 * warp, k_tile(s));
-    warp_rows_times_rows<ET, D, T::kN>(dp, do_tile, 16 * warp, v_tile(s));
+    warp_rows_times_rows<ET, D, T::kN>(sc, q_tile, kWarpRows * warp, k_tile(s));
+    warp_rows_times_rows<ET, D, T::kN>(dp, do_tile, kWarpRows * warp, v_tile(s));
     const FragmentCoords kv{at.row0, static_cast<int64_t>(t) * T::kN, at.lane};
 #pragma unroll
     for (int n = 0; n < T::kN / 8; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) sc[n][e] = exp2f(sc[n][e] * scale_log2 - lse_scaled[e / 2]);
+      for (int e = 0; e < 4; ++e) sc[n][e] = exp2f(sc[n][e] * scale_log2 - lse_scaled[e / kRowElems]);
     }
     if (!full) {
       mask_fragment(sc, 0.0f, [&](int n, int e) {
-        return key_visible(p.mask, c, query[e / 2], kv.col(n, e), p.seqlen_kv);
+        return key_visible(p.mask, c, query[e / kRowElems], kv.col(n, e), p.seqlen_kv);
       });
     }
     // sc: P; then dS = P o (drop o dP - delta)
@@ -258,20 +280,20 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads) dq_kernel(const FlashArg
         float f[4];
         dropout_fragment(p, c, h, kv.row(0), kv.col(n, 0), f);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) sc[n][e] *= f[e] * dp[n][e] - delta[e / 2];
+        for (int e = 0; e < 4; ++e) sc[n][e] *= f[e] * dp[n][e] - delta[e / kRowElems];
       }
     } else {
 #pragma unroll
       for (int n = 0; n < T::kN / 8; ++n) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) sc[n][e] *= dp[n][e] - delta[e / 2];
+        for (int e = 0; e < 4; ++e) sc[n][e] *= dp[n][e] - delta[e / kRowElems];
       }
     }
     warp_regs_times_rows<ET, T::kN, D>(dq, sc, k_tile(s), 0);
   };
   stream_tiles<T::kThreads>(n_kv_tiles, relation, load, compute);
 
-  store_rows<ET>(dq, {p.scale, p.scale}, a.dq + q_offset, q_stride, at, p.seqlen_q);
+  store_rows<ET>(dq, p.scale, a.dq + q_offset, q_stride, at, p.seqlen_q);
 }
 
 }  // namespace flash

@@ -1,11 +1,15 @@
-// The "flash" op for platform "CUDA": FFI handlers that check the call (the same
-// contract as the host build, ops_cuda/host/flash_host.cc, see ffi_args.h),
-// summarise the token rows for tile skipping and launch the kernels of the
-// call's head dim. Serves bfloat16 and float16, head dims 64, 128 and 256 with
-// Dv = D (those this library was built with: FusedattnFlashCudaHeadDims). The
-// forward runs the sm_90a (wgmma) kernel of sm90/ on devices of compute capability
-// 9.0 where the library holds it (forward_kernel_of), the sm_80 kernel elsewhere;
-// the backward is the sm_80 kernels' everywhere.
+// The "flash" op for platform "CUDA" (nvcc) and "ROCM" (hipcc, the same text over
+// mfma.cuh): FFI handlers that check the call (the same contract as the host build,
+// ops_cuda/host/flash_host.cc, see ffi_args.h), summarise the token rows for tile
+// skipping and launch the kernels of the call's head dim. Serves bfloat16 and float16,
+// head dims 64, 128 and 256 with Dv = D (those this library was built with:
+// FusedattnFlashCudaHeadDims / FusedattnFlashRocmHeadDims; ROCm: 64 and 128). On CUDA the
+// forward runs the sm_90a (wgmma) kernel of sm90/ on devices of compute capability 9.0
+// where the library holds it (forward_kernel_of), the sm_80 kernel elsewhere; the backward
+// likewise runs the sm_90a kernel (head dims 64 and 128, not with the attribute
+// deterministic set: its dQ sums with atomics) or the sm_80 kernels (backward_kernel_of).
+// A call whose attribute "kernel" names the sm_80 kernels (FUSEDATTN_FLASH_KERNEL=sm80 when
+// fusedattn/ops/backends/flash.py traced it) runs them in both passes on every device.
 // Scratch (the spans; the backward's softmax delta) lives in a uint8 workspace
 // result that XLA allocates, sized by fusedattn/ops/backends/flash.py
 // (_cuda_workspace_bytes): the handlers allocate nothing.
@@ -48,6 +52,10 @@ constexpr int kSm90HeadDims =
     0;
 #endif
 
+// The head dims of the sm_90a backward: 64 and 128 where the forward is (at 256 a consumer
+// warpgroup's dK and dV accumulators alone would fill its registers).
+constexpr int kSm90BackwardHeadDims = kSm90HeadDims & 3;
+
 bool head_dim_built(int64_t d) { return (d == 64 || d == 128 || d == 256) && (kBuiltHeadDims & (d / 64)); }
 
 // Calls f(head dim as a compile-time constant) for a built head dim.
@@ -65,16 +73,11 @@ void with_head_dim(int64_t d, F&& f) {
 }
 
 enum class ForwardKernel { kSm80, kSm90 };
+enum class BackwardKernel { kSm80, kSm90 };
 
-// The rule that picks the forward kernel of a call (fusedattn/ops/backends/flash.py,
-// _cuda_forward_kernel, states the same): the sm_90a kernel on a device of compute
-// capability exactly 9.0 when this library holds it for the call's head dim and there is
-// at least one key (TMA describes no empty tensor); it serves every call the handler
-// accepts otherwise (masks, windows, packing, GQA, softmax variants, dropout). The sm_80
-// kernel otherwise.
-ffi::Error forward_kernel_of(const char* op, const AttentionParams& p, ForwardKernel* kernel) {
-  *kernel = ForwardKernel::kSm80;
-  if (kSm90HeadDims == 0 || !head_dim_built(p.head_dim) || p.seqlen_kv == 0) return ffi::Error::Success();
+#ifdef FUSEDATTN_FLASH_SM90
+// Whether the current device has compute capability exactly 9.0 (the sm_90a kernels' target).
+ffi::Error device_is_sm90(const char* op, bool* sm90) {
   int device = 0, major = 0, minor = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
@@ -82,7 +85,58 @@ ffi::Error forward_kernel_of(const char* op, const AttentionParams& p, ForwardKe
     return ffi::Error::Internal(std::string(op) + ": could not read the device's compute capability: " +
                                 cudaGetErrorString(cudaGetLastError()));
   }
-  if (major == 9 && minor == 0) *kernel = ForwardKernel::kSm90;
+  *sm90 = major == 9 && minor == 0;
+  return ffi::Error::Success();
+}
+#endif
+
+// The call's "kernel" attribute: 0, the device picks (forward_kernel_of); 1, the sm_80
+// (mma.sync) kernels are named (FUSEDATTN_FLASH_KERNEL=sm80; tests and benchmarks).
+enum NamedKernel : int32_t { kDevicePicks = 0, kSm80Named = 1 };
+
+ffi::Error check_named_kernel(const char* op, int32_t named) {
+  if (named == kDevicePicks || named == kSm80Named) return ffi::Error::Success();
+  return invalid(op, "the kernel attribute must be 0 (the device picks) or 1 (the sm_80 kernels), got " +
+                         std::to_string(named));
+}
+
+// The rule that picks the forward kernel of a call (fusedattn/ops/backends/flash.py,
+// _cuda_forward_kernel, states the same): the sm_80 kernel when the call names it; else
+// the sm_90a kernel on a device of compute capability exactly 9.0 when this library holds
+// it for the call's head dim and there is at least one key (TMA describes no empty tensor);
+// it serves every call the handler accepts otherwise (masks, windows, packing, GQA, softmax
+// variants, dropout). The sm_80 kernel otherwise.
+ffi::Error forward_kernel_of(const char* op, const AttentionParams& p, int32_t named, ForwardKernel* kernel) {
+  *kernel = ForwardKernel::kSm80;
+#ifdef FUSEDATTN_FLASH_SM90
+  if (named == kSm80Named || !head_dim_built(p.head_dim) || p.seqlen_kv == 0) return ffi::Error::Success();
+  bool sm90 = false;
+  if (auto e = device_is_sm90(op, &sm90); e.failure()) return e;
+  if (sm90) *kernel = ForwardKernel::kSm90;
+#endif
+  return ffi::Error::Success();
+}
+
+// The rule that picks the backward kernel of a call (flash.py, _cuda_backward_kernel, states
+// the same): the sm_80 kernels when the call names them; else the sm_90a kernel on a device
+// of compute capability exactly 9.0 when this library holds it for the call's head dim
+// (kSm90BackwardHeadDims), the call has queries and keys (TMA describes no empty tensor)
+// and `deterministic` (config deterministic_backward) is false, since its dQ sums with
+// float32 atomics in no fixed order; it serves every other call the handler accepts (masks,
+// windows, packing, GQA, softmax variants, dropout). The sm_80 kernels otherwise (no
+// atomics: bitwise repeatable).
+ffi::Error backward_kernel_of(const char* op, const AttentionParams& p, int32_t named, bool deterministic,
+                              BackwardKernel* kernel) {
+  *kernel = BackwardKernel::kSm80;
+#ifdef FUSEDATTN_FLASH_SM90
+  const bool held = head_dim_built(p.head_dim) && (kSm90BackwardHeadDims & (p.head_dim / 64)) != 0;
+  if (named == kSm80Named || !held || deterministic || p.seqlen_q == 0 || p.seqlen_kv == 0) {
+    return ffi::Error::Success();
+  }
+  bool sm90 = false;
+  if (auto e = device_is_sm90(op, &sm90); e.failure()) return e;
+  if (sm90) *kernel = BackwardKernel::kSm90;
+#endif
   return ffi::Error::Success();
 }
 
@@ -103,23 +157,45 @@ ffi::Error launch_forward_kernel(const char* op, gpuStream_t stream, const Flash
   return launch_status(op);
 }
 
-// What the CUDA kernels add to the op's contract: 16-bit floats, Dv = D, a built head dim.
+// Launches the backward kernels of the call's head dim and the given kind (dq_accum: the
+// sm_90a kernel's float32 dQ sum, unused by the sm_80 kernels).
+ffi::Error launch_backward_kernel(const char* op, gpuStream_t stream, const FlashArgs& a, ElementType type,
+                                  BackwardKernel kernel, float* dq_accum) {
+  std::string error;
+  with_head_dim(a.p.head_dim, [&](auto d) {
+#ifdef FUSEDATTN_FLASH_SM90
+    if constexpr (decltype(d)::value != 256) {
+      if (kernel == BackwardKernel::kSm90) {
+        error = sm90::launch_backward<decltype(d)::value>(stream, a, type, dq_accum);
+        return;
+      }
+    }
+#endif
+    launch_backward<decltype(d)::value>(stream, a, type);
+  });
+  if (!error.empty()) return ffi::Error::Internal(std::string(op) + ": the sm_90a backward could not launch: " + error);
+  return launch_status(op);
+}
+
+// What the GPU kernels add to the op's contract: 16-bit floats, Dv = D, a built head dim.
 ffi::Error check_kernel_support(const char* op, const AttentionParams& p, ffi::DataType dtype) {
   if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) {
-    return invalid(op, std::string("the CUDA flash kernels take bfloat16 or float16, got ") + dtype_name(dtype));
+    return invalid(op, std::string("the " FA_FFI_PLATFORM " flash kernels take bfloat16 or float16, got ") +
+                           dtype_name(dtype));
   }
   if (p.head_dim_v != p.head_dim) {
-    return invalid(op, "the CUDA flash kernels need v's head dim equal to q's, got " +
+    return invalid(op, "the " FA_FFI_PLATFORM " flash kernels need v's head dim equal to q's, got " +
                            std::to_string(p.head_dim_v) + " and " + std::to_string(p.head_dim));
   }
   if (!head_dim_built(p.head_dim)) {
-    return invalid(op, "no CUDA flash kernel for head dim " + std::to_string(p.head_dim) +
+    return invalid(op, "no " FA_FFI_PLATFORM " flash kernel for head dim " + std::to_string(p.head_dim) +
                            " in this build (built: mask " + std::to_string(kBuiltHeadDims) + " of 64/128/256)");
   }
   return ffi::Error::Success();
 }
 
-// The workspace's layout: the spans, then (backward) the softmax delta, each 256-byte aligned.
+// The workspace's layout: the spans, then (backward) the softmax delta and, for the sm_90a
+// backward, the float32 dQ accumulator [B, Sq, H, D], each 256-byte aligned.
 int64_t align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
 int64_t span_bytes(const AttentionParams& p) {
@@ -129,6 +205,10 @@ int64_t span_bytes(const AttentionParams& p) {
 
 int64_t delta_bytes(const AttentionParams& p) {
   return align256(p.batch * p.heads * p.seqlen_q * static_cast<int64_t>(sizeof(float)));
+}
+
+int64_t dq_accum_bytes(const AttentionParams& p) {
+  return align256(p.batch * p.seqlen_q * p.heads * p.head_dim * static_cast<int64_t>(sizeof(float)));
 }
 
 ffi::Error check_workspace(const char* op, ffi::Result<ffi::AnyBuffer>& workspace, int64_t bytes) {
@@ -171,8 +251,8 @@ ffi::Error FlashFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer kv_seg, ffi::AnyBuffer kv_pos, ffi::AnyBuffer softmax_offset,
                         ffi::AnyBuffer seed, ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
                         ffi::Result<ffi::AnyBuffer> workspace, float scale, bool causal, int64_t window_left,
-                        int64_t window_right, int32_t softmax_type, double dropout_rate) {
-  constexpr const char* kOp = "fusedattn_flash_fwd (CUDA)";
+                        int64_t window_right, int32_t softmax_type, double dropout_rate, int32_t named_kernel) {
+  constexpr const char* kOp = "fusedattn_flash_fwd (" FA_FFI_PLATFORM ")";
   AttentionParams p;
   std::vector<int64_t> lead;
   if (auto e = parse_attention_call(kOp, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed, scale,
@@ -181,6 +261,7 @@ ffi::Error FlashFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
     return e;
   }
   if (auto e = check_kernel_support(kOp, p, q.element_type()); e.failure()) return e;
+  if (auto e = check_named_kernel(kOp, named_kernel); e.failure()) return e;
   if (auto e = check_forward_results(kOp, p, lead, q.element_type(), o, lse); e.failure()) return e;
   if (p.batch == 0 || p.heads == 0 || p.seqlen_q == 0) return ffi::Error::Success();
   if (auto e = check_workspace(kOp, workspace, span_bytes(p)); e.failure()) return e;
@@ -188,7 +269,7 @@ ffi::Error FlashFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   a.o = static_cast<uint16_t*>(o->untyped_data());
   a.lse = lse->typed_data<float>();
   ForwardKernel kernel;
-  if (auto e = forward_kernel_of(kOp, p, &kernel); e.failure()) return e;
+  if (auto e = forward_kernel_of(kOp, p, named_kernel, &kernel); e.failure()) return e;
   summarise(stream, workspace->untyped_data(), &a);
   return launch_forward_kernel(kOp, stream, a, element_type_of(q.element_type()), kernel);
 }
@@ -201,8 +282,8 @@ ffi::Error FlashBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> d_offset,
                         ffi::Result<ffi::AnyBuffer> workspace, float scale,
                         bool causal, int64_t window_left, int64_t window_right, int32_t softmax_type,
-                        double dropout_rate) {
-  constexpr const char* kOp = "fusedattn_flash_bwd (CUDA)";
+                        double dropout_rate, bool deterministic, int32_t named_kernel) {
+  constexpr const char* kOp = "fusedattn_flash_bwd (" FA_FFI_PLATFORM ")";
   AttentionParams p;
   std::vector<int64_t> lead;
   if (auto e = parse_attention_call(kOp, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed, scale,
@@ -211,10 +292,14 @@ ffi::Error FlashBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
     return e;
   }
   if (auto e = check_kernel_support(kOp, p, q.element_type()); e.failure()) return e;
+  if (auto e = check_named_kernel(kOp, named_kernel); e.failure()) return e;
   const ffi::DataType dt = q.element_type();
   if (auto e = check_backward_buffers(kOp, p, lead, dt, o, lse, dout, dq, dk, dv, d_offset); e.failure()) return e;
   if (p.batch == 0 || p.heads == 0) return ffi::Error::Success();
-  if (auto e = check_workspace(kOp, workspace, span_bytes(p) + delta_bytes(p)); e.failure()) return e;
+  BackwardKernel kernel;
+  if (auto e = backward_kernel_of(kOp, p, named_kernel, deterministic, &kernel); e.failure()) return e;
+  const int64_t accum_bytes = kernel == BackwardKernel::kSm90 ? dq_accum_bytes(p) : 0;
+  if (auto e = check_workspace(kOp, workspace, span_bytes(p) + delta_bytes(p) + accum_bytes); e.failure()) return e;
   FlashArgs a = common_args(p, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed);
   a.o = static_cast<uint16_t*>(const_cast<void*>(o.untyped_data()));
   a.lse = const_cast<float*>(lse.typed_data<float>());
@@ -224,17 +309,20 @@ ffi::Error FlashBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   a.dv = static_cast<uint16_t*>(dv->untyped_data());
   a.d_offset = d_offset->typed_data<float>();
   summarise(stream, workspace->untyped_data(), &a);
-  a.delta = reinterpret_cast<float*>(static_cast<char*>(workspace->untyped_data()) + span_bytes(p));
-  with_head_dim(p.head_dim, [&](auto d) { launch_backward<decltype(d)::value>(stream, a, element_type_of(dt)); });
-  return launch_status(kOp);
+  char* const scratch = static_cast<char*>(workspace->untyped_data());
+  a.delta = reinterpret_cast<float*>(scratch + span_bytes(p));
+  return launch_backward_kernel(kOp, stream, a, element_type_of(dt), kernel,
+                                reinterpret_cast<float*>(scratch + span_bytes(p) + delta_bytes(p)));
 }
 
 }  // namespace
 
-// A handler's binding: the stream, the op's operands and results, then the workspace.
+// A handler's binding: the stream, the op's operands and results, then the workspace; the
+// op's attributes, then "kernel" (NamedKernel).
 template <Pass kPass>
 auto binding() {
-  return bind_attention<kPass, 1>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>());
+  return bind_attention<kPass, 1>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>())
+      .template Attr<int32_t>("kernel");
 }
 
 }  // namespace flash
@@ -242,22 +330,42 @@ auto binding() {
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnFlashFwdCuda, fusedattn::flash::FlashFwdImpl,
+// The handlers' and head-dim queries' names: ...Cuda in the CUDA library, ...Rocm in the
+// ROCm one (fusedattn/ops/_library.py registers each under its platform).
+#if defined(__HIPCC__)
+#define FA_FLASH_FWD_SYMBOL FusedattnFlashFwdRocm
+#define FA_FLASH_BWD_SYMBOL FusedattnFlashBwdRocm
+#define FA_FLASH_HEAD_DIMS_SYMBOL FusedattnFlashRocmHeadDims
+#else
+#define FA_FLASH_FWD_SYMBOL FusedattnFlashFwdCuda
+#define FA_FLASH_BWD_SYMBOL FusedattnFlashBwdCuda
+#define FA_FLASH_HEAD_DIMS_SYMBOL FusedattnFlashCudaHeadDims
+#endif
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FA_FLASH_FWD_SYMBOL, fusedattn::flash::FlashFwdImpl,
                               fusedattn::flash::binding<fusedattn::Pass::kForward>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnFlashBwdCuda, fusedattn::flash::FlashBwdImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FA_FLASH_BWD_SYMBOL, fusedattn::flash::FlashBwdImpl,
                               fusedattn::flash::binding<fusedattn::Pass::kBackward>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 // The head dims the flash kernels of this library serve, as a bit mask of D / 64 (1: 64,
 // 2: 128, 4: 256); read by fusedattn/ops/backends/flash.py.
-extern "C" __attribute__((visibility("default"))) int FusedattnFlashCudaHeadDims() {
+extern "C" __attribute__((visibility("default"))) int FA_FLASH_HEAD_DIMS_SYMBOL() {
   return fusedattn::flash::kBuiltHeadDims;
 }
 
+#if !defined(__HIPCC__)
 // The head dims of the sm_90a forward kernel in this library (the same bit mask; 0 when it
 // was built without sm_90); read by fusedattn/ops/backends/flash.py.
 extern "C" __attribute__((visibility("default"))) int FusedattnFlashCudaSm90HeadDims() {
   return fusedattn::flash::kSm90HeadDims;
 }
+
+// The head dims of the sm_90a backward kernel in this library (the same bit mask; 0 when it
+// was built without sm_90); read by fusedattn/ops/backends/flash.py.
+extern "C" __attribute__((visibility("default"))) int FusedattnFlashCudaSm90BackwardHeadDims() {
+  return fusedattn::flash::kSm90BackwardHeadDims;
+}
+#endif

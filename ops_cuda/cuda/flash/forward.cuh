@@ -1,10 +1,11 @@
-// The flash forward kernel (CUDA, sm_80 and later): o = softmax(scale * q k^T + mask) v
-// with the softmax sink, dropout and lse of fusedattn/softmax.h, for one head dim D.
+// The flash forward kernel (CUDA sm_80 and later; AMD CDNA through mfma.cuh):
+// o = softmax(scale * q k^T + mask) v with the softmax sink, dropout and lse of
+// fusedattn/softmax.h, for one head dim D.
 //
-// A block owns kM = 64 queries of one (batch row, head), 16 per warp, and streams the
-// key/value tiles that its queries can see (spans.cuh) through two stages. Scores stay
-// in registers: S = Q K^T, online softmax in float32, O += P V with P packed from S's
-// accumulators.
+// A block owns kM = 64 queries of one (batch row, head), kWarpRows per warp (NVIDIA: 16 for
+// each of 4 warps; AMD: 32 for each of 2 wavefronts), and streams the key/value tiles that
+// its queries can see (spans.cuh) through kPipelineStages stages. Scores stay in registers:
+// S = Q K^T, online softmax in float32, O += P V with P packed from S's accumulators.
 #ifndef FUSEDATTN_FLASH_FORWARD_CUH_
 #define FUSEDATTN_FLASH_FORWARD_CUH_
 
@@ -18,10 +19,12 @@ namespace flash {
 template <int D>
 struct ForwardTiles {
   static constexpr int kM = 64;                  // queries per block
-  static constexpr int kN = D == 256 ? 32 : 64;  // keys per tile (registers: O holds D/2 floats a lane)
+  // keys per tile (registers: O holds D/2 floats a lane; on AMD d=128 spilled with 64 on gfx940)
+  static constexpr int kN = D == 256 || (kWarpSize == 64 && D == 128) ? 32 : 64;
   static constexpr int kThreads = 128;
   static constexpr int kChunks = D / 8;
-  static constexpr int kSharedBytes = (kM + 4 * kN) * D * 2;  // Q, then two stages of K and V
+  static constexpr int kSharedBytes = (kM + 2 * kPipelineStages * kN) * D * 2;  // Q, then the stages of K and V
+  static_assert(kM == kThreads / kWarpSize * kWarpRows, "one fragment of rows per warp");
 };
 
 template <ElementType ET, int D>
@@ -34,9 +37,9 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads) forward_kernel(cons
   const int64_t m0 = (n_q_tiles - 1 - blockIdx.x % n_q_tiles) * T::kM;  // causal: longest rows first
   const int64_t h = bh % p.heads, b = bh / p.heads, g = kv_head_of(h, p.heads, p.kv_heads);
   const HeadContext c = head_context(a, b, h);
-  const int warp = threadIdx.x / 32;
+  const int warp = threadIdx.x / kWarpSize;
 
-  const uint32_t base = smem_address(smem);
+  const SharedAddress base = smem_address(smem);
   const SwizzledTile<T::kChunks> q_tile{base};
   const auto k_tile = [&](int s) { return SwizzledTile<T::kChunks>{base + (T::kM + 2 * s * T::kN) * D * 2}; };
   const auto v_tile = [&](int s) { return SwizzledTile<T::kChunks>{base + (T::kM + (2 * s + 1) * T::kN) * D * 2}; };
@@ -44,14 +47,17 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads) forward_kernel(cons
   const int64_t q_stride = p.heads * D, kv_stride = p.kv_heads * D;
   const int64_t q_offset = (b * p.seqlen_q * p.heads + h) * D;
   const int64_t kv_offset = (b * p.seqlen_kv * p.kv_heads + g) * D;
-  load_tile_async<T::kM, T::kChunks, T::kThreads>(q_tile, a.q + q_offset, q_stride, m0, p.seqlen_q);
-  cp_async_commit();
+  load_tile<T::kM, T::kChunks, T::kThreads>(q_tile, a.q + q_offset, q_stride, m0, p.seqlen_q);
+  tile_copies_commit();
 
-  const FragmentCoords at{m0 + 16 * warp, 0, static_cast<int>(threadIdx.x % 32)};
-  const QueryToken query[2] = {query_token(c, at.row(0), p.seqlen_q), query_token(c, at.row(2), p.seqlen_q)};
-  SoftmaxState state[2];
-  state[0].init();
-  state[1].init();
+  const FragmentCoords at{m0 + kWarpRows * warp, 0, static_cast<int>(threadIdx.x % kWarpSize)};
+  QueryToken query[kLaneRows];
+  SoftmaxState state[kLaneRows];
+#pragma unroll
+  for (int r = 0; r < kLaneRows; ++r) {
+    query[r] = query_token(c, at.row(kRowElems * r), p.seqlen_q);
+    state[r].init();
+  }
   float o[D / 8][4];
   zero(o);
 
@@ -62,13 +68,13 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads) forward_kernel(cons
   };
   const auto load = [&](int t, int s) {
     const int64_t j0 = static_cast<int64_t>(t) * T::kN;
-    load_tile_async<T::kN, T::kChunks, T::kThreads>(k_tile(s), a.k + kv_offset, kv_stride, j0, p.seqlen_kv);
-    load_tile_async<T::kN, T::kChunks, T::kThreads>(v_tile(s), a.v + kv_offset, kv_stride, j0, p.seqlen_kv);
+    load_tile<T::kN, T::kChunks, T::kThreads>(k_tile(s), a.k + kv_offset, kv_stride, j0, p.seqlen_kv);
+    load_tile<T::kN, T::kChunks, T::kThreads>(v_tile(s), a.v + kv_offset, kv_stride, j0, p.seqlen_kv);
   };
   const auto compute = [&](int t, int s, bool full) {
     float scores[T::kN / 8][4];
     zero(scores);
-    warp_rows_times_rows<ET, D, T::kN>(scores, q_tile, 16 * warp, k_tile(s));
+    warp_rows_times_rows<ET, D, T::kN>(scores, q_tile, kWarpRows * warp, k_tile(s));
     const FragmentCoords kv{at.row0, static_cast<int64_t>(t) * T::kN, at.lane};
     softmax_tile<T::kN, D>(scores, o, state, a, c, query, h, kv, full);
     warp_regs_times_rows<ET, T::kN, D>(o, scores, v_tile(s), 0);

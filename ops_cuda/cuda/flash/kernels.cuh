@@ -13,33 +13,46 @@ namespace flash {
 template <typename Kernel>
 void launch(Kernel kernel, int64_t blocks, int threads, int shared_bytes, gpuStream_t stream, const FlashArgs& a) {
   if (blocks == 0) return;
-  // Always: a kernel's static shared memory counts against the default 48 KB as well.
-  gpuFuncSetAttribute(reinterpret_cast<const void*>(kernel), gpuFuncAttributeMaxDynamicSharedMemorySize,
-                      shared_bytes);
+  // Always: a kernel's static shared memory counts against the default 48 KB as well. A
+  // failure here fails the launch below, which the handler reports.
+  (void)gpuFuncSetAttribute(reinterpret_cast<const void*>(kernel), gpuFuncAttributeMaxDynamicSharedMemorySize,
+                            shared_bytes);
   kernel<<<static_cast<unsigned>(blocks), threads, shared_bytes, stream>>>(a);
 }
 
 template <ElementType ET, int D>
 void forward(gpuStream_t stream, const FlashArgs& a) {
   using T = ForwardTiles<D>;
+  static_assert(T::kSharedBytes <= kMaxDynamicSharedBytes, "the forward's tiles exceed the shared memory");
   const int64_t blocks = (a.p.seqlen_q + T::kM - 1) / T::kM * a.p.heads * a.p.batch;
   launch(forward_kernel<ET, D>, blocks, T::kThreads, T::kSharedBytes, stream, a);
+}
+
+// What every backward runs first (the sm_80 kernels and the sm_90a one): a.delta =
+// rowsum(dO o O), and a.d_offset (the learnable softmax's gradient; zeros otherwise).
+template <ElementType ET, int D>
+void backward_prologue(gpuStream_t stream, const FlashArgs& a) {
+  const AttentionParams& p = a.p;
+  const int64_t rows = p.batch * p.seqlen_q * p.heads;
+  launch(softmax_delta_kernel<ET, D>, std::min<int64_t>((rows + kDeltaRowsPerBlock - 1) / kDeltaRowsPerBlock, 65536),
+         kDeltaThreads, 0, stream, a);
+  if (p.softmax_type == kSoftmaxLearnable) {
+    launch_sink_gradient(stream, a);
+  } else {
+    (void)gpuMemsetAsync(a.d_offset, 0, sizeof(float) * p.batch * p.heads, stream);  // errors: launch_status
+  }
 }
 
 template <ElementType ET, int D>
 void backward(gpuStream_t stream, const FlashArgs& a) {
   const AttentionParams& p = a.p;
-  const int64_t rows = p.batch * p.seqlen_q * p.heads;
-  launch(softmax_delta_kernel<ET, D>, std::min<int64_t>((rows + 3) / 4, 65536), 128, 0, stream, a);
-  if (p.softmax_type == kSoftmaxLearnable) {
-    launch_sink_gradient(stream, a);
-  } else {
-    gpuMemsetAsync(a.d_offset, 0, sizeof(float) * p.batch * p.heads, stream);
-  }
+  backward_prologue<ET, D>(stream, a);
   using KV = DkDvTiles<D>;
+  using Q = DqTiles<D>;
+  static_assert(KV::kSharedBytes <= kMaxDynamicSharedBytes && Q::kSharedBytes <= kMaxDynamicSharedBytes,
+                "the backward's tiles exceed the shared memory");
   const int64_t kv_blocks = (p.seqlen_kv + KV::kN - 1) / KV::kN * p.kv_heads * p.batch * (D / KV::kOut);
   launch(dkdv_kernel<ET, D>, kv_blocks, KV::kThreads, KV::kSharedBytes, stream, a);
-  using Q = DqTiles<D>;
   const int64_t q_blocks = (p.seqlen_q + Q::kM - 1) / Q::kM * p.heads * p.batch;
   launch(dq_kernel<ET, D>, q_blocks, Q::kThreads, Q::kSharedBytes, stream, a);
 }

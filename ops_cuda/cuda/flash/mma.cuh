@@ -1,8 +1,8 @@
-// Warp-level tensor-core primitives of the flash kernels (CUDA, sm_80 and later):
-// mma.sync m16n8k16 with float accumulators, ldmatrix, cp.async, and a swizzled
-// shared-memory tile of 16-byte chunks.
+// The NVIDIA tensor-core layer of the flash kernels (CUDA, sm_80 and later; the
+// interface: tensor_core.cuh): mma.sync m16n8k16 with float accumulators, ldmatrix,
+// cp.async, and a swizzled shared-memory tile of 16-byte chunks.
 //
-// Fragment layouts (lane l of 32; PTX ISA "mma.m16n8k16"):
+// Fragment layouts (lane l of 32; PTX ISA "mma.m16n8k16"; fragment_maps.h, mma_sync_map):
 //   C/D (16 x 8, float): c[0], c[1] = row l/4,     cols 2(l%4), 2(l%4)+1
 //                        c[2], c[3] = row l/4 + 8, the same cols
 //   A (16 x 16): a[0] rows 0-7 k 0-7, a[1] rows 8-15 k 0-7, a[2] rows 0-7 k 8-15,
@@ -18,12 +18,36 @@
 
 #include <cstdint>
 
+#include "fragment_maps.h"
 #include "fusedattn/portability.h"
 
 namespace fusedattn {
 namespace flash {
 
-__device__ __forceinline__ uint32_t smem_address(const void* p) {
+namespace fragment_map = mma_sync_map;  // the lane maps of this platform (tensor_core.cuh)
+constexpr int kPipelineStages = 2;  // cp.async: the next tile's copy in flight while one is computed
+constexpr int kMaxDynamicSharedBytes = 227 * 1024;  // shared memory a block may have on sm_80 and sm_90
+
+// Lane l's two rows (l/4 and l/4 + 8) and columns of the 16 x 8 accumulator tile t of a warp:
+// element e of tile t is row row0 + lane/4 + 8 * (e / 2), column col0 + 8 t + 2 (lane % 4) + e % 2.
+// (The maps are sums of a lane part and an element part; added in this order, the element's
+// constant folds into the 64-bit index.)
+struct FragmentCoords {
+  int64_t row0, col0;
+  int lane;
+  __device__ __forceinline__ int64_t row(int e) const {
+    return row0 + mma_sync_map::c_row(lane, 0) + mma_sync_map::c_row(0, e);
+  }
+  __device__ __forceinline__ int64_t col(int t, int e) const {
+    return col0 + 8 * t + mma_sync_map::c_col(lane, 0) + mma_sync_map::c_col(0, e);
+  }
+  // Whether the lane holds column 0 of its rows (one lane per row writes the row's statistics).
+  __device__ __forceinline__ bool first_of_row() const { return lane % 4 == 0; }
+};
+
+using SharedAddress = uint32_t;  // a shared-memory address, as ldmatrix and cp.async take it
+
+__device__ __forceinline__ SharedAddress smem_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
@@ -69,17 +93,19 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], uint32_t addres
                : "r"(address));
 }
 
-// Copies 16 bytes global -> shared asynchronously; zero-fills when !valid.
-__device__ __forceinline__ void cp_async_16(uint32_t smem, const void* gmem, bool valid) {
+// Copies 16 bytes global -> shared asynchronously (cp.async; tile_copies_commit and
+// tile_copies_wait order the copies); zero-fills when !valid.
+__device__ __forceinline__ void copy_chunk(uint32_t smem, const void* gmem, bool valid) {
   const int bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(bytes));
 }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Closes the group of tile copies issued since the last call.
+__device__ __forceinline__ void tile_copies_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // Waits until at most `kPending` committed groups are still in flight.
 template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
+__device__ __forceinline__ void tile_copies_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
@@ -112,26 +138,6 @@ struct LaneChunks {
     return row_address + static_cast<uint32_t>((2 * pair) & ~7) * 16 + offset[pair % 4];
   }
 };
-
-// Loads rows [row0, row0 + kRows) of a strided global array of 16-bit elements
-// (row r at src + r * row_stride elements, 8 * kChunks contiguous elements) into
-// `tile`; rows at or past `rows` read as zeros. All kThreads threads take part: each
-// copies one chunk column of every (kThreads / kChunks)-th row.
-template <int kRows, int kChunks, int kThreads>
-__device__ __forceinline__ void load_tile_async(SwizzledTile<kChunks> tile, const uint16_t* src, int64_t row_stride,
-                                                int64_t row0, int64_t rows) {
-  constexpr int kRowsPerPass = kThreads / kChunks;
-  static_assert(kThreads % kChunks == 0 && kRows % kRowsPerPass == 0, "whole passes");
-  const int r0 = static_cast<int>(threadIdx.x) / kChunks, c = static_cast<int>(threadIdx.x) % kChunks;
-  const uint16_t* p = src + (row0 + r0) * row_stride + c * 8;
-  const int64_t step = kRowsPerPass * row_stride;
-#pragma unroll
-  for (int k = 0; k < kRows / kRowsPerPass; ++k) {
-    const int r = r0 + k * kRowsPerPass;
-    const bool valid = row0 + r < rows;
-    cp_async_16(tile.row(r) + static_cast<uint32_t>((c ^ (r % 8)) * 16), valid ? p + k * step : src, valid);
-  }
-}
 
 // acc[t] (16 x 8 tiles t = 0 .. kCols/8) += X[x_row0 .. +16, :kDepth] * Y[0 .. kCols, :kDepth]^T,
 // X and Y rows in swizzled tiles (the scores S = Q K^T, and dP = dO V^T, for one warp;
@@ -180,12 +186,6 @@ __device__ __forceinline__ void warp_regs_times_rows(float (&acc)[kOut / 8][4], 
       mma_16816<ET>(acc[2 * dp + 1], a, b[2], b[3]);
     }
   }
-}
-
-template <int kTiles>
-__device__ __forceinline__ void zero(float (&acc)[kTiles][4]) {
-#pragma unroll
-  for (int t = 0; t < kTiles; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
 }
 
 }  // namespace flash

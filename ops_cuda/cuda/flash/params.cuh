@@ -4,11 +4,13 @@
 
 #include <cstdint>
 
+#include "fusedattn/gpu_runtime.h"
 #include "fusedattn/layout.h"
 #include "fusedattn/mask.h"
 #include "fusedattn/philox.h"
 #include "fusedattn/softmax.h"
 #include "spans.cuh"
+#include "tensor_core.cuh"
 
 namespace fusedattn {
 namespace flash {
@@ -86,21 +88,33 @@ __device__ __forceinline__ bool key_visible(const MaskParams& m, const HeadConte
   return j < seqlen_kv && visible(m, qt, c.kv_seg[j], c.kv_pos[j]);
 }
 
-// The dropout factors (0 or 1 / (1 - rate)) of a lane's four elements of one 16 x 8
-// accumulator tile whose rows are queries and columns keys: row_a is the lane's first row
-// (its second is row_a + 8) and col0 its first column (even); f[e] is element e's (e / 2:
-// row, e % 2: column). Lanes l and l ^ 1 need the same Philox counter group (four keys) in
-// both rows, so each draws one row and the pair swaps halves: one Philox evaluation per
-// lane and tile instead of two.
+// The dropout factors (0 or 1 / (1 - rate)) of a lane's four elements of one accumulator
+// tile whose rows are queries and columns keys: row_a is the lane's first row and col0 its
+// first column (even); f[e] is element e's. One Philox evaluation (a counter group: four
+// keys of one row) per lane and tile:
+//   NVIDIA: the lane holds two keys of a group in each of two rows (row_a, row_a + 8);
+//     lanes l and l ^ 1 need the same groups, so each draws one row and the pair swaps halves.
+//   AMD: the lane holds one whole group of one row.
 __device__ __forceinline__ void dropout_fragment(const AttentionParams& p, const HeadContext& c, int64_t h,
                                                  int64_t row_a, int64_t col0, float (&f)[4]) {
-  const bool odd = threadIdx.x & 1;  // an odd lane holds columns 2 and 3 of the group
-  const Philox4 d = dropout_draws(c.seed0, c.seed1, c.philox_batch, static_cast<uint32_t>(h),
-                                  static_cast<uint32_t>(row_a + (odd ? 8 : 0)), static_cast<uint32_t>(col0 >> 2));
-  const uint32_t got0 = __shfl_xor_sync(0xffffffffu, odd ? d.x[0] : d.x[2], 1);
-  const uint32_t got1 = __shfl_xor_sync(0xffffffffu, odd ? d.x[1] : d.x[3], 1);
-  const uint32_t own0 = odd ? d.x[2] : d.x[0], own1 = odd ? d.x[3] : d.x[1];
-  const uint32_t words[4] = {odd ? got0 : own0, odd ? got1 : own1, odd ? own0 : got0, odd ? own1 : got1};
+  uint32_t words[4];
+  if constexpr (kLaneRows == 2) {
+    const bool odd = threadIdx.x & 1;  // an odd lane holds columns 2 and 3 of the group
+    const Philox4 d = dropout_draws(c.seed0, c.seed1, c.philox_batch, static_cast<uint32_t>(h),
+                                    static_cast<uint32_t>(row_a + (odd ? 8 : 0)), static_cast<uint32_t>(col0 >> 2));
+    const uint32_t got0 = warp_shfl_xor(odd ? d.x[0] : d.x[2], 1);
+    const uint32_t got1 = warp_shfl_xor(odd ? d.x[1] : d.x[3], 1);
+    const uint32_t own0 = odd ? d.x[2] : d.x[0], own1 = odd ? d.x[3] : d.x[1];
+    words[0] = odd ? got0 : own0;
+    words[1] = odd ? got1 : own1;
+    words[2] = odd ? own0 : got0;
+    words[3] = odd ? own1 : got1;
+  } else {
+    const Philox4 d = dropout_draws(c.seed0, c.seed1, c.philox_batch, static_cast<uint32_t>(h),
+                                    static_cast<uint32_t>(row_a), static_cast<uint32_t>(col0 >> 2));
+#pragma unroll
+    for (int e = 0; e < 4; ++e) words[e] = d.x[e];
+  }
 #pragma unroll
   for (int e = 0; e < 4; ++e) f[e] = words[e] >= p.dropout_threshold ? p.dropout_scale : 0.0f;
 }

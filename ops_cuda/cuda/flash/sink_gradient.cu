@@ -16,14 +16,15 @@ __global__ void __launch_bounds__(256) sink_gradient_kernel(const FlashArgs a) {
     const int64_t at = bh * p.seqlen_q + i;
     sum -= softmax_sink_weight(p.softmax_type, c.sink, a.lse[at]) * a.delta[at];
   }
-  __shared__ float partial[8];
+  constexpr int kWarps = 256 / kWarpSize;
+  __shared__ float partial[kWarps];
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = sum;
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) sum += warp_shfl_xor(sum, offset);
+  if (threadIdx.x % kWarpSize == 0) partial[threadIdx.x / kWarpSize] = sum;
   __syncthreads();
   if (threadIdx.x == 0) {
     float total = 0.0f;
-    for (int w = 0; w < 8; ++w) total += partial[w];
+    for (int w = 0; w < kWarps; ++w) total += partial[w];
     a.d_offset[bh] = total;
   }
 }

@@ -5,16 +5,17 @@ namespace fusedattn {
 namespace flash {
 
 // Summarises one token row: spans [0, n_q) over the queries, then [n_q, n_q + n_kv) over
-// the keys. One warp per span; grid (token rows, ceil((n_q + n_kv) / warps per block)).
+// the keys. One team of 32 lanes (kSpanTokens: a warp on CUDA, half a wavefront on AMD) per
+// span; grid (token rows, ceil((n_q + n_kv) / teams per block)).
 __global__ void summarise_spans_kernel(const int32_t* q_seg, const int32_t* q_pos, const int32_t* q_diag,
                                 const int32_t* kv_seg, const int32_t* kv_pos, int64_t seqlen_q, int64_t seqlen_kv,
                                 Span* spans) {
   const int64_t n_q = (seqlen_q + kSpanTokens - 1) / kSpanTokens;
   const int64_t n_kv = (seqlen_kv + kSpanTokens - 1) / kSpanTokens;
-  const int64_t index = static_cast<int64_t>(blockIdx.y) * (blockDim.x / 32) + threadIdx.x / 32;
-  if (index >= n_q + n_kv) return;
+  const int64_t index = static_cast<int64_t>(blockIdx.y) * (blockDim.x / kSpanTokens) + threadIdx.x / kSpanTokens;
+  if (index >= n_q + n_kv) return;  // the whole team (on AMD, the other half of a wave64 goes on alone)
   const int64_t row = blockIdx.x;
-  const int lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % kSpanTokens;
   const bool query = index < n_q;
   const int64_t length = query ? seqlen_q : seqlen_kv;
   const int64_t token = (query ? index : index - n_q) * kSpanTokens + lane;
@@ -32,13 +33,13 @@ __global__ void summarise_spans_kernel(const int32_t* q_seg, const int32_t* q_po
   // skipping) and makes it incomplete (never "full").
   int32_t lo = !real ? INT_MAX : fits ? static_cast<int32_t>(coordinate) : INT_MIN;
   int32_t hi = !real ? INT_MIN : fits ? static_cast<int32_t>(coordinate) : INT_MAX;
-  const bool complete = __all_sync(0xffffffffu, real && fits);
+  const bool complete = team32_all(real && fits);
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    seg_lo = min(seg_lo, __shfl_xor_sync(0xffffffffu, seg_lo, offset));
-    seg_hi = max(seg_hi, __shfl_xor_sync(0xffffffffu, seg_hi, offset));
-    lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, offset));
-    hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, offset));
+  for (int offset = kSpanTokens / 2; offset > 0; offset /= 2) {
+    seg_lo = min(seg_lo, warp_shfl_xor(seg_lo, offset));
+    seg_hi = max(seg_hi, warp_shfl_xor(seg_hi, offset));
+    lo = min(lo, warp_shfl_xor(lo, offset));
+    hi = max(hi, warp_shfl_xor(hi, offset));
   }
   if (lane == 0) {
     Span s;
@@ -55,11 +56,11 @@ __global__ void summarise_spans_kernel(const int32_t* q_seg, const int32_t* q_po
 void launch_summarise_spans(gpuStream_t stream, const int32_t* q_seg, const int32_t* q_pos,
                                    const int32_t* q_diag, const int32_t* kv_seg, const int32_t* kv_pos,
                                    int64_t rows, int64_t seqlen_q, int64_t seqlen_kv, Span* spans) {
-  constexpr int kWarps = 8;
+  constexpr int kTeams = 8;
   const int64_t n = span_count(seqlen_q) + span_count(seqlen_kv);
   if (rows == 0 || n == 0) return;
-  const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>((n + kWarps - 1) / kWarps));
-  summarise_spans_kernel<<<grid, kWarps * 32, 0, stream>>>(q_seg, q_pos, q_diag, kv_seg, kv_pos, seqlen_q, seqlen_kv,
+  const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>((n + kTeams - 1) / kTeams));
+  summarise_spans_kernel<<<grid, kTeams * kSpanTokens, 0, stream>>>(q_seg, q_pos, q_diag, kv_seg, kv_pos, seqlen_q, seqlen_kv,
                                                     spans);
 }
 

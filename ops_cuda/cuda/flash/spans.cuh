@@ -115,10 +115,11 @@ __device__ __forceinline__ int next_tile(TileWindow<kThreads>& window, int after
       const int tile = t + static_cast<int>(threadIdx.x);
       TileRelation r{false, false};
       if (tile < n_tiles) r = relation(tile);
-      const uint32_t any = __ballot_sync(0xffffffffu, r.any), all = __ballot_sync(0xffffffffu, r.full);
-      if (threadIdx.x % 32 == 0) {
-        window.any[threadIdx.x / 32] = any;
-        window.full[threadIdx.x / 32] = all;
+      const auto any = warp_ballot(r.any), all = warp_ballot(r.full);
+      if (threadIdx.x % 32 == 0) {  // a word per 32 threads (a wave64 ballot holds two)
+        const int shift = threadIdx.x % kWarpSize / 32 * 32;
+        window.any[threadIdx.x / 32] = static_cast<uint32_t>(any >> shift);
+        window.full[threadIdx.x / 32] = static_cast<uint32_t>(all >> shift);
       }
       if (threadIdx.x == 0) window.base = t;
       __syncthreads();

@@ -367,17 +367,27 @@ auto bind_attrs(FfiBinding&& binding, Member attr, Members... rest) {
 
 enum class Pass { kForward, kBackward };
 
+// The flash op's attributes, in order, then `extra` ones.
+template <typename FfiBinding, typename... Extra>
+auto bind_attention_attrs(FfiBinding&& binding, Extra... extra) {
+  return bind_attrs(std::forward<FfiBinding>(binding), ffi::StructMember<float>("scale"),
+                    ffi::StructMember<bool>("causal"), ffi::StructMember<int64_t>("window_left"),
+                    ffi::StructMember<int64_t>("window_right"), ffi::StructMember<int32_t>("softmax_type"),
+                    ffi::StructMember<double>("dropout_rate"), extra...);
+}
+
 // The flash op's FFI signature: the forward binds 10 operands and 2 results,
 // the backward 13 and 4 (as listed above), each followed by kWorkspaces results that
-// serve the handler as scratch (the CUDA handlers' one uint8 workspace).
+// serve the handler as scratch (the CUDA handlers' one uint8 workspace). The backward
+// binds one attribute more, last: deterministic (bool, config deterministic_backward).
 template <Pass kPass, int kWorkspaces = 0, typename FfiBinding>
 auto bind_attention(FfiBinding&& binding) {
-  constexpr bool kForward = kPass == Pass::kForward;
-  return bind_attrs(bind_buffers<kForward ? 10 : 13, (kForward ? 2 : 4) + kWorkspaces>(
-                        std::forward<FfiBinding>(binding)),
-                    ffi::StructMember<float>("scale"), ffi::StructMember<bool>("causal"),
-                    ffi::StructMember<int64_t>("window_left"), ffi::StructMember<int64_t>("window_right"),
-                    ffi::StructMember<int32_t>("softmax_type"), ffi::StructMember<double>("dropout_rate"));
+  if constexpr (kPass == Pass::kForward) {
+    return bind_attention_attrs(bind_buffers<10, 2 + kWorkspaces>(std::forward<FfiBinding>(binding)));
+  } else {
+    return bind_attention_attrs(bind_buffers<13, 4 + kWorkspaces>(std::forward<FfiBinding>(binding)),
+                                ffi::StructMember<bool>("deterministic"));
+  }
 }
 
 }  // namespace fusedattn

@@ -1,6 +1,6 @@
 // One source for CUDA and HIP device code: the runtime API names, the stream
 // type the FFI hands us, the platform's name and kernel launch status for the
-// handlers' errors, the warp width, and warp shuffles.
+// handlers' errors, the warp width, and warp shuffles and votes.
 //
 // CUDA warps have 32 lanes; AMD CDNA wavefronts 64. Kernels size their lane
 // teams from kWarpSize, so one source serves both.
@@ -31,6 +31,7 @@ using gpuError_t = cudaError_t;
 #define gpuFuncAttributeMaxDynamicSharedMemorySize cudaFuncAttributeMaxDynamicSharedMemorySize
 #endif
 
+#include <cstdint>
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
@@ -61,12 +62,30 @@ __device__ __forceinline__ float warp_shfl(float value, int src) {
 #endif
 }
 
-// The value of lane (lane ^ mask) (all lanes take part).
-__device__ __forceinline__ float warp_shfl_xor(float value, int mask) {
+// The value of lane (lane ^ mask) (all lanes take part); T: float, int or unsigned int.
+template <typename T>
+__device__ __forceinline__ T warp_shfl_xor(T value, int mask) {
 #if defined(__HIPCC__)
   return __shfl_xor(value, mask, kWarpSize);
 #else
   return __shfl_xor_sync(0xffffffffu, value, mask, kWarpSize);
+#endif
+}
+
+// Bit l of the result: pred of lane l of the warp (all lanes take part).
+#if defined(__HIPCC__)
+__device__ __forceinline__ uint64_t warp_ballot(bool pred) { return __ballot(pred); }
+#else
+__device__ __forceinline__ uint32_t warp_ballot(bool pred) { return __ballot_sync(0xffffffffu, pred); }
+#endif
+
+// Whether pred holds on every lane of the caller's aligned team of 32 lanes (the whole warp
+// on CUDA, half a wavefront on AMD; all lanes of the warp take part).
+__device__ __forceinline__ bool team32_all(bool pred) {
+#if defined(__HIPCC__)
+  return static_cast<uint32_t>(__ballot(!pred) >> (threadIdx.x % kWarpSize / 32 * 32)) == 0;
+#else
+  return __all_sync(0xffffffffu, pred);
 #endif
 }
 

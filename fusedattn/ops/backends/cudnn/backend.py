@@ -52,6 +52,12 @@ class CudnnBackend:
     # FP8 (config.fp8.enabled): cuDNN's FP8 SDPA graphs (fp8_vjp.py), Hopper and newer.
     serves_fp8 = True
 
+    def masked_values_exact(self, spec: AttentionSpec, platform: str) -> bool:
+        # Measured on an H200 (benchmarks/probes/masked_values_probe.py): under causal and
+        # window masks a NaN value at a masked key reaches the output and a NaN key dQ;
+        # keys past a padded sequence's end never reach anything.
+        return not spec.mask.is_causal and spec.window_size == (-1, -1)
+
     def supports(self, spec: AttentionSpec, shapes: CallShapes | None, platform: str) -> str | None:
         platform = (platform or "").lower()
         if platform not in ("cuda", "gpu"):
@@ -107,7 +113,7 @@ class CudnnBackend:
                     f"{major}.{minor} cannot run this call: {why}")
         return None
 
-    def fp8_kernel(self, shapes: CallShapes, platform: str) -> str:
+    def fp8_kernel(self, spec: AttentionSpec, shapes: CallShapes | None, platform: str) -> str:
         """explain()'s note on what an FP8 call runs."""
         return ("cuDNN's FP8 SDPA graphs: q, k, v, P, O, dO, dS, dQ, dK, dV in FP8 with "
                 "per-tensor scales; probe passes where a scale needs this call's amax")

@@ -22,6 +22,7 @@
 
 #include "../softmax_tile.cuh"
 #include "primitives.cuh"
+#include "tiles.cuh"
 
 namespace fusedattn {
 namespace flash {
@@ -49,7 +50,6 @@ struct ForwardTiles {
   static constexpr int kConsumerRegisters = 240;
 };
 
-constexpr int kConsumersBarrier = 1;  // named barrier of the two consumer warpgroups
 // Named barriers 2 and 3: consumer warpgroup 0's and 1's turn to issue S = Q K^T. The
 // turns alternate, so that one warpgroup's softmax overlaps the other's products.
 constexpr int kTurnBarrier = 2;
@@ -75,62 +75,6 @@ struct Control {
   int32_t full[2];      // every (query, key) pair of the tile is visible
   int32_t padded[2];    // the tile may hold padding keys (segment id 0) within the sequence
 };
-
-// Zeroes the V rows of the padding keys (segment id 0) of the tile at v_tile (keys j0 ..
-// j0 + kN - 1), so that whatever they hold (even NaN or Inf) meets only zero weights: keys
-// that no query sees contribute nothing, as in the xla backend. Rows past the sequence end
-// are zero already (TMA). All consumer threads take part (index: consumer_thread); the
-// caller orders the stores before the products (fence_proxy_async, a barrier).
-template <int D>
-__device__ __forceinline__ void zero_padding_values(uint32_t v_tile, const int32_t* kv_seg, int64_t j0,
-                                                    int64_t seqlen_kv, int consumer_thread) {
-  using T = ForwardTiles<D>;
-  // A key's row is kThreadsPerRow runs of kChunks 16-byte chunks, each within one atom.
-  constexpr int kThreadsPerRow = T::kConsumerThreads / T::kN;
-  constexpr int kChunks = T::kAtoms * kAtomRowBytes / 16 / kThreadsPerRow;
-  static_assert(kThreadsPerRow * T::kN == T::kConsumerThreads && 8 % kChunks == 0, "whole runs in an atom");
-  const int row = consumer_thread / kThreadsPerRow, first = (consumer_thread % kThreadsPerRow) * kChunks;
-  const int64_t j = j0 + row;
-  if (j < seqlen_kv && kv_seg[j] == 0) {
-    const uint32_t address = v_tile + (first / 8) * T::kN * kAtomRowBytes + row * kAtomRowBytes + (first % 8) * 16;
-#pragma unroll
-    for (int k = 0; k < kChunks; ++k) store_zero_16(address + 16 * k);
-  }
-}
-
-// The producer warp's view of the key tiles: the relations of the 32 tiles from `first`
-// (one lane each, spans.cuh), as bit masks; refilled when the search leaves them.
-struct TileScan {
-  int first;
-  uint32_t any, full, padded;
-};
-
-// The first tile t > after with relation(t).any, or n_tiles; warp-wide (every lane gets it).
-template <int D>
-__device__ __forceinline__ int next_visible(TileScan& scan, int after, int n_tiles, const MaskParams& mask,
-                                            const Span& q_span, const HeadContext& c) {
-  using T = ForwardTiles<D>;
-  for (int t = after + 1; t < n_tiles;) {
-    if (t >= scan.first + 32) {
-      scan.first = t;
-      const int mine = t + static_cast<int>(threadIdx.x % 32);
-      TileRelation r{false, false};
-      bool complete = true;
-      if (mine < n_tiles) {
-        const Span kv = tile_span(c.kv_spans, c.n_kv_spans, static_cast<int64_t>(mine) * T::kN, T::kN);
-        r = relate(mask, q_span, kv);
-        complete = kv.complete != 0;
-      }
-      scan.any = __ballot_sync(0xffffffffu, r.any);
-      scan.full = __ballot_sync(0xffffffffu, r.full);
-      scan.padded = __ballot_sync(0xffffffffu, !complete);
-    }
-    const uint32_t ahead = scan.any >> (t - scan.first);
-    if (ahead) return t + __ffs(ahead) - 1;
-    t = scan.first + 32;
-  }
-  return n_tiles;
-}
 
 // The producer: warp 0 (lane 0 issues the copies and publishes the tiles).
 template <int D>
@@ -158,7 +102,11 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
   TileScan scan{-32, 0u, 0u, 0u};
   int t = -1;
   for (int i = 0;; ++i) {
-    t = next_visible<D>(scan, t, n_tiles, p.mask, q_span, c);
+    t = next_visible(scan, t, n_tiles, [&](int tile, bool* complete) {
+      const Span kv = tile_span(c.kv_spans, c.n_kv_spans, static_cast<int64_t>(tile) * T::kN, T::kN);
+      *complete = kv.complete != 0;
+      return relate(p.mask, q_span, kv);
+    });
     const int s = i % T::kStages;
     const uint32_t released = (i / T::kStages - 1) & 1;  // parity of the release of tile i - kStages
     if (i >= T::kStages) mbarrier_wait(smem_address(&control->k_empty[s]), released);
@@ -229,8 +177,8 @@ __device__ __forceinline__ void consume(const FlashArgs& a, uint32_t base, Contr
     const int s = i % T::kStages;
     mbarrier_wait(smem_address(&control->v_full[s]), (i / T::kStages) & 1);
     if (padded) {
-      zero_padding_values<D>(v_tile(s), c.kv_seg, static_cast<int64_t>(t) * T::kN, p.seqlen_kv,
-                             static_cast<int>(threadIdx.x) - 128);
+      zero_padding_rows<T::kN, T::kAtoms, T::kConsumerThreads>(v_tile(s), c.kv_seg, static_cast<int64_t>(t) * T::kN,
+                                                               p.seqlen_kv, static_cast<int>(threadIdx.x) - 128);
       fence_proxy_async();
       named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
     }
@@ -242,12 +190,7 @@ __device__ __forceinline__ void consume(const FlashArgs& a, uint32_t base, Contr
     fence_accumulators(o);
     named_barrier_sync(kTurnBarrier + cw, T::kConsumerThreads);
     cute::warpgroup_arrive();
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      const uint32_t column = (ks % 4) * 32;  // 16 columns of the atom, in bytes
-      gmma_ss<ET, T::kN>(k_major_descriptor(q_rows + (ks / 4) * T::kM * kAtomRowBytes + column),
-                         k_major_descriptor(k_tile + (ks / 4) * T::kN * kAtomRowBytes + column), scores, ks > 0);
-    }
+    gmma_rows_times_rows<ET, T::kN, D>(q_rows, T::kM * kAtomRowBytes, k_tile, T::kN * kAtomRowBytes, scores);
     cute::warpgroup_commit_batch();
   };
   // O += P V of tile i (one commit group).

@@ -1,7 +1,10 @@
-// Definition of sm90::launch_forward (launch.h), included by forward_d<D>.cu only.
+// Definitions of sm90::launch_forward and sm90::launch_backward (launch.h), included by
+// forward_d<D>.cu and backward_d<D>.cu only.
 #ifndef FUSEDATTN_FLASH_SM90_KERNELS_CUH_
 #define FUSEDATTN_FLASH_SM90_KERNELS_CUH_
 
+#include "../kernels.cuh"
+#include "backward.cuh"
 #include "forward.cuh"
 #include "launch.h"
 #include "tensor_map.h"
@@ -31,8 +34,43 @@ std::string forward(gpuStream_t stream, const FlashArgs& a) {
 
 template <int D>
 std::string launch_forward(gpuStream_t stream, const FlashArgs& a, ElementType type) {
-  return type == ElementType::kBF16 ? forward<ElementType::kBF16, D>(stream, a)
-                                    : forward<ElementType::kF16, D>(stream, a);
+  return type == ElementType::kBF16 ? sm90::forward<ElementType::kBF16, D>(stream, a)
+                                    : sm90::forward<ElementType::kF16, D>(stream, a);
+}
+
+template <ElementType ET, int D>
+std::string backward(gpuStream_t stream, const FlashArgs& a, float* dq_accum) {
+  using T = BackwardTiles<D>;
+  const AttentionParams& p = a.p;
+  BackwardArgs args;
+  args.a = a;
+  args.dq_accum = dq_accum;
+  std::string error = encode_tile_map(&args.q_map, a.q, p.batch, p.seqlen_q, p.heads, D, T::kM);
+  if (error.empty()) error = encode_tile_map(&args.do_map, a.dout, p.batch, p.seqlen_q, p.heads, D, T::kM);
+  if (error.empty()) error = encode_tile_map(&args.k_map, a.k, p.batch, p.seqlen_kv, p.kv_heads, D, T::kN);
+  if (error.empty()) error = encode_tile_map(&args.v_map, a.v, p.batch, p.seqlen_kv, p.kv_heads, D, T::kN);
+  if (!error.empty()) return error;
+  flash::backward_prologue<ET, D>(stream, a);
+  const int64_t elements = p.batch * p.seqlen_q * p.heads * D;
+  gpuMemsetAsync(dq_accum, 0, sizeof(float) * elements, stream);
+  const int64_t blocks = (p.seqlen_kv + T::kN - 1) / T::kN * p.kv_heads * p.batch;
+  if (blocks > 0) {
+    const auto kernel = backward_kernel<ET, D>;
+    gpuFuncSetAttribute(reinterpret_cast<const void*>(kernel), gpuFuncAttributeMaxDynamicSharedMemorySize,
+                        T::kSharedBytes);
+    kernel<<<static_cast<unsigned>(blocks), T::kThreads, T::kSharedBytes, stream>>>(args);
+  }
+  const int64_t convert_blocks = std::min<int64_t>((elements / 4 + 255) / 256, 65536);
+  if (convert_blocks > 0) {
+    dq_convert_kernel<ET><<<static_cast<unsigned>(convert_blocks), 256, 0, stream>>>(dq_accum, a.dq, elements, p.scale);
+  }
+  return "";
+}
+
+template <int D>
+std::string launch_backward(gpuStream_t stream, const FlashArgs& a, ElementType type, float* dq_accum) {
+  return type == ElementType::kBF16 ? sm90::backward<ElementType::kBF16, D>(stream, a, dq_accum)
+                                    : sm90::backward<ElementType::kF16, D>(stream, a, dq_accum);
 }
 
 }  // namespace sm90

@@ -1,5 +1,6 @@
-// Launchers of the Hopper (sm_90a) flash kernels (forward.cuh), one source per head dim
-// (forward_d<D>.cu); built when 90 is in FUSEDATTN_CUDA_ARCHS (FUSEDATTN_FLASH_SM90).
+// Launchers of the Hopper (sm_90a) flash kernels (forward.cuh, backward.cuh), one source per
+// kernel and head dim (forward_d<D>.cu, backward_d<D>.cu); built when 90 is in
+// FUSEDATTN_CUDA_ARCHS (FUSEDATTN_FLASH_SM90).
 #ifndef FUSEDATTN_FLASH_SM90_LAUNCH_H_
 #define FUSEDATTN_FLASH_SM90_LAUNCH_H_
 
@@ -18,6 +19,14 @@ namespace sm90 {
 // driver refused a TMA descriptor); kernel errors surface through the stream's last error.
 template <int D>
 std::string launch_forward(gpuStream_t stream, const FlashArgs& a, ElementType type);
+
+// Launches the backward of head dim D (64 or 128: BackwardTiles) on a device of compute
+// capability 9.0: the prologue of every backward (a.delta, a.d_offset), the sm_90a kernel,
+// whose dQ sums in dq_accum (float32 [B, Sq, H, D], zeroed here), and dq from that sum.
+// Needs a.spans summarised first and Sq, Skv > 0 (TMA describes no empty tensor). Returns ""
+// or why it could not launch; kernel errors surface through the stream's last error.
+template <int D>
+std::string launch_backward(gpuStream_t stream, const FlashArgs& a, ElementType type, float* dq_accum);
 
 }  // namespace sm90
 }  // namespace flash

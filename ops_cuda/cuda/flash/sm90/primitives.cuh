@@ -78,6 +78,12 @@ __device__ __forceinline__ void store_zero_16(uint32_t address) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(address), "r"(0) : "memory");
 }
 
+// Adds (a, b) to the two floats at `address` (global memory, 8-byte aligned) atomically,
+// returning nothing (one vector reduction, sm_90).
+__device__ __forceinline__ void red_add_v2(float* address, float a, float b) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(address), "f"(a), "f"(b) : "memory");
+}
+
 // ---- TMA ---------------------------------------------------------------------
 
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
@@ -141,6 +147,8 @@ struct Gmma;
                                                                  cute::SM90::GMMA::Major::K>;                  \
     using RS = cute::SM90::GMMA::MMA_64x##N##x16_F32##TYPES##_RS<cute::SM90::GMMA::Major::K,                   \
                                                                  cute::SM90::GMMA::Major::MN>;                 \
+    using SSMN = cute::SM90::GMMA::MMA_64x##N##x16_F32##TYPES##_SS<cute::SM90::GMMA::Major::MN,                \
+                                                                   cute::SM90::GMMA::Major::MN>;               \
   };
 FUSEDATTN_SM90_GMMA(ElementType::kBF16, BF16BF16, 32)
 FUSEDATTN_SM90_GMMA(ElementType::kBF16, BF16BF16, 64)
@@ -169,6 +177,26 @@ __device__ __forceinline__ void gmma_rs_impl(const uint32_t (&a)[4], uint64_t b,
 template <ElementType ET, int N>
 __device__ __forceinline__ void gmma_ss(uint64_t a, uint64_t b, float (&acc)[N / 8][4], bool accumulate) {
   gmma_ss_impl<typename Gmma<ET, N>::SS>(a, b, acc, accumulate, std::make_index_sequence<N / 2>{});
+}
+
+// acc (64 x N) = A B^T over kDepth columns: A [64 x kDepth] and B [N x kDepth] K-major tiles
+// of kDepth / 64 swizzle atoms, a_atom and b_atom bytes apart, from row 0 at a and b.
+template <ElementType ET, int N, int kDepth>
+__device__ __forceinline__ void gmma_rows_times_rows(uint32_t a, uint32_t a_atom, uint32_t b, uint32_t b_atom,
+                                                     float (&acc)[N / 8][4]) {
+#pragma unroll
+  for (int ks = 0; ks < kDepth / 16; ++ks) {
+    const uint32_t column = (ks % 4) * 32;  // 16 columns of the atom, in bytes
+    gmma_ss<ET, N>(k_major_descriptor(a + (ks / 4) * a_atom + column),
+                   k_major_descriptor(b + (ks / 4) * b_atom + column), acc, ks > 0);
+  }
+}
+
+// acc (64 x N) = A B (+ acc when accumulate): A [64 x 16] and B [16 x N] MN-major in shared
+// memory (mn_major_descriptor; A's 64 columns one swizzle atom).
+template <ElementType ET, int N>
+__device__ __forceinline__ void gmma_ss_mn(uint64_t a, uint64_t b, float (&acc)[N / 8][4], bool accumulate) {
+  gmma_ss_impl<typename Gmma<ET, N>::SSMN>(a, b, acc, accumulate, std::make_index_sequence<N / 2>{});
 }
 
 // acc (64 x N) += A B: A [64 x 16] from registers (the mma.sync A fragment layout, per

@@ -1,0 +1,421 @@
+// The flash backward for Hopper (sm_90a): the gradients of ../backward.cuh (the same
+// contract: P recomputed from the saved lse, +inf for a row without visible keys giving
+// P = 0; delta = rowsum(dO o O) and the sink's gradient from the shared prologue) from
+// warpgroup matrix products, in the FlashAttention-3 arrangement.
+//
+// A block owns kN = 128 keys of one (batch row, K/V head) and has three warpgroups:
+//   warpgroup 0, the producer: one thread loads the block's K and V tiles once, then, for
+//     each (query head of the GQA group, query tile of kM = 64) that some of the keys can
+//     see (one warp searches them, ../spans.cuh, 32 at a time), that tile's Q and dO with
+//     TMA into a ring of two stages on mbarriers, with the tile's rows of lse and delta
+//     (the warp's lanes), publishing the tile, whether every pair is visible and whether
+//     it may hold padding queries; -1 ends the loop.
+//   warpgroups 1 and 2, the consumers, 64 keys each, per query tile:
+//     S^T = K Q^T and dP^T = V dO^T (wgmma, both operands in shared memory);
+//     P^T = exp(scale S^T - lse) (masked elements set to 0 by selection);
+//     dS^T = P^T o (dP^T - delta) (with dropout: P^T o (drop o dP^T - delta), and P^T o drop
+//       for dV, the shared Philox element by element);
+//     dV += P^T dO and dK += dS^T Q (wgmma, P^T and dS^T from registers), float32 registers
+//       for the whole block;
+//     dS^T to shared memory (two buffers), then dQ_tile = dS K, each consumer half of the
+//     head dim (wgmma, both operands in shared memory), added to a float32 [b, sq, h, d]
+//     workspace with atomics (red.global.add): dQ is not bitwise repeatable.
+// A last kernel writes dq = scale * that sum in the element type. Padding tokens (segment
+// id 0) have their K, V, Q and dO rows zeroed in shared memory, so that garbage there
+// (even NaN) reaches no gradient.
+#ifndef FUSEDATTN_FLASH_SM90_BACKWARD_CUH_
+#define FUSEDATTN_FLASH_SM90_BACKWARD_CUH_
+
+#include <cmath>
+
+#include "../backward.cuh"
+#include "primitives.cuh"
+#include "tiles.cuh"
+
+namespace fusedattn {
+namespace flash {
+namespace sm90 {
+
+// The barriers and the published query tiles, after the operand tiles in shared memory.
+struct BackwardControl {
+  uint64_t kv_full;
+  uint64_t full[2];   // Q and dO of the stage
+  uint64_t empty[2];  // released by the consumers once dV and dK have read them
+  int32_t unit[2];    // query head in the group * query tiles + query tile; -1: no more
+  int32_t all_visible[2];
+  int32_t padded[2];  // the query tile may hold padding queries (segment id 0)
+  // Per stage and query of the tile: lse * log2(e) and delta (+inf and 0 past the end and
+  // for padding queries: P = 0 and dS = 0 whatever dO holds there).
+  float lse_log2[2][64];
+  float delta[2][64];
+};
+
+template <int D>
+struct BackwardTiles {
+  static constexpr int kN = 128;            // keys per block
+  static constexpr int kConsumerKeys = 64;  // per consumer warpgroup
+  static constexpr int kM = 64;             // queries per streamed tile (one swizzle atom of dS^T)
+  static constexpr int kStages = 2;
+  static constexpr int kThreads = 384;
+  static constexpr int kConsumerThreads = 256;
+  static constexpr int kAtoms = D / kAtomColumns;
+  static constexpr int kDqColumns = D / 2;  // of dQ, per consumer warpgroup
+  static constexpr int kKeyBytes = kN * D * 2;    // K or V
+  static constexpr int kQueryBytes = kM * D * 2;  // a Q or dO tile
+  static constexpr int kDsBytes = kN * kM * 2;    // dS^T [kN keys x kM queries]
+  static constexpr int kKOffset = 0;
+  static constexpr int kVOffset = kKeyBytes;
+  static constexpr int kQOffset = 2 * kKeyBytes;  // stage s at + s * kQueryBytes
+  static constexpr int kDoOffset = kQOffset + kStages * kQueryBytes;
+  static constexpr int kDsOffset = kDoOffset + kStages * kQueryBytes;  // two buffers
+  static constexpr int kControlOffset = kDsOffset + 2 * kDsBytes;
+  // 1024: room to align the start (the swizzle atoms need 1024-byte alignment).
+  static constexpr int kSharedBytes = kControlOffset + static_cast<int>(sizeof(BackwardControl)) + 1024;
+  // 24 + 2 x 240 = 3 x 168 (the registers at entry): setmaxnreg.inc waits until the
+  // block's pool holds what it asks for, so a larger producer share would hang the block.
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+  static_assert(kM == kAtomColumns, "dS^T is one swizzle atom wide");
+  static_assert(kStages == 2 && kM == 64, "BackwardControl's arrays");
+};
+
+// The kernel's arguments: the call, the float32 dQ accumulator and TMA descriptors of q,
+// dout (boxes of kM rows), k and v (kN rows); a __grid_constant__ parameter.
+struct BackwardArgs {
+  CUtensorMap q_map;
+  CUtensorMap do_map;
+  CUtensorMap k_map;
+  CUtensorMap v_map;
+  FlashArgs a;
+  float* dq_accum;  // [B, Sq, H, D], zero before the kernel
+};
+
+// The producer: warp 0 (lane 0 issues the copies and publishes the tiles).
+template <int D>
+__device__ __forceinline__ void produce_backward(const BackwardArgs& args, uint32_t base, BackwardControl* control,
+                                                 int64_t b, int64_t g, int64_t n0) {
+  using T = BackwardTiles<D>;
+  const AttentionParams& p = args.a.p;
+  const int64_t group = p.heads / p.kv_heads;
+  const HeadContext c = head_context(args.a, b, g * group);  // the token row: shared by the group
+  const bool leader = threadIdx.x == 0;
+  if (leader) {
+    prefetch_tensor_map(&args.q_map);
+    prefetch_tensor_map(&args.do_map);
+    prefetch_tensor_map(&args.k_map);
+    prefetch_tensor_map(&args.v_map);
+    const uint32_t bar = smem_address(&control->kv_full);
+    mbarrier_arrive_expect_tx(bar, 2 * T::kKeyBytes);
+#pragma unroll
+    for (int atom = 0; atom < T::kAtoms; ++atom) {
+      tma_load_4d(base + T::kKOffset + atom * T::kN * kAtomRowBytes, &args.k_map, bar, atom * kAtomColumns,
+                  static_cast<int>(g), static_cast<int>(n0), static_cast<int>(b));
+      tma_load_4d(base + T::kVOffset + atom * T::kN * kAtomRowBytes, &args.v_map, bar, atom * kAtomColumns,
+                  static_cast<int>(g), static_cast<int>(n0), static_cast<int>(b));
+    }
+  }
+  const Span kv_span = tile_span(c.kv_spans, c.n_kv_spans, n0, T::kN);
+  const int n_q_tiles = static_cast<int>((p.seqlen_q + T::kM - 1) / T::kM);
+  const int n_units = static_cast<int>(group) * n_q_tiles;
+  TileScan scan{-32, 0u, 0u, 0u};
+  int u = -1;
+  for (int i = 0;; ++i) {
+    u = next_visible(scan, u, n_units, [&](int unit, bool* complete) {
+      const Span q = tile_span(c.q_spans, c.n_q_spans, static_cast<int64_t>(unit % n_q_tiles) * T::kM, T::kM);
+      *complete = q.complete != 0;
+      return relate(p.mask, q, kv_span);
+    });
+    const int s = i % T::kStages;
+    if (i >= T::kStages) mbarrier_wait(smem_address(&control->empty[s]), (i / T::kStages - 1) & 1);
+    if (u < n_units) {  // the tile's rows of lse and delta, two queries a lane, before the leader arrives
+      const int64_t h = g * group + u / n_q_tiles, m0 = static_cast<int64_t>(u % n_q_tiles) * T::kM;
+      const int64_t row = (b * p.heads + h) * p.seqlen_q;
+#pragma unroll
+      for (int k = 0; k < T::kM / 32; ++k) {
+        const int q = static_cast<int>(threadIdx.x % 32) + 32 * k;
+        // A padding query sees no key (P = 0); its delta, from garbage dO, may be NaN.
+        const bool real = m0 + q < p.seqlen_q && c.q_seg[m0 + q] != 0;
+        control->lse_log2[s][q] = real ? args.a.lse[row + m0 + q] * kLog2e : INFINITY;
+        control->delta[s][q] = real ? args.a.delta[row + m0 + q] : 0.0f;
+      }
+    }
+    __syncwarp();
+    if (leader && u >= n_units) {
+      control->unit[s] = -1;
+      mbarrier_arrive(smem_address(&control->full[s]));
+    } else if (leader) {
+      const int bit = u - scan.first;
+      control->unit[s] = u;
+      control->all_visible[s] = (scan.full >> bit) & 1u;
+      control->padded[s] = (scan.padded >> bit) & 1u;
+      const int h = static_cast<int>(g * group) + u / n_q_tiles, m0 = (u % n_q_tiles) * T::kM;
+      const uint32_t bar = smem_address(&control->full[s]);
+      mbarrier_arrive_expect_tx(bar, 2 * T::kQueryBytes);
+#pragma unroll
+      for (int atom = 0; atom < T::kAtoms; ++atom) {
+        const uint32_t offset = s * T::kQueryBytes + atom * T::kM * kAtomRowBytes;
+        tma_load_4d(base + T::kQOffset + offset, &args.q_map, bar, atom * kAtomColumns, h, m0, static_cast<int>(b));
+        tma_load_4d(base + T::kDoOffset + offset, &args.do_map, bar, atom * kAtomColumns, h, m0,
+                    static_cast<int>(b));
+      }
+    }
+    __syncwarp();  // the lanes stay in step (next_visible is warp-wide)
+    if (u >= n_units) return;
+  }
+}
+
+// Bit 4 n + e set where element (n, e) of a lane's [16 x kCols] fragment satisfies pred(n, e)
+// (kCols <= 64). The loop over n is not unrolled, so that the predicate (the mask's token
+// loads, a Philox draw) holds few registers at a time beside the accumulators.
+template <int kCols, typename Pred>
+__device__ __forceinline__ uint32_t fragment_bits(Pred pred) {
+  static_assert(kCols <= 64, "one bit per element of a 32-bit word");
+  uint32_t bits = 0;
+#pragma unroll 1
+  for (int n = 0; n < kCols / 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) bits |= static_cast<uint32_t>(pred(n, e)) << (4 * n + e);
+  }
+  return bits;
+}
+
+// Packs a warp's [16 x kCols] float fragments into the A operands (16 x 16 each) of a
+// product from registers (mma.cuh: two adjacent C tiles make one A fragment).
+template <ElementType ET, int kCols>
+__device__ __forceinline__ void pack_operand(const float (&x)[kCols / 8][4], uint32_t (&a)[kCols / 16][4]) {
+#pragma unroll
+  for (int ks = 0; ks < kCols / 16; ++ks) {
+    a[ks][0] = pack2<ET>(x[2 * ks][0], x[2 * ks][1]);
+    a[ks][1] = pack2<ET>(x[2 * ks][2], x[2 * ks][3]);
+    a[ks][2] = pack2<ET>(x[2 * ks + 1][0], x[2 * ks + 1][1]);
+    a[ks][3] = pack2<ET>(x[2 * ks + 1][2], x[2 * ks + 1][3]);
+  }
+}
+
+// Stores a warp's dS^T operands (rows: keys row0 + lane/4 (+8), columns: the kM queries) into
+// the swizzled one-atom tile at ds (row r at ds + 128 r, chunk c at (c ^ r % 8) * 16).
+template <int kM>
+__device__ __forceinline__ void store_scores_t(uint32_t ds, int row0, int lane, const uint32_t (&a)[kM / 16][4]) {
+#pragma unroll
+  for (int ks = 0; ks < kM / 16; ++ks) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int r = row0 + lane / 4 + 8 * (j % 2), chunk = 2 * ks + j / 2;
+      const uint32_t address = ds + r * kAtomRowBytes + ((chunk ^ (r % 8)) << 4) + (lane % 4) * 4;
+      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(address), "r"(a[ks][j]) : "memory");
+    }
+  }
+}
+
+// One consumer warpgroup (index cw, 0 or 1): keys n0 + 64 cw .. + 63.
+template <ElementType ET, int D>
+__device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint32_t base, BackwardControl* control,
+                                                 int64_t b, int64_t g, int64_t n0, int cw) {
+  using T = BackwardTiles<D>;
+  const FlashArgs& a = args.a;
+  const AttentionParams& p = a.p;
+  const int64_t group = p.heads / p.kv_heads;
+  const int n_q_tiles = static_cast<int>((p.seqlen_q + T::kM - 1) / T::kM);
+  // The token row and dropout key (shared by the group), derived where used (from the
+  // kernel's parameters): kept in registers across the loop, they crowded the accumulators.
+  const auto context = [&] { return head_context(a, b, g * group); };
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int consumer_thread = static_cast<int>(threadIdx.x) - 128;
+  const FragmentCoords at{n0 + T::kConsumerKeys * cw + 16 * warp, 0, lane};  // rows: keys
+  float dk[D / 8][4], dv[D / 8][4];
+  zero(dk);
+  zero(dv);
+  const uint32_t k_tile = base + T::kKOffset, v_tile = base + T::kVOffset;
+  const uint32_t k_rows = k_tile + cw * T::kConsumerKeys * kAtomRowBytes;
+  const uint32_t v_rows = v_tile + cw * T::kConsumerKeys * kAtomRowBytes;
+  // dQ's columns of this warpgroup in the K tile (B of dQ = dS K): atom, and bytes into it.
+  const uint32_t k_columns = k_tile + (cw * T::kDqColumns / kAtomColumns) * T::kN * kAtomRowBytes +
+                             (cw * T::kDqColumns % kAtomColumns) * 2;
+
+  mbarrier_wait(smem_address(&control->kv_full), 0);
+  if (const HeadContext c = context(); !tile_span(c.kv_spans, c.n_kv_spans, n0, T::kN).complete) {
+    zero_padding_rows<T::kN, T::kAtoms, T::kConsumerThreads>(k_tile, c.kv_seg, n0, p.seqlen_kv, consumer_thread);
+    zero_padding_rows<T::kN, T::kAtoms, T::kConsumerThreads>(v_tile, c.kv_seg, n0, p.seqlen_kv, consumer_thread);
+    fence_proxy_async();
+    named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
+  }
+  const float scale_log2 = p.scale * kLog2e;
+  for (int i = 0;; ++i) {
+    const int s = i % T::kStages;
+    mbarrier_wait(smem_address(&control->full[s]), (i / T::kStages) & 1);
+    const int u = control->unit[s];
+    if (u < 0) break;
+    const bool all_visible = control->all_visible[s] != 0;
+    const int64_t h = g * group + u / n_q_tiles, m0 = static_cast<int64_t>(u % n_q_tiles) * T::kM;
+    const uint32_t q_tile = base + T::kQOffset + s * T::kQueryBytes;
+    const uint32_t do_tile = base + T::kDoOffset + s * T::kQueryBytes;
+    if (control->padded[s] != 0) {
+      const HeadContext c = context();
+      zero_padding_rows<T::kM, T::kAtoms, T::kConsumerThreads>(q_tile, c.q_seg, m0, p.seqlen_q, consumer_thread);
+      zero_padding_rows<T::kM, T::kAtoms, T::kConsumerThreads>(do_tile, c.q_seg, m0, p.seqlen_q, consumer_thread);
+      fence_proxy_async();
+      named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
+    }
+
+    // S^T = K Q^T and dP^T = V dO^T: two commit groups.
+    float st[T::kM / 8][4], dpt[T::kM / 8][4];
+    fence_accumulators(st);
+    fence_accumulators(dpt);
+    cute::warpgroup_arrive();
+    gmma_rows_times_rows<ET, T::kM, D>(k_rows, T::kN * kAtomRowBytes, q_tile, T::kM * kAtomRowBytes, st);
+    cute::warpgroup_commit_batch();
+    gmma_rows_times_rows<ET, T::kM, D>(v_rows, T::kN * kAtomRowBytes, do_tile, T::kM * kAtomRowBytes, dpt);
+    cute::warpgroup_commit_batch();
+
+    const float* lse_log2 = control->lse_log2[s] + 2 * (lane % 4);  // + 8 n + e: query column (n, e)
+    const float* delta = control->delta[s] + 2 * (lane % 4);
+    const FragmentCoords qc{at.row0, m0, lane};  // columns: queries
+
+    cute::warpgroup_wait<1>();
+    fence_accumulators(st);
+#pragma unroll
+    for (int n = 0; n < T::kM / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[n][e] = exp2f(st[n][e] * scale_log2 - lse_log2[8 * n + e % 2]);
+    }
+    if (!all_visible) {
+      const HeadContext c = context();
+      const KeyRows keys = key_rows(c, at, p.seqlen_kv);
+      const uint32_t seen = fragment_bits<T::kM>([&](int n, int e) {
+        return visible(p.mask, query_token(c, qc.col(n, e), p.seqlen_q), keys.seg[e / 2], keys.pos[e / 2]);
+      });
+      mask_fragment(st, 0.0f, [&](int n, int e) { return ((seen >> (4 * n + e)) & 1u) != 0; });
+    }
+    cute::warpgroup_wait<0>();
+    fence_accumulators(dpt);
+    // st: P^T; then dS^T = P^T o (drop o dP^T - delta) into dpt, and st: (P o drop)^T
+    if (p.dropout) {
+      const HeadContext c = context();
+      const uint32_t kept = fragment_bits<T::kM>([&](int n, int e) {
+        return dropout_factor(p, c, h, qc.col(n, e), qc.row(e)) != 0.0f;
+      });
+#pragma unroll
+      for (int n = 0; n < T::kM / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float f = ((kept >> (4 * n + e)) & 1u) != 0 ? p.dropout_scale : 0.0f;
+          dpt[n][e] = st[n][e] * (f * dpt[n][e] - delta[8 * n + e % 2]);
+          st[n][e] *= f;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int n = 0; n < T::kM / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dpt[n][e] = st[n][e] * (dpt[n][e] - delta[8 * n + e % 2]);
+      }
+    }
+    uint32_t weights[T::kM / 16][4], scores[T::kM / 16][4];  // (P o drop)^T and dS^T as A operands
+    pack_operand<ET, T::kM>(st, weights);
+    pack_operand<ET, T::kM>(dpt, scores);
+    const uint32_t ds_tile = base + T::kDsOffset + (i % 2) * T::kDsBytes;
+    store_scores_t<T::kM>(ds_tile, T::kConsumerKeys * cw + 16 * warp, lane, scores);
+
+    // dV += (P o drop)^T dO and dK += dS^T Q: two commit groups.
+    fence_accumulators(dv);
+    fence_accumulators(dk);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int ks = 0; ks < T::kM / 16; ++ks) {
+      gmma_rs<ET, D>(weights[ks], mn_major_descriptor(do_tile + ks * 16 * kAtomRowBytes, T::kM * kAtomRowBytes),
+                     dv);
+    }
+    cute::warpgroup_commit_batch();
+#pragma unroll
+    for (int ks = 0; ks < T::kM / 16; ++ks) {
+      gmma_rs<ET, D>(scores[ks], mn_major_descriptor(q_tile + ks * 16 * kAtomRowBytes, T::kM * kAtomRowBytes), dk);
+    }
+    cute::warpgroup_commit_batch();
+
+    // Both warpgroups' dS^T stored (the buffer's previous reader, two tiles back, is done:
+    // each warpgroup waits for its dQ product before this barrier of the next tile).
+    fence_proxy_async();
+    named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
+    // dQ_tile [kM x kDqColumns] = dS K: A = dS (MN-major: dS^T's rows are keys), B = K's columns.
+    float dq[T::kDqColumns / 8][4];
+    fence_accumulators(dq);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int ks = 0; ks < T::kN / 16; ++ks) {
+      gmma_ss_mn<ET, T::kDqColumns>(mn_major_descriptor(ds_tile + ks * 16 * kAtomRowBytes, T::kDsBytes),
+                                    mn_major_descriptor(k_columns + ks * 16 * kAtomRowBytes, T::kN * kAtomRowBytes),
+                                    dq, ks > 0);
+    }
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<1>();  // dV and dK have read Q and dO: the stage goes back
+    fence_accumulators(dv);
+    fence_accumulators(dk);
+    mbarrier_arrive(smem_address(&control->empty[s]));
+    cute::warpgroup_wait<0>();
+    fence_accumulators(dq);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t qi = m0 + 16 * warp + lane / 4 + 8 * half;
+      if (qi >= p.seqlen_q) continue;
+      float* dst = args.dq_accum + ((b * p.seqlen_q + qi) * p.heads + h) * D + cw * T::kDqColumns + 2 * (lane % 4);
+#pragma unroll
+      for (int t = 0; t < T::kDqColumns / 8; ++t) red_add_v2(dst + 8 * t, dq[t][2 * half], dq[t][2 * half + 1]);
+    }
+  }
+  const int64_t kv_stride = p.kv_heads * D;
+  uint16_t* const dk_row = a.dk + (b * p.seqlen_kv * p.kv_heads + g) * D;
+  uint16_t* const dv_row = a.dv + (b * p.seqlen_kv * p.kv_heads + g) * D;
+  store_rows<ET>(dk, {p.scale, p.scale}, dk_row, kv_stride, at, p.seqlen_kv);
+  store_rows<ET>(dv, {1.0f, 1.0f}, dv_row, kv_stride, at, p.seqlen_kv);
+}
+
+template <ElementType ET, int D>
+__global__ void __launch_bounds__(BackwardTiles<D>::kThreads, 1)
+    backward_kernel(const __grid_constant__ BackwardArgs args) {
+  using T = BackwardTiles<D>;
+  extern __shared__ unsigned char smem[];
+  const AttentionParams& p = args.a.p;
+  const uint32_t unaligned = smem_address(smem);
+  const uint32_t base = (unaligned + 1023) & ~1023u;
+  BackwardControl* control = reinterpret_cast<BackwardControl*>(smem + (base - unaligned) + T::kControlOffset);
+  // Key blocks in order of their index, every (batch row, K/V head) at once: under a causal
+  // mask the first ones see the most query tiles, so the longest blocks start first.
+  const int64_t rows = p.batch * p.kv_heads;
+  const int64_t bg = blockIdx.x % rows, n0 = blockIdx.x / rows * T::kN;
+  const int64_t g = bg % p.kv_heads, b = bg / p.kv_heads;
+
+  if (threadIdx.x == 0) {
+    mbarrier_init(smem_address(&control->kv_full), 1);
+    for (int s = 0; s < T::kStages; ++s) {
+      mbarrier_init(smem_address(&control->full[s]), 1);
+      mbarrier_init(smem_address(&control->empty[s]), T::kConsumerThreads);
+    }
+    mbarrier_init_fence();
+  }
+  __syncthreads();
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    registers_decrease<T::kProducerRegisters>();
+    if (threadIdx.x < 32) produce_backward<D>(args, base, control, b, g, n0);
+  } else {
+    registers_increase<T::kConsumerRegisters>();
+    consume_backward<ET, D>(args, base, control, b, g, n0, warpgroup - 1);
+  }
+}
+
+// dq = scale * dq_accum in the element type, four elements per thread (D % 4 == 0).
+template <ElementType ET>
+__global__ void __launch_bounds__(256) dq_convert_kernel(const float* dq_accum, uint16_t* dq, int64_t n, float scale) {
+  for (int64_t i = 4 * (static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x); i < n;
+       i += 4 * static_cast<int64_t>(gridDim.x) * 256) {
+    const float4 x = *reinterpret_cast<const float4*>(dq_accum + i);
+    const uint2 packed{pack2<ET>(x.x * scale, x.y * scale), pack2<ET>(x.z * scale, x.w * scale)};
+    *reinterpret_cast<uint2*>(dq + i) = packed;
+  }
+}
+
+}  // namespace sm90
+}  // namespace flash
+}  // namespace fusedattn
+
+#endif  // FUSEDATTN_FLASH_SM90_BACKWARD_CUH_

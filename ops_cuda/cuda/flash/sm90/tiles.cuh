@@ -1,0 +1,71 @@
+// What the Hopper kernels share about the tiles they stream: the producer warp's search
+// for the visible ones (spans.cuh relations, 32 tiles at a time, a lane each) and the
+// zeroing of padding rows (segment id 0) in a TMA-written shared-memory tile.
+#ifndef FUSEDATTN_FLASH_SM90_TILES_CUH_
+#define FUSEDATTN_FLASH_SM90_TILES_CUH_
+
+#include "../spans.cuh"
+#include "primitives.cuh"
+
+namespace fusedattn {
+namespace flash {
+namespace sm90 {
+
+constexpr int kConsumersBarrier = 1;  // named barrier of the two consumer warpgroups
+
+// The producer warp's view of the tiles: the relations of the 32 tiles from `first` (one
+// lane each), as bit masks; refilled when the search leaves them.
+struct TileScan {
+  int first;
+  uint32_t any, full, padded;  // padded: the tile may hold padding tokens (its span is incomplete)
+};
+
+// The first tile t > after with relation(t).any, or n_tiles; warp-wide (every lane gets
+// it). relation(t, &complete) returns the TileRelation of tile t and whether its streamed
+// operand's span is complete.
+template <typename Relation>
+__device__ __forceinline__ int next_visible(TileScan& scan, int after, int n_tiles, Relation relation) {
+  for (int t = after + 1; t < n_tiles;) {
+    if (t >= scan.first + 32) {
+      scan.first = t;
+      const int mine = t + static_cast<int>(threadIdx.x % 32);
+      TileRelation r{false, false};
+      bool complete = true;
+      if (mine < n_tiles) r = relation(mine, &complete);
+      scan.any = __ballot_sync(0xffffffffu, r.any);
+      scan.full = __ballot_sync(0xffffffffu, r.full);
+      scan.padded = __ballot_sync(0xffffffffu, !complete);
+    }
+    const uint32_t ahead = scan.any >> (t - scan.first);
+    if (ahead) return t + __ffs(ahead) - 1;
+    t = scan.first + 32;
+  }
+  return n_tiles;
+}
+
+// Zeroes the rows of the padding tokens (segment id 0, seg[row0 + r]) of a tile of kRows
+// rows at `tile` (kAtoms swizzle atoms of kRows x 128 bytes), so that whatever they hold
+// (even NaN or Inf) meets only zero weights. Rows past `seqlen` are zero already (TMA).
+// kThreads threads take part (index: thread); the caller orders the stores before the
+// products that read the tile (fence_proxy_async, a barrier).
+template <int kRows, int kAtoms, int kThreads>
+__device__ __forceinline__ void zero_padding_rows(uint32_t tile, const int32_t* seg, int64_t row0, int64_t seqlen,
+                                                  int thread) {
+  // A row is kThreadsPerRow runs of kChunks 16-byte chunks, each within one atom.
+  constexpr int kThreadsPerRow = kThreads / kRows;
+  constexpr int kChunks = kAtoms * kAtomRowBytes / 16 / kThreadsPerRow;
+  static_assert(kThreadsPerRow * kRows == kThreads && kChunks >= 1 && 8 % kChunks == 0, "whole runs in an atom");
+  const int row = thread / kThreadsPerRow, first = (thread % kThreadsPerRow) * kChunks;
+  const int64_t j = row0 + row;
+  if (j < seqlen && seg[j] == 0) {
+    const uint32_t address = tile + (first / 8) * kRows * kAtomRowBytes + row * kAtomRowBytes + (first % 8) * 16;
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) store_zero_16(address + 16 * k);
+  }
+}
+
+}  // namespace sm90
+}  // namespace flash
+}  // namespace fusedattn
+
+#endif  // FUSEDATTN_FLASH_SM90_TILES_CUH_
