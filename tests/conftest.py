@@ -9,6 +9,7 @@ Helpers are plain functions (import them with `from conftest import ...`); fixtu
 from __future__ import annotations
 
 import os
+import re
 import zlib
 
 # On a GPU: XLA's scatter-adds (embedding gradients) use atomics unless asked for
@@ -99,6 +100,26 @@ def make_config(**overrides):
         else:
             setattr(config, key, value)
     return config
+
+
+_HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?([\w.-]+) = (\w+)\[[^=]*? ([\w-]+)\(([\w.-]+)")
+
+
+def foldable_fp8_read_backs(hlo_text: str) -> list[str]:
+    """The instructions of an HLO module (Lowered.as_text(dialect="hlo")) that convert an
+    FP8 value straight from another convert: XLA's GPU compiler folds such chains, f32 ->
+    FP8 -> f32, into the identity (SimplifyFPConversions, on under the default
+    xla_allow_excess_precision), dropping the FP8 rounding. Empty when every read-back of
+    a quantised value goes through an optimization barrier (ops/fp8.py dequantise)."""
+    instructions = {}
+    for line in hlo_text.splitlines():
+        match = _HLO_INSTRUCTION.match(line)
+        if match:
+            name, dtype, opcode, operand = match.groups()
+            instructions[name] = (dtype, opcode, operand, line.strip())
+    return [line for dtype, opcode, operand, line in instructions.values()
+            if opcode == "convert" and operand in instructions
+            and instructions[operand][1] == "convert" and instructions[operand][0].startswith("f8")]
 
 
 def random_array(rng: np.random.Generator, shape, dtype=jnp.float32, scale: float = 1.0):

@@ -9,7 +9,7 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import fake_cudnn_for_cuda_lowering, make_config
+from conftest import fake_cudnn_for_cuda_lowering, foldable_fp8_read_backs, make_config
 
 from fusedattn.ops import AttentionSpec, explain, fp8_state_init, fused_attn
 from fusedattn.ops.backends import cudnn
@@ -126,7 +126,9 @@ def test_lowers_to_the_fp8_calls_with_their_probes(fake_cuda, scaling, forward_c
             lambda q, k, v, s: fused_attn((q, k, v), config=config, fp8_state=s), q, k, v, state)
         return out, pullback((do, state))
 
-    text = jax.jit(step).trace(q, q, q, q, state).lower(lowering_platforms=("cuda",)).as_text()
+    lowered = jax.jit(step).trace(q, q, q, q, state).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert foldable_fp8_read_backs(lowered.as_text(dialect="hlo")) == []
     targets = _targets(text)
     assert targets.count(cudnn_library.FP8_FWD_TARGET) == forward_calls, targets
     assert targets.count(cudnn_library.FP8_BWD_TARGET) == backward_calls, targets

@@ -86,9 +86,20 @@ def quantise(x: jax.Array, dtype, scale: jax.Array) -> jax.Array:
     return jnp.clip(x.astype(jnp.float32) * scale, -top, top).astype(dtype)
 
 
+def dequantise(x8: jax.Array, scale: jax.Array) -> jax.Array:
+    """FP8 x8 read back with `scale`: x8 / scale in float32, same shape.
+
+    The optimization barrier keeps the FP8 rounding: XLA's GPU compiler folds a chain of
+    float conversions f32 -> FP8 -> f32 into the identity (its SimplifyFPConversions pass,
+    on under xla_allow_excess_precision, the default), which silently turned the emulation
+    into unquantised float32 attention on the GPU.
+    """
+    return jax.lax.optimization_barrier(x8).astype(jnp.float32) / scale
+
+
 def round_trip(x: jax.Array, dtype, scale: jax.Array) -> jax.Array:
     """x stored in FP8 `dtype` with `scale` and read back: float32, same shape as x."""
-    return quantise(x, dtype, scale).astype(jnp.float32) / scale
+    return dequantise(quantise(x, dtype, scale), scale)
 
 
 def given_in_fp8(x) -> bool:
@@ -103,7 +114,7 @@ def quantise_input(spec: AttentionSpec, state: Fp8State, tensor: str,
     the state's scale."""
     if given_in_fp8(x):
         scale = state.scale[TENSORS.index(tensor)]
-        return x, amax(x.astype(jnp.float32) / scale), scale
+        return x, amax(dequantise(x, scale)), scale
     value = amax(x)
     scale = call_scale(spec, state, tensor, value)
     return quantise(x, dtype_of(spec, tensor), scale), value, scale

@@ -62,7 +62,7 @@ def _quantised_inputs(spec: AttentionSpec, state: fp8.Fp8State, tokens: TokenInf
     rounded, amaxes, scales = [], {}, []
     for name, x in (("q", q), ("k", k), ("v", v)):
         x8, amaxes[name], scale = fp8.quantise_input(spec, state, name, x)
-        rounded.append(x8.astype(jnp.float32) / scale)
+        rounded.append(fp8.dequantise(x8, scale))
         scales.append(scale)
     return tuple(rounded), amaxes, tuple(scales)
 

@@ -133,7 +133,7 @@ class CudnnBackend:
         read = {}
         for name, x in (("q", q), ("k", k)):
             x8, _, x_scale = fp8.quantise_input(spec, state, name, jax.lax.stop_gradient(x))
-            read[name] = x8.astype(jnp.float32) / x_scale
+            read[name] = fp8.dequantise(x8, x_scale)
         largest = max_logit.max_logit(spec, args._replace(q=read["q"], k=read["k"]), scale)
         return out, new_state, largest
 
