@@ -134,17 +134,27 @@ def amax(x: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
-def _scale_for(spec: AttentionSpec, tensor: str, amax_value: jax.Array,
-               fallback: jax.Array) -> jax.Array:
-    """fp8_max / amax / 2**margin, or `fallback` where amax is 0 or not finite."""
+def _scale_from(top, amax_value: jax.Array, fallback: jax.Array) -> jax.Array:
+    """top / amax (elementwise), or `fallback` where amax is 0 or not finite."""
     usable = jnp.isfinite(amax_value) & (amax_value > 0)
-    top = fp8_max(dtype_of(spec, tensor)) / 2.0 ** spec.fp8_margin
     return jnp.where(usable, top / jnp.where(usable, amax_value, 1.0), fallback)
 
 
+def _top(spec: AttentionSpec, tensor: str) -> float:
+    """fp8_max / 2**margin of `tensor`'s format: its scale times its amax."""
+    return fp8_max(dtype_of(spec, tensor)) / 2.0 ** spec.fp8_margin
+
+
+def _scale_for(spec: AttentionSpec, tensor: str, amax_value: jax.Array,
+               fallback: jax.Array) -> jax.Array:
+    """fp8_max / amax / 2**margin, or `fallback` where amax is 0 or not finite."""
+    return _scale_from(_top(spec, tensor), amax_value, fallback)
+
+
 def has_history(state: Fp8State, tensor: str) -> jax.Array:
-    """Whether `tensor` has an amax recorded (bool scalar): delayed scaling reads its scale."""
-    return jnp.max(state.amax_history[:, TENSORS.index(tensor)]) > 0
+    """Whether `tensor` has an amax recorded (bool scalar): delayed scaling reads its scale.
+    (One reduction over the whole history, the same for every tensor: XLA computes it once.)"""
+    return (jnp.max(state.amax_history, axis=0) > 0)[TENSORS.index(tensor)]
 
 
 def needs_amax(spec: AttentionSpec, state: Fp8State, tensors) -> jax.Array | bool:
@@ -166,14 +176,16 @@ def call_scale(spec: AttentionSpec, state: Fp8State, tensor: str,
 
 
 def record(spec: AttentionSpec, state: Fp8State, amaxes: dict[str, jax.Array]) -> Fp8State:
-    """The state after a call that saw `amaxes` (tensor name -> float32 scalar)."""
-    scale, history = state.scale, state.amax_history
-    for tensor, value in amaxes.items():
-        column = TENSORS.index(tensor)
-        rolled = jnp.concatenate([value[None], history[:-1, column]])
-        history = history.at[:, column].set(rolled)
-        scale = scale.at[column].set(_scale_for(spec, tensor, jnp.max(rolled), scale[column]))
-    return Fp8State(scale=scale, amax_history=history)
+    """The state after a call that saw `amaxes` (tensor name -> float32 scalar): the columns
+    of those tensors rolled and rescaled, the others as they were. Whole-array selects, one
+    small fusion (a scatter per column cost a kernel each, in series)."""
+    recorded = jnp.asarray([tensor in amaxes for tensor in TENSORS])
+    row = jnp.stack([jnp.asarray(amaxes.get(tensor, 0.0), jnp.float32) for tensor in TENSORS])
+    rolled = jnp.concatenate([row[None], state.amax_history[:-1]])
+    history = jnp.where(recorded[None, :], rolled, state.amax_history)
+    tops = jnp.asarray([_top(spec, tensor) for tensor in TENSORS], jnp.float32)
+    rescaled = _scale_from(tops, jnp.max(history, axis=0), state.scale)
+    return Fp8State(scale=jnp.where(recorded, rescaled, state.scale), amax_history=history)
 
 
 def check_config(spec: AttentionSpec, dtype) -> None:
