@@ -6,9 +6,12 @@ sums differ from the emulation's float32 ones in the last bits, and its softmax
 numerators are relative to a running row max over key blocks (the emulation's to the
 final max), so a value near an FP8 rounding boundary may land on the neighbouring FP8
 value (one step: 1/8 to 1/16 of it in E4M3, 1/4 in E5M2). So: the largest difference
-within FP8_CLOSE of the largest entry, the root-mean-square difference within FP8_RMS of
-the entries' (both miss by far for a wrong graph, scale or layout: a saturated scale_s
-gave 0.47 of 0.70), and cuDNN's error against exact attention (float32, unquantised) at
+within FP8_CLOSE of the largest entry (e4m3: one E4M3 step at the largest entry, at most
+1/8 of it, since out, dq, dk and dv are stored in E4M3 last and a simulation of cuDNN's
+running-max numerators over 128-key blocks flips entries of the top binade by one step;
+hybrid: more for the flips of its E5M2 score gradients), the root-mean-square
+difference within FP8_RMS of the entries' (both miss by far for a wrong graph, scale or
+layout: a saturated scale_s gave 0.47 of 0.70), and cuDNN's error against exact attention (float32, unquantised) at
 most ACCURACY_RATIO times the emulation's, both within the relative rms bounds FP8
 rounding gives (fp8_reference.rms_error_bounds). The amaxes XLA computes (q, k, v, do) and s's
 (1) are equal; those of cuDNN's results (o, dp, dq, dk, dv) within AMAX_RTOL.
@@ -31,7 +34,7 @@ from fusedattn.ops.backends.base import compute_capability
 
 pytestmark = pytest.mark.gpu
 
-FP8_CLOSE = {"e4m3": 0.08, "hybrid": 0.15}
+FP8_CLOSE = {"e4m3": 0.125, "hybrid": 0.15}
 FP8_RMS = {"e4m3": 0.06, "hybrid": 0.12}
 ACCURACY_RATIO = 1.5
 AMAX_RTOL = 5e-2
