@@ -227,6 +227,19 @@ def test_forward_only_call_and_max_logit(rng):
     np.testing.assert_allclose(np.asarray(largest), np.asarray(ref_largest), rtol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_round_trip_rounds_under_jit_on_the_gpu(rng, dtype):
+    """The emulation's FP8 rounding survives XLA's GPU compiler, which folds a bare
+    f32 -> FP8 -> f32 convert chain into the identity (any GPU; a power-of-two scale keeps
+    the expected values exact)."""
+    x = random_array(rng, (8192,), jnp.float32, scale=8.0)
+    got = jax.jit(lambda x, scale: fp8.round_trip(x, dtype, scale))(x, jnp.float32(4.0))
+    top = float(jnp.finfo(dtype).max)
+    want = np.clip(np.asarray(x) * 4, -top, top).astype(dtype).astype(np.float32) / 4
+    assert np.any(want != np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
 @needs_hopper
 def test_explain_names_cudnn_for_fp8(rng):
     q, k, v = _inputs(rng)
