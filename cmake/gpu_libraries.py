@@ -1,8 +1,9 @@
-"""Configure-time probes of CMakeLists.txt: which GPU op libraries to build, where the cuDNN headers are.
+"""Configure-time probes of CMakeLists.txt: which GPU op libraries to build, where the headers are.
 
 Run by CMake with the build's interpreter (no fusedattn import, standard library only):
 
     python cmake/gpu_libraries.py decide --cuda SETTING --rocm SETTING --out FILE.cmake
+    python cmake/gpu_libraries.py ffi-headers
     python cmake/gpu_libraries.py cudnn-headers
     python cmake/gpu_libraries.py cutlass-headers
 
@@ -17,7 +18,11 @@ the environment being installed into, or a GPU of that platform on this machine.
 
 Packages are found by path, not by import: pip's build isolation runs the build with a
 sys.path that hides the target environment's packages, but sysconfig still names its
-site-packages. `cudnn-headers` prints the folder of cudnn_frontend.h and of cuDNN's cudnn.h
+site-packages. `ffi-headers` prints jaxlib's include folder (what jax.ffi.include_dir()
+names: xla/ffi/api/ffi.h and the headers it includes), from the build's own packages (pip's
+build isolation installed jaxlib there) or else the target environment's (an empty line
+where neither has it); build_backend.py asks pip for jaxlib only in that last case.
+`cudnn-headers` prints the folder of cudnn_frontend.h and of cuDNN's cudnn.h
 (an empty line where not found), searched the same way; `cutlass-headers` the include folder
 of the nvidia-cutlass wheel (cutlass_library/source/include, holding cute/ and cutlass/).
 """
@@ -198,6 +203,25 @@ def render_cmake(decisions: Sequence[Decision]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def ffi_headers(roots: Sequence[str]) -> str:
+    """jaxlib's include folder holding the XLA FFI headers (xla/ffi/api/ffi.h), "" where absent."""
+    for root in roots:
+        include = os.path.join(root, "jaxlib", "include")
+        if os.path.isfile(os.path.join(include, "xla", "ffi", "api", "ffi.h")):
+            return include
+    return ""
+
+
+# The FFI headers' package, as the runtime dependency on jax>=0.6 bounds it.
+JAXLIB_REQUIREMENT = "jaxlib>=0.6"
+
+
+def ffi_headers_requirement(roots: Sequence[str]) -> list[str]:
+    """The build requirement that brings the FFI headers: [JAXLIB_REQUIREMENT] where no root
+    holds them (a fresh environment), else [] (build_backend.py)."""
+    return [] if ffi_headers(roots) else [JAXLIB_REQUIREMENT]
+
+
 def cudnn_headers(roots: Sequence[str]) -> tuple[str, str]:
     """(folder of cudnn_frontend.h, folder of nvidia/cudnn/include/cudnn.h), "" where absent."""
     def first(*parts: str) -> str:
@@ -224,10 +248,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     decide_parser.add_argument("--cuda", default="AUTO")
     decide_parser.add_argument("--rocm", default="AUTO")
     decide_parser.add_argument("--out", required=True)
+    commands.add_parser("ffi-headers")
     commands.add_parser("cudnn-headers")
     commands.add_parser("cutlass-headers")
     args = parser.parse_args(argv)
     roots = site_roots()
+    if args.command == "ffi-headers":
+        print(ffi_headers(roots))
+        return 0
     if args.command == "cudnn-headers":
         print("\n".join(cudnn_headers(roots)))
         return 0

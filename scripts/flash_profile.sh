@@ -1,28 +1,50 @@
 #!/usr/bin/env bash
 # On the GPU machine, after scripts/device.sh built the project: the flash kernels' SASS
-# summary (instruction mix, local memory) and an Nsight Compute report of one forward and
-# one backward at the benchmark's first shape. Output under $OUT.
-#   usage: bash scripts/flash_profile.sh [--causal]
+# instruction mix, and Nsight Compute reports (speed of light, warp stalls, pipes) of one
+# forward and one backward at each shape given (default: the shape below). Output
+# under $OUT: flash.sass.gz, ncu_<shape>.txt (and .ncu-rep, _sass.csv: stall samples per
+# instruction); a short summary prints last.
+#   usage: [KERNELS=forward|backward] bash scripts/flash_profile.sh ["b,s,h,h_kv,d[,causal]" ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fusedattn-out}
 export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 lib=$(find build -name libfusedattn_cuda.so | head -1)
 cuobjdump -sass "$lib" > "$OUT/flash.sass" 2>&1
-cuobjdump -sass -fun _ZN9fusedattn5flash14forward_kernelILNS_11ElementTypeE1ELi128EEEvNS0_9FlashArgsE "$lib" \
-  > "$OUT/forward_bf16_d128.sass" 2>&1
 python3 - "$OUT/flash.sass" <<'PY'
-import re, sys, collections
+import collections, re, sys
 text = open(sys.argv[1]).read()
 for name, body in re.findall(r"Function : (\S+)\n(.*?)(?=\n\s*Function :|\Z)", text, re.S):
-    if "flash" not in name or "sm_90" not in text:
+    if "sm90" not in name:
         continue
-    ops = collections.Counter(m.split(".")[0] for m in re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", body))
-    keep = {k: ops[k] for k in ("HMMA", "HGMMA", "LDSM", "LDGSTS", "LDG", "STG", "LDL", "STL", "BAR", "MUFU", "SHFL", "FFMA", "FMUL", "IMAD")}
-    print(name[:90], sum(ops.values()), keep)
+    ops = collections.Counter(m.split(".")[0] for m in re.findall(
+        r"/\*[0-9a-f]{4,6}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", body))
+    keep = {k: ops[k] for k in ("HGMMA", "MUFU", "LDG", "STG", "LDS", "STS", "LDL", "STL", "BAR", "RED")}
+    print(name[:80], sum(ops.values()), keep)
 PY
 gzip -f "$OUT/flash.sass"
-timeout 300 ncu --clock-control none --kernel-name regex:"forward_kernel|dkdv_kernel|dq_kernel" --launch-skip 4 -c 4 \
-  --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --section ComputeWorkloadAnalysis \
-  python3 benchmarks/probes/flash_kernel_profile.py "$@" > "$OUT/ncu.txt" 2>&1
-grep -E "^\s+(forward|dkdv|dq)_kernel|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Warp Cycles Per Issued|Stall|Block Limit|Executed Ipc|Issue Slots Busy" "$OUT/ncu.txt" | head -80
+shapes=("$@")
+((${#shapes[@]})) || shapes=("1,8192,16,16,128,causal")
+for shape in "${shapes[@]}"; do
+  causal=()
+  [[ $shape == *,causal ]] && causal=(--causal)
+  dims=${shape%,causal}
+  report="$OUT/ncu_${shape//,/_}.txt"
+  # The probe calls forward, then forward+backward, twice: profile the second round's kernels.
+  case ${KERNELS:-both} in
+    forward) kernels=forward; skip=2 ;;
+    backward) kernels=backward; skip=1 ;;
+    *) kernels="(forward|backward)"; skip=3 ;;
+  esac
+  timeout 300 ncu --clock-control none --kernel-name-base demangled --kernel-name regex:"sm90::${kernels}_kernel" \
+    --launch-skip $skip -c $skip \
+    --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,regex:sm__pipe_.*tensor.*cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" \
+    -o "${report%.txt}" -f python3 benchmarks/probes/flash_kernel_profile.py --shape "$dims" "${causal[@]}" > "$report" 2>&1
+  ncu -i "${report%.txt}.ncu-rep" --page details >> "$report" 2>&1
+  # Per SASS instruction: executions and stall samples by reason (where the time goes).
+  ncu -i "${report%.txt}.ncu-rep" --page source --csv --print-source sass > "${report%.txt}_sass.csv" 2>&1
+  echo "== $shape"
+  grep -E "^\s+void fusedattn|^\s+fusedattn|Duration|Compute \(SM\) Throughput|tensor|inst_executed.sum|Warp Cycles Per Issued|Issue Slots Busy|Eligible|stalled" \
+    "$report" | awk '$NF != "0" && $NF != "0.00"' | head -90
+done

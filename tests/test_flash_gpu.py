@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from test_flash_host import MASKS, make_args, make_spec, reference, run_flash
 
 from fusedattn.ops import SequenceDescriptor, _library, explain, fused_attn
-from fusedattn.ops.backends import flash
+from fusedattn.ops.backends import flash, flash_gpu
 from fusedattn.ops.backends.base import CallShapes
 
 pytestmark = pytest.mark.gpu
@@ -43,11 +43,12 @@ HEAD_DIMS = (64, 128, 256)
 def flash_kernel(request, monkeypatch):
     """The kernels a test runs: those the device picks, or the sm_80 ones named."""
     if request.param == "device":
-        monkeypatch.delenv(flash.KERNEL_VARIABLE, raising=False)
-    elif flash.compute_capability() != (9, 0) or not flash._library.flash_sm90_head_dims("cuda"):
+        monkeypatch.delenv(flash_gpu.KERNEL_VARIABLE, raising=False)
+    elif (flash_gpu.compute_capability() != (9, 0)
+          or not flash_gpu._library.flash_sm90_head_dims("cuda")):
         pytest.skip("this device and build run the sm_80 kernels already")
     else:
-        monkeypatch.setenv(flash.KERNEL_VARIABLE, "sm80")
+        monkeypatch.setenv(flash_gpu.KERNEL_VARIABLE, "sm80")
     return request.param
 
 

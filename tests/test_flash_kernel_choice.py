@@ -1,6 +1,6 @@
 """Which CUDA kernels the flash backend names for a call (no GPU needed): the rules of
 ops_cuda/cuda/flash/flash.cu (forward_kernel_of, backward_kernel_of) as
-fusedattn/ops/backends/flash.py states them, explain's line for them, and the workspace the
+fusedattn/ops/backends/flash_gpu.py states them, explain's line for them, and the workspace the
 sm_90a backward's dQ accumulator adds."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from conftest import make_config
 
 from fusedattn.ops import explain
-from fusedattn.ops.backends import flash
+from fusedattn.ops.backends import flash, flash_gpu
 from fusedattn.ops.backends.base import CallShapes
 from fusedattn.ops.spec import AttentionSpec
 
@@ -30,14 +30,14 @@ def _spec(deterministic_backward: bool = False) -> AttentionSpec:
 @pytest.fixture
 def device(monkeypatch):
     """Sets the compute capability and the sm_90a head dims (forward; backward: those of them
-    below 256, as flash.cu builds it, unless given) that flash.py reads."""
+    below 256, as flash.cu builds it, unless given) that flash_gpu.py reads."""
     def set_device(capability, sm90_head_dims, backward_head_dims=None):
         backward = ({d for d in sm90_head_dims if d < 256} if backward_head_dims is None
                     else backward_head_dims)
-        monkeypatch.setattr(flash, "compute_capability", lambda: capability)
-        monkeypatch.setattr(flash._library, "flash_sm90_head_dims",
+        monkeypatch.setattr(flash_gpu, "compute_capability", lambda: capability)
+        monkeypatch.setattr(flash_gpu._library, "flash_sm90_head_dims",
                             lambda platform="cuda": frozenset(sm90_head_dims))
-        monkeypatch.setattr(flash._library, "flash_sm90_backward_head_dims",
+        monkeypatch.setattr(flash_gpu._library, "flash_sm90_backward_head_dims",
                             lambda platform="cuda": frozenset(backward))
     return set_device
 
@@ -52,7 +52,7 @@ def device(monkeypatch):
 ])
 def test_the_forward_kernel_rule(device, capability, head_dims, d, skv, expected):
     device(capability, head_dims)
-    assert flash._cuda_forward_kernel(d, skv) == expected
+    assert flash_gpu.cuda_forward_kernel(d, skv) == expected
 
 
 @pytest.mark.parametrize("capability,head_dims,d,sq,skv,deterministic,expected", [
@@ -70,7 +70,7 @@ def test_the_forward_kernel_rule(device, capability, head_dims, d, skv, expected
 def test_the_backward_kernel_rule(device, capability, head_dims, d, sq, skv, deterministic,
                                   expected):
     device(capability, head_dims | {256}, head_dims)
-    assert flash._cuda_backward_kernel(d, sq, skv, deterministic) == expected
+    assert flash_gpu.cuda_backward_kernel(d, sq, skv, deterministic) == expected
 
 
 def test_kernel_text_names_both_passes(device):
@@ -123,7 +123,7 @@ def test_explain_prints_the_kernels_of_the_serving_backend(device, monkeypatch, 
     assert [line.split() for line in str(on_cpu).splitlines() if "flash" in line][1] == \
         ["->", "flash", "ok"]
     device((9, 0), {64})
-    monkeypatch.setattr(flash, "_gpu_reason", lambda shapes, platform: None)  # as if on a GPU
+    monkeypatch.setattr(flash_gpu, "gpu_reason", lambda shapes, platform: None)  # as if on a GPU
     on_gpu = explain((q, q, q), config=make_config(backend="flash"), platform="cuda")
     assert on_gpu.kernels == {"flash": "flash: sm90 wgmma forward, sm90 wgmma backward"}
     assert "ok (flash: sm90 wgmma forward, sm90 wgmma backward)" in str(on_gpu)
@@ -137,32 +137,32 @@ def test_explain_prints_the_kernels_of_the_serving_backend(device, monkeypatch, 
 def test_the_environment_variable_names_the_sm80_kernels(device, monkeypatch, capability,
                                                          head_dims):
     device(capability, head_dims)
-    monkeypatch.setenv(flash.KERNEL_VARIABLE, "sm80")
-    assert flash._cuda_forward_kernel(128, 300) == "sm80"
-    assert flash._cuda_backward_kernel(128, 300, 300, False) == "sm80"
+    monkeypatch.setenv(flash_gpu.KERNEL_VARIABLE, "sm80")
+    assert flash_gpu.cuda_forward_kernel(128, 300) == "sm80"
+    assert flash_gpu.cuda_backward_kernel(128, 300, 300, False) == "sm80"
     assert flash.BACKEND.kernel(_spec(), _shapes(128), "cuda") == \
         "flash: sm80 mma.sync forward and backward (named by FUSEDATTN_FLASH_KERNEL=sm80)"
-    monkeypatch.setenv(flash.KERNEL_VARIABLE, "")
-    assert flash._cuda_forward_kernel(128, 300) == ("sm90" if head_dims else "sm80")
-    assert flash._cuda_backward_kernel(128, 300, 300, False) == ("sm90" if head_dims else "sm80")
+    monkeypatch.setenv(flash_gpu.KERNEL_VARIABLE, "")
+    assert flash_gpu.cuda_forward_kernel(128, 300) == ("sm90" if head_dims else "sm80")
+    assert flash_gpu.cuda_backward_kernel(128, 300, 300, False) == ("sm90" if head_dims else "sm80")
 
 
 def test_an_unknown_kernel_name_is_refused(device, monkeypatch):
     device((9, 0), {128})
-    monkeypatch.setenv(flash.KERNEL_VARIABLE, "sm90a")
+    monkeypatch.setenv(flash_gpu.KERNEL_VARIABLE, "sm90a")
     with pytest.raises(ValueError,
                        match="FUSEDATTN_FLASH_KERNEL must be unset, empty or 'sm80', got 'sm90a'"):
-        flash._cuda_forward_kernel(128, 300)
+        flash_gpu.cuda_forward_kernel(128, 300)
 
 
 @pytest.fixture
 def rocm(monkeypatch):
     """A loaded ROCm library with the given flash head dims on a device of the given gfx target."""
     def set_rocm(arch, head_dims, reason=None):
-        monkeypatch.setattr(flash._library, "available", lambda platform: reason)
-        monkeypatch.setattr(flash._library, "flash_head_dims",
+        monkeypatch.setattr(flash_gpu._library, "available", lambda platform: reason)
+        monkeypatch.setattr(flash_gpu._library, "flash_head_dims",
                             lambda platform="cuda": frozenset(head_dims))
-        monkeypatch.setattr(flash, "_rocm_arch", lambda: arch)
+        monkeypatch.setattr(flash_gpu, "rocm_arch", lambda: arch)
     return set_rocm
 
 
@@ -196,9 +196,9 @@ def test_rocm_reasons(rocm, arch, d, dtype, reason, expected):
 def test_the_named_kernel_travels_as_the_gpu_calls_attribute(monkeypatch, value, named):
     """Read when the call is traced, carried to flash.cu as "kernel"; the host handler has none."""
     if value is None:
-        monkeypatch.delenv(flash.KERNEL_VARIABLE, raising=False)
+        monkeypatch.delenv(flash_gpu.KERNEL_VARIABLE, raising=False)
     else:
-        monkeypatch.setenv(flash.KERNEL_VARIABLE, value)
+        monkeypatch.setenv(flash_gpu.KERNEL_VARIABLE, value)
     static = flash._static(AttentionSpec.from_config(make_config(backend="flash")), 0.1,
                            flash.SoftmaxType.VANILLA, False)
     assert static.sm80_named is named

@@ -5,7 +5,7 @@ On a device of compute capability 9.0 the flash backend's forward runs the sm_90
 128 unless config.deterministic_backward, the sm_90a backward (128 keys per block, query
 tiles of 64, dQ summed with float32 atomics); its lse feeds either backward. Every case
 first checks that the call is routed to them (explain and the rules of
-flash._cuda_forward_kernel and _cuda_backward_kernel), then compares the output and the
+flash_gpu.cuda_forward_kernel and cuda_backward_kernel), then compares the output and the
 gradients with the float64 reference of tests/test_flash_host.py (outputs poisoned first),
 or, through the public op, with the xla backend. Lengths are off the kernels' tiles:
 partial query and key tiles, TMA's zero-filled rows past the end, skipped and fully
@@ -23,7 +23,7 @@ from test_flash_gpu import check, compare_thd_with_xla
 from test_flash_host import make_args, make_spec, reference, run_flash
 
 from fusedattn.ops import _library, explain, fused_attn
-from fusedattn.ops.backends import flash
+from fusedattn.ops.backends import flash, flash_gpu
 from fusedattn.ops.backends.base import compute_capability
 
 pytestmark = pytest.mark.gpu
@@ -38,7 +38,7 @@ def needs_sm90(d: int) -> None:
                     f"{compute_capability()}")
     if d not in _library.flash_sm90_head_dims("cuda"):
         pytest.skip(f"no sm_90a flash forward for head dim {d} in this build")
-    assert flash._cuda_forward_kernel(d, 1) == "sm90"
+    assert flash_gpu.cuda_forward_kernel(d, 1) == "sm90"
 
 
 def needs_sm90_backward(d: int) -> None:
@@ -46,7 +46,7 @@ def needs_sm90_backward(d: int) -> None:
     needs_sm90(d)
     if d not in _library.flash_sm90_backward_head_dims("cuda"):
         pytest.skip(f"no sm_90a flash backward for head dim {d} in this build")
-    assert flash._cuda_backward_kernel(d, 1, 1, False) == "sm90"
+    assert flash_gpu.cuda_backward_kernel(d, 1, 1, False) == "sm90"
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

@@ -3,7 +3,9 @@
 The decision: a JAX plugin of the platform in the target environment, or a GPU of the
 platform on the machine, builds it (AUTO); -DFUSEDATTN_ENABLE_<P>=ON/OFF forces either way;
 FUSEDATTN_GPU_LIBRARIES=all|auto|none applies where the -D setting is AUTO. The last tests
-configure the project with CMake itself (skipped where no cmake is on the PATH).
+configure the project with CMake itself (skipped where no cmake is on the PATH). Also the
+other configure-time probes (the FFI, cuDNN and CUTLASS headers) and the build backend that
+asks pip for jaxlib only where the build sees no FFI headers.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -144,6 +147,52 @@ def test_cudnn_headers_are_found_in_any_root(tmp_path):
     assert gpu_libraries.cudnn_headers([str(first), str(second)]) == (
         str(first / "include"), str(second / "nvidia" / "cudnn" / "include"))
     assert gpu_libraries.cudnn_headers([str(tmp_path / "none")]) == ("", "")
+
+
+def _ffi_root(root: Path) -> Path:
+    """root with jaxlib's FFI headers, as a jaxlib wheel installs them; returns the include."""
+    api = root / "jaxlib" / "include" / "xla" / "ffi" / "api"
+    api.mkdir(parents=True)
+    (api / "ffi.h").write_text("")
+    return root / "jaxlib" / "include"
+
+
+def test_ffi_headers_are_found_in_any_root_and_jaxlib_is_asked_for_only_without_them(tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    (first / "jaxlib" / "include").mkdir(parents=True)  # a jaxlib without the headers
+    include = _ffi_root(second)
+    assert gpu_libraries.ffi_headers([str(first), str(second)]) == str(include)
+    assert gpu_libraries.ffi_headers([str(first)]) == ""
+    assert gpu_libraries.ffi_headers_requirement([str(first), str(second)]) == []
+    assert gpu_libraries.ffi_headers_requirement([str(first)]) == ["jaxlib>=0.6"]
+
+
+def test_the_build_backend_adds_jaxlib_to_scikit_build_cores_requirements(monkeypatch, tmp_path):
+    """cmake/build_backend.py over a stand-in scikit_build_core.build (not installed outside
+    pip's build environment): its own hooks pass through, the two get_requires hooks add
+    jaxlib where the build sees no FFI headers."""
+    scikit_build = types.ModuleType("scikit_build_core.build")
+    for hook in ("build_editable", "build_sdist", "build_wheel", "get_requires_for_build_sdist",
+                 "prepare_metadata_for_build_editable", "prepare_metadata_for_build_wheel"):
+        setattr(scikit_build, hook, lambda *args, _name=hook, **kw: _name)
+    scikit_build.get_requires_for_build_wheel = lambda settings=None: ["ninja"]
+    scikit_build.get_requires_for_build_editable = lambda settings=None: ["cmake>=3.24"]
+    package = types.ModuleType("scikit_build_core")
+    package.build = scikit_build
+    monkeypatch.setitem(sys.modules, "scikit_build_core", package)
+    monkeypatch.setitem(sys.modules, "scikit_build_core.build", scikit_build)
+    spec = importlib.util.spec_from_file_location("build_backend", ROOT / "cmake" / "build_backend.py")
+    backend = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(backend)
+    assert backend.build_editable("out") == "build_editable"
+    assert backend.get_requires_for_build_sdist() == "get_requires_for_build_sdist"
+    monkeypatch.setattr(gpu_libraries, "site_roots", lambda: [str(tmp_path / "empty")])
+    assert backend.get_requires_for_build_wheel() == ["ninja", "jaxlib>=0.6"]
+    assert backend.get_requires_for_build_editable() == ["cmake>=3.24", "jaxlib>=0.6"]
+    _ffi_root(tmp_path / "env")
+    monkeypatch.setattr(gpu_libraries, "site_roots", lambda: [str(tmp_path / "env")])
+    assert backend.get_requires_for_build_wheel() == ["ninja"]
+    assert backend.get_requires_for_build_editable() == ["cmake>=3.24"]
 
 
 def test_cutlass_headers_are_found_in_any_root(tmp_path):

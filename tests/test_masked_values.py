@@ -1,7 +1,8 @@
 """Masked keys holding NaN/Inf contribute nothing on every backend (fusedattn.ops.masked_values).
 
 On the CPU the guard wraps a deliberately leaky attention (masked probabilities multiplied
-with the values, as fused kernels do); on a GPU the cudnn, flash and small_seq backends run
+with the values, as fused kernels do), also as a registered backend, against which explain's
+line on the guard is checked; on a GPU the cudnn, flash and small_seq backends run
 with NaN/Inf at masked positions and must agree with the xla backend, forward and gradients.
 """
 
@@ -12,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_close, make_config, random_array, tolerance
-from fusedattn.ops import SequenceDescriptor, fused_attn, masked_values
+from conftest import (assert_close, fake_cudnn_for_cuda_lowering, make_config, random_array,
+                      tolerance)
+from fusedattn.ops import SequenceDescriptor, explain, fused_attn, masked_values, registry
 from fusedattn.ops.backends.base import CanonicalArgs
 from fusedattn.ops.sequence import dense_token_info
 from fusedattn.ops.spec import AttentionSpec
@@ -107,6 +109,91 @@ def test_which_calls_are_guarded():
     assert exact(cudnn.BACKEND, mask="padding") and exact(cudnn.BACKEND, mask="no_mask")
     assert not exact(cudnn.BACKEND, mask="causal")
     assert not exact(cudnn.BACKEND, mask="no_mask", window_size=(4, 0))
+
+
+class LeakyBackend:
+    """Registered as "cudnn": serves every call with leaky_causal, on any platform, and says
+    its kernels leak (masked_values_exact False), as the CUDA ones do."""
+
+    name = "cudnn"
+
+    def masked_values_exact(self, spec, platform):
+        return False
+
+    def supports(self, spec, shapes, platform):
+        return None
+
+    def attention(self, spec, args, scale):
+        return leaky_causal(args)
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_explain_says_whether_the_guard_wraps_a_leaky_backend(monkeypatch, rng, guard):
+    """explain's line and fused_attn agree: guarded, the rows before a NaN value are exact;
+    unguarded, the leak explain warns of reaches them."""
+    monkeypatch.setitem(registry.BACKENDS, "cudnn", LeakyBackend())
+    q, k, v = qkv(rng)
+    bad_v = v.at[:, 7].set(jnp.nan)                      # key 7: seen by queries 7..11
+    config = make_config(mask="causal", guard_masked_values=guard)
+    explanation = explain((q, k, bad_v), config=config, platform="cpu")
+    assert explanation.backend == "cudnn"
+    assert str(explanation).splitlines()[-1] == explanation.guard
+    out = np.asarray(fused_attn((q, k, bad_v), config=config))
+    if guard:
+        assert explanation.guard == (
+            "guard_masked_values: on; cudnn would let a masked NaN/Inf key or value reach "
+            "other rows under mask 'causal' on cpu, so the call is guarded: a NaN check of the "
+            "output (and of dQ in the backward) and a conditional, a host round trip on GPUs: "
+            "docs/backends.md")
+        assert_close(out[:, :7], np.asarray(exact_causal(q, k, v))[:, :7], 1e-5)
+        assert np.isnan(out[:, 7:]).all()
+    else:
+        assert explanation.guard.startswith(
+            "guard_masked_values: off; cudnn can let a masked NaN/Inf key or value reach other "
+            "rows under mask 'causal' on cpu; set it to True to exclude them, at the cost of a "
+            "NaN check")
+        assert np.isnan(out[:, :7]).all()               # the leak
+
+
+@pytest.mark.parametrize("backend", ["xla", "flash"])
+def test_explain_says_exact_backends_need_no_guard(rng, backend):
+    q, k, v = qkv(rng)
+    config = make_config(backend=backend, mask="causal", window_size=(3, 0),
+                         guard_masked_values=True)
+    explanation = explain((q, k, v), config=config, platform="cpu")
+    assert explanation.guard == (
+        f"guard_masked_values: on, not needed: {backend} excludes masked keys exactly under "
+        "mask 'causal' and window (3, 0) on cpu; the call runs unguarded")
+    assert str(explanation).splitlines()[-1] == explanation.guard
+    config.guard_masked_values = False
+    unguarded = explain((q, k, v), config=config, platform="cpu")
+    assert unguarded.guard is None
+    assert "guard_masked_values" not in str(unguarded)
+
+
+@pytest.mark.parametrize("mask,window,guarded", [
+    ("causal", (-1, -1), True), ("no_mask", (4, 0), True), ("no_mask", (-1, -1), False),
+])
+def test_explain_of_cudnn_follows_its_mask(monkeypatch, request, rng, mask, window, guarded):
+    """cuDNN leaks under causal and window masks only (Backend.masked_values_exact)."""
+    fake_cudnn_for_cuda_lowering(monkeypatch, request)
+    q, k, v = qkv(rng, (B, 64, H, 64), jnp.bfloat16)
+    config = make_config(mask=mask, window_size=window, guard_masked_values=True)
+    explanation = explain((q, k, v), config=config, platform="cuda")
+    assert explanation.backend == "cudnn"
+    assert ("so the call is guarded" in explanation.guard) is guarded
+    assert ("not needed: cudnn excludes masked keys" in explanation.guard) is not guarded
+    assert f"mask {mask!r}" in explanation.guard and "on cuda" in explanation.guard
+
+
+def test_explain_says_fp8_calls_are_not_guarded(rng):
+    q, k, v = qkv(rng)
+    config = make_config(mask="causal", guard_masked_values=True, fp8={"enabled": True})
+    assert explain((q, k, v), config=config, platform="cpu").guard == (
+        "guard_masked_values: on, but this call is not guarded: the guard wraps dense calls "
+        "without FP8 only")
+    config.guard_masked_values = False
+    assert explain((q, k, v), config=config, platform="cpu").guard is None
 
 
 # --------------------------------------------------------------------------- GPU backends

@@ -106,8 +106,7 @@ def _exact_at_masked_values(spec: AttentionSpec, backend, attention, args: Canon
                             ) -> jax.Array:
     """attention(args); with config.guard_masked_values, guarded (masked_values) where the
     backend's kernels would let a masked NaN/Inf key or value leak into other rows."""
-    if not spec.guard_masked_values or backend.masked_values_exact(spec,
-                                                                   registry.current_platform()):
+    if not masked_values.applies(spec, backend, registry.current_platform()):
         return attention(args)
     return masked_values.guarded(attention, args)
 

@@ -6,9 +6,10 @@ a key outside the window) turns 0 x NaN into NaN in query rows that never see th
 the backward leaks the same way through dS. cuDNN and the CUDA flash kernels do this; the
 xla backend and the host kernels select masked keys out instead.
 
-With the config key set, fused_attn passes each call whose backend would leak
-(Backend.masked_values_exact) through `guarded`, which keeps the xla backend's rule at the
-cost of one reduction over the output (and one over dQ in the backward):
+With the config key set, fused_attn passes each dense, non-FP8 call whose backend would
+leak (Backend.masked_values_exact; `applies` decides, `explain_line` tells explain()) through
+`guarded`, which keeps the xla backend's rule at the cost of one reduction over the output
+(and one over dQ in the backward):
 
   fast path   out = attention(args), and its gradients; taken when out (forward) and dQ
               (backward) hold no NaN: every leak of a masked non-finite key or value puts
@@ -31,9 +32,46 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-from fusedattn.ops.backends.base import CanonicalArgs
+from fusedattn.ops.backends.base import Backend, CanonicalArgs
+from fusedattn.ops.spec import AttentionSpec
 
 Attention = Callable[[CanonicalArgs], jax.Array]
+
+_COST = ("a NaN check of the output (and of dQ in the backward) and a conditional, "
+         "a host round trip on GPUs: docs/backends.md")
+
+
+def applies(spec: AttentionSpec, backend: Backend, platform: str) -> bool:
+    """Whether fused_attn wraps a call in `guarded`: config.guard_masked_values is set, the
+    call is dense and not FP8 (the paths the guard wraps), and `backend`'s kernels would let
+    a masked NaN/Inf key or value reach other rows on `platform`."""
+    return (spec.guard_masked_values and not spec.qkv_layout.is_paged and not spec.fp8_enabled
+            and not backend.masked_values_exact(spec, platform))
+
+
+def explain_line(spec: AttentionSpec, backend: Backend, platform: str) -> str | None:
+    """explain()'s line on config.guard_masked_values for a call `backend` serves: whether
+    the guard wraps it and what that costs, or why it is not needed; None where there is
+    nothing to say (the guard off and the backend exact)."""
+    where = f"mask {str(spec.mask)!r}" + (
+        f" and window {tuple(spec.window_size)}" if tuple(spec.window_size) != (-1, -1) else "")
+    if spec.qkv_layout.is_paged or spec.fp8_enabled:
+        if not spec.guard_masked_values:
+            return None
+        return ("guard_masked_values: on, but this call is not guarded: the guard wraps dense "
+                "calls without FP8 only")
+    if backend.masked_values_exact(spec, platform):
+        if not spec.guard_masked_values:
+            return None
+        return (f"guard_masked_values: on, not needed: {backend.name} excludes masked keys "
+                f"exactly under {where} on {platform}; the call runs unguarded")
+    if spec.guard_masked_values:
+        return (f"guard_masked_values: on; {backend.name} would let a masked NaN/Inf key or "
+                f"value reach other rows under {where} on {platform}, so the call is guarded: "
+                f"{_COST}")
+    return (f"guard_masked_values: off; {backend.name} can let a masked NaN/Inf key or value "
+            f"reach other rows under {where} on {platform}; set it to True to exclude them, "
+            f"at the cost of {_COST}")
 
 
 def guarded(attention: Attention, args: CanonicalArgs) -> jax.Array:

@@ -6,7 +6,7 @@ import dataclasses
 
 import jax
 
-from fusedattn.ops import context_parallel
+from fusedattn.ops import context_parallel, masked_values
 from fusedattn.ops.backends import cudnn, decode, flash, small_seq, xla
 from fusedattn.ops.backends.base import Backend, CallShapes, current_platform  # noqa: F401
 from fusedattn.ops.enums import BackendName
@@ -52,6 +52,9 @@ class Explanation:
     requested: str
     # Which kernels a serving backend runs for the call, where it has several (its `kernel`).
     kernels: dict[str, str] = dataclasses.field(default_factory=dict)
+    # config.guard_masked_values for the chosen backend (masked_values.explain_line): whether
+    # the guard wraps the call and its cost, or why it is not needed; None: nothing to say.
+    guard: str | None = None
 
     def __str__(self) -> str:
         width = max(map(len, self.verdicts))
@@ -61,6 +64,8 @@ class Explanation:
             text = reason if reason is not None else (
                 f"ok ({self.kernels[name]})" if name in self.kernels else "ok")
             lines.append(f"{mark} {name:<{width}}  {text}")
+        if self.guard is not None:
+            lines.append(self.guard)
         return "\n".join(lines)
 
 
@@ -78,8 +83,10 @@ def explain_spec(spec: AttentionSpec, shapes: CallShapes, platform: str) -> Expl
                 else None)
         if text is not None:
             kernels[name] = text
+    guard = (None if chosen is None
+             else masked_values.explain_line(spec, BACKENDS[chosen], platform))
     return Explanation(backend=chosen, verdicts=verdicts, requested=str(spec.backend),
-                       kernels=kernels)
+                       kernels=kernels, guard=guard)
 
 
 def select(spec: AttentionSpec, shapes: CallShapes, platform: str) -> Backend:

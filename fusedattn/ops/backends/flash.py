@@ -10,8 +10,8 @@ only, never run on AMD hardware). On compute capability 9.0 the forward and, unl
 config.deterministic_backward, the backward run the sm_90a kernels of
 ops_cuda/cuda/flash/sm90 (wgmma, TMA) where the library holds them, unless the
 environment variable FUSEDATTN_FLASH_KERNEL=sm80 names the sm_80 kernels (for tests
-and benchmarks); explain() names the kernels a call gets (_cuda_forward_kernel,
-_cuda_backward_kernel).
+and benchmarks); which kernels serve a call on which GPU, and why a GPU call is refused,
+is flash_gpu.py's job (explain() names the kernels a call gets).
 The op is two XLA FFI calls around a `jax.custom_vjp`:
 
     fusedattn_flash_fwd(q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos,
@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import NamedTuple
 
 import jax
@@ -56,9 +55,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fusedattn.ops import _library
-from fusedattn.ops.backends import partitioning
-from fusedattn.ops.backends.base import (CallShapes, CanonicalArgs, align256, compute_capability,
-                                         cuda_library_reason, current_platform)
+from fusedattn.ops.backends import flash_gpu, partitioning
+from fusedattn.ops.backends.base import CallShapes, CanonicalArgs, align256, current_platform
 from fusedattn.ops.enums import BiasType, SoftmaxType
 from fusedattn.ops.spec import AttentionSpec
 
@@ -105,7 +103,7 @@ class _Static(NamedTuple):
 # The CUDA handlers' scratch, a uint8 result XLA allocates (ops_cuda/cuda/flash/flash.cu
 # checks its size): per token row, one 32-byte summary of every 32 queries and of every
 # 32 keys; the backward adds float32 [b, h, sq] for rowsum(dO * O) and, where the sm_90a
-# backward runs (_cuda_backward_kernel), its float32 dQ accumulator [b, sq, h, d]. Each
+# backward runs (flash_gpu.cuda_backward_kernel), its float32 dQ accumulator [b, sq, h, d]. Each
 # part is 256-byte aligned.
 _SPAN_TOKENS = 32
 _SPAN_BYTES = 32
@@ -123,7 +121,7 @@ def _cuda_workspace(q, k, tokens, backward: bool,
     size = align256(token_rows * spans * _SPAN_BYTES)
     if backward:
         size += align256(b * h * sq * 4)
-        if _cuda_backward_kernel(d, sq, skv, deterministic) == "sm90":
+        if flash_gpu.cuda_backward_kernel(d, sq, skv, deterministic) == "sm90":
             size += align256(b * sq * h * d * 4)
     return (jax.ShapeDtypeStruct((size,), jnp.uint8),)
 
@@ -196,109 +194,6 @@ def _flash_bwd(static: _Static, residuals, do):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-# Head dims and element types the GPU kernels serve (which head dims a build holds:
-# _library.flash_head_dims).
-_GPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_GPU_HEAD_DIMS = {"cuda": (64, 128, 256), "rocm": (64, 128)}  # ROCm: 64 KB of LDS
-_PLATFORM_NAMES = {"cuda": "CUDA", "rocm": "ROCm"}
-
-# The AMD targets the ROCm kernels are written for (MFMA 32x32x8 bf16_1k/f16, wave64):
-# CDNA2 and CDNA3.
-ROCM_ARCHS = ("gfx90a", "gfx940", "gfx941", "gfx942")
-
-# The environment variable that names the CUDA kernels (tests, benchmarks): unset or empty,
-# the device decides (_cuda_forward_kernel); "sm80", the sm_80 kernels on every device.
-KERNEL_VARIABLE = "FUSEDATTN_FLASH_KERNEL"
-
-
-def _named_kernel() -> str:
-    """"" or "sm80": what FUSEDATTN_FLASH_KERNEL names. Read when a call is traced (the call
-    carries it to flash.cu as its "kernel" attribute), so a function jitted before the
-    variable changed keeps the kernels it was traced with."""
-    value = os.environ.get(KERNEL_VARIABLE, "")
-    if value not in ("", "sm80"):
-        raise ValueError(f"{KERNEL_VARIABLE} must be unset, empty or 'sm80', got {value!r}; "
-                         "unset it to let the device pick the flash kernels")
-    return value
-
-
-def _rocm_arch() -> str:
-    """The default device's gfx target name ("" when JAX does not say)."""
-    return str(getattr(jax.devices()[0], "compute_capability", "") or "").split(":")[0]
-
-
-def _rocm_library_reason() -> str | None:
-    """Why the ROCm library cannot run the flash kernels on the default device (None: it can)."""
-    reason = _library.available("rocm")
-    if reason is not None:
-        return f"flash: {reason}"
-    arch = _rocm_arch()
-    if arch and arch not in ROCM_ARCHS:
-        return (f"flash: the ROCm kernels are written for CDNA GPUs ({', '.join(ROCM_ARCHS)}: "
-                f"MFMA, wave64), this GPU is {arch}; use backend='xla'")
-    return None
-
-
-def _gpu_reason(shapes: CallShapes | None, platform: str) -> str | None:
-    """Why the CUDA or ROCm kernels cannot serve a call (None: they can)."""
-    reason = cuda_library_reason("flash") if platform == "cuda" else _rocm_library_reason()
-    if reason is not None or shapes is None:
-        return reason
-    name = _PLATFORM_NAMES[platform]
-    if jnp.dtype(shapes.dtype) not in _GPU_DTYPES:
-        return (f"flash: the {name} kernels take bfloat16 or float16 inputs, got "
-                f"{jnp.dtype(shapes.dtype).name}; cast q, k and v, or use backend='cudnn' or 'xla'")
-    if shapes.head_dim_v != shapes.head_dim_qk:
-        return (f"flash: the {name} kernels need v's head dim equal to q's, got "
-                f"{shapes.head_dim_v} and {shapes.head_dim_qk}; use backend='xla'")
-    built = _library.flash_head_dims(platform)
-    if shapes.head_dim_qk not in built:
-        exist = ", ".join(map(str, _GPU_HEAD_DIMS[platform]))
-        return (f"flash: no {name} kernel for head dim {shapes.head_dim_qk} in this build (built: "
-                f"{sorted(built)}; the kernels exist for {exist}, see FUSEDATTN_FLASH_HEAD_DIMS in "
-                "the README); use backend='cudnn' or 'xla'")
-    return None
-
-
-def _cuda_forward_kernel(head_dim: int, seqlen_kv: int) -> str:
-    """"sm90" or "sm80": the forward kernel of a CUDA call. The rule of
-    ops_cuda/cuda/flash/flash.cu (forward_kernel_of): the sm_80 (mma.sync) kernel when
-    FUSEDATTN_FLASH_KERNEL=sm80 names it; else the sm_90a (wgmma) kernel on a device of
-    compute capability 9.0 where the library holds it for the head dim and there is at least
-    one key (TMA describes no empty tensor), else the sm_80 kernel."""
-    if _named_kernel() == "sm80":
-        return "sm80"
-    if (compute_capability() == (9, 0) and head_dim in _library.flash_sm90_head_dims("cuda")
-            and seqlen_kv > 0):
-        return "sm90"
-    return "sm80"
-
-
-def _cuda_backward_kernel(head_dim: int, seqlen_q: int, seqlen_kv: int,
-                          deterministic: bool) -> str:
-    """"sm90" or "sm80": the backward kernel of a CUDA call. The rule of
-    ops_cuda/cuda/flash/flash.cu (backward_kernel_of): the sm_90a (wgmma) kernel on a device
-    of compute capability 9.0 where the library holds it for the head dim (64 and 128), the
-    call has queries and keys, and config.deterministic_backward is False (its dQ sums with
-    float32 atomics, in no fixed order) and FUSEDATTN_FLASH_KERNEL does not name the sm_80
-    kernels; else the sm_80 kernels (bitwise repeatable)."""
-    if _named_kernel() == "sm80":
-        return "sm80"
-    if (not deterministic and compute_capability() == (9, 0) and seqlen_q > 0 and seqlen_kv > 0
-            and head_dim in _library.flash_sm90_backward_head_dims("cuda")):
-        return "sm90"
-    return "sm80"
-
-
-def _kernels_text(forward: str, backward: str, deterministic: bool) -> str:
-    """explain()'s words for the kernels a CUDA call gets ("sm90" or "sm80" each)."""
-    if forward == backward == "sm80":
-        text = "flash: sm80 mma.sync forward and backward"
-    else:
-        text = f"flash: sm90 wgmma forward, {'sm90 wgmma' if backward == 'sm90' else 'sm80'} backward"
-    return text + " (deterministic_backward)" if deterministic and backward == "sm80" else text
-
-
 class FlashBackend:
     """The compiled kernels of this project: the host build on "cpu", CUDA kernels on NVIDIA
     GPUs (sm_80 and newer), the same kernels over MFMA on AMD CDNA GPUs (ROCm)."""
@@ -321,9 +216,9 @@ class FlashBackend:
             return ("flash: bias arrays are not supported by the flash kernels; use "
                     "backend='xla' or 'auto'")
         if platform in ("gpu", "cuda"):
-            return _gpu_reason(shapes, "cuda")
+            return flash_gpu.gpu_reason(shapes, "cuda")
         if platform == "rocm":
-            return _gpu_reason(shapes, "rocm")
+            return flash_gpu.gpu_reason(shapes, "rocm")
         if platform != "cpu":
             return (f"flash: kernels exist for cpu (host build), CUDA and ROCm GPUs; this "
                     f"computation runs on {platform}; use backend='xla'")
@@ -338,20 +233,7 @@ class FlashBackend:
     def kernel(self, spec: AttentionSpec, shapes: CallShapes | None,
                platform: str) -> str | None:
         """Which kernels serve a call on CUDA or ROCm (for explain); None elsewhere."""
-        platform = (platform or "").lower()
-        if shapes is None or platform not in ("gpu", "cuda", "rocm"):
-            return None
-        if platform == "rocm":
-            return ("flash: MFMA forward and backward (the sm80 kernels' text, gfx90a/gfx94x; "
-                    "compile-checked only, never run on AMD hardware)")
-        d = shapes.head_dim_qk
-        deterministic = bool(spec.deterministic_backward)
-        text = _kernels_text(_cuda_forward_kernel(d, shapes.seqlen_kv),
-                             _cuda_backward_kernel(d, shapes.seqlen_q, shapes.seqlen_kv,
-                                                   deterministic), deterministic)
-        if _named_kernel() == "sm80":
-            return f"{text} (named by {KERNEL_VARIABLE}=sm80)"
-        return text
+        return flash_gpu.kernels(spec, shapes, platform)
 
     def attention(self, spec: AttentionSpec, args: CanonicalArgs, scale: float) -> jax.Array:
         if spec.bias != BiasType.NO_BIAS or args.bias is not None:
@@ -391,7 +273,7 @@ def _static(spec: AttentionSpec, scale: float, softmax: SoftmaxType, dropout: bo
         softmax_type=_SOFTMAX_TYPES[softmax],
         dropout_rate=float(spec.dropout_rate) if dropout else 0.0,
         deterministic=bool(spec.deterministic_backward),
-        sm80_named=_named_kernel() == "sm80",
+        sm80_named=flash_gpu.named_kernel() == "sm80",
     )
 
 

@@ -1,4 +1,4 @@
-"""Sharding and batching of the compiled backends' FFI calls: one mechanism for all.
+"""Sharding of the compiled backends' FFI calls, and `op`, which adds the batching of folding.py.
 
 XLA's SPMD partitioner cannot see inside a custom call, so a bare `jax.ffi.ffi_call`
 on arrays sharded over a device mesh gathers them to every device. `op(fn, signature)`
@@ -10,8 +10,8 @@ wraps one FFI call (`fn`: the ffi_call and any index math on its local shapes) s
   everything else replicated (sequence, head dims, per-call scalars). Sums the kernel
   takes over a sharded axis are completed with a psum. An axis that cannot shard
   exactly stays replicated (gathered): never different numbers.
-- under `jax.vmap` (`jax.custom_batching.custom_vmap`) the mapped axis is folded
-  into the kernel's batch: one call, no loop.
+- under `jax.vmap` (`jax.custom_batching.custom_vmap`, folding.py) the mapped axis is
+  folded into the kernel's batch: one call, no loop.
 
 A `Signature` gives every operand and result one role letter per dimension:
 
@@ -28,26 +28,13 @@ A `Signature` gives every operand and result one role letter per dimension:
     .  replicated
 
 Operand 0 is q ("b.h." for [b, s, h, d]): its batch and head shardings are the ones
-kept. Operands whose first role is not b, B or r are per call (one dropout seed, one
-offset row): a vmap over them runs one call per example (jax.lax.map), the rest fold.
+kept.
 
 Sums over the batch taken inside the call: results with neither a batch role nor a
 shared one (`batch_sums`, e.g. cuDNN's dsink [h]) and results with role B of extent 1
 (the gradient of a shared B operand, e.g. the dbias [1, h, sq, skv] of a bias shared
-by the batch). Under a mesh they are psummed over the batch devices. Under vmap every
-result the caller reads comes back per example, because the vmap rule cannot tell
-jax.vmap(jax.grad(f)) (per-example gradients: a sum over all folded examples would
-be wrong) from jax.grad(jax.vmap(f)) (which sums the per-example values itself):
-
-- a batch sum is summed per example from its per-row terms (`batch_sum_rows`, a
-  function of the call's operands run beside the folded call);
-- a shared B operand whose gradient (a B result) is read folds per row like a mapped
-  one, broadcast over every folded row (materialized), so the call's sum over the
-  rows sharing it is taken per example. Still one call, but the operand and its
-  gradient take examples x rows times the memory of the shared one.
-
-Results named `unread` (the caller discards them) skip that work and stay sums over
-all folded examples.
+by the batch). Under a mesh they are psummed over the batch devices; under vmap they
+come back per example (folding.py says how).
 
 Dropout: the kernels key their masks by the global (batch, head) coordinates, which a
 shard does not know, so with `dropout` set the heads never shard, and the batch shards
@@ -66,15 +53,15 @@ import functools
 import math
 
 import jax
-import jax.numpy as jnp
 from jax.experimental.custom_partitioning import (
     ArrayMapping, CompoundFactor, SdyShardingRule, custom_partitioning)
 from jax._src.sharding_impls import GSPMDSharding
 from jax.interpreters.mlir import ir
 from jax.sharding import NamedSharding, PartitionSpec
 
+from fusedattn.ops.backends import folding
+
 _ROLES = frozenset("bBhHgr.")
-_FOLDED = frozenset("bBr")  # first roles of operands folded under vmap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +104,7 @@ def op(fn, signature: Signature, batch_sum_rows=None):
     if signature.batch_sums and batch_sum_rows is None:
         raise ValueError("batch sums need batch_sum_rows: under vmap they are made per "
                          "example from their per-row terms")
-    folded = _folding(_partitioned(fn, signature), signature, fn, batch_sum_rows)
+    folded = folding.fold(_partitioned(fn, signature), signature, fn, batch_sum_rows)
 
     def call(*operands):
         return same_varying(folded(*operands), like=operands)
@@ -162,13 +149,6 @@ def same_varying(tree, like=None):
         return jax.lax.pvary(x, missing)
 
     return jax.tree.map(vary, tree)
-
-
-def _tuple_fn(fn):
-    def call(*args):
-        out = fn(*args)
-        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
-    return call
 
 
 # ---- the plan: which mesh axes each dimension shards over ----------------------------
@@ -243,7 +223,7 @@ def _shardings(plan: _Plan | None, roles, arrays, q):
 # ---- custom_partitioning -------------------------------------------------------------
 
 def _partitioned(fn, signature: Signature):
-    fn = _tuple_fn(fn)
+    fn = folding.tuple_results(fn)
 
     @custom_partitioning
     def call(*args):
@@ -321,67 +301,3 @@ def _sharding_rule(signature: Signature, mesh, operand_types, result_types) -> S
     # factor may not. The partition callback completes them with a psum.
     return SdyShardingRule(operands, results, need_replication_factors=tuple(replicated),
                            **sizes)
-
-
-# ---- custom_vmap: fold the mapped axis into the batch -------------------------------
-
-def _folding(call, signature: Signature, fn, batch_sum_rows):
-    op_ = jax.custom_batching.custom_vmap(lambda *args: call(*args))
-    tuple_fn = _tuple_fn(fn)
-    read = frozenset(range(len(signature.results))) - signature.unread
-    shared_gradient_read = any(signature.results[i][0] == "B" for i in read)
-
-    @op_.def_vmap
-    def rule(axis_size, in_batched, *args):
-        roles = signature.operands
-        if any(batched and r[:1] not in _FOLDED for r, batched in zip(roles, in_batched)):
-            return _mapped(op_, in_batched, args)
-        rows = args[0].shape[1] if in_batched[0] else args[0].shape[0]
-        folded = []
-        for a, r, batched in zip(args, roles, in_batched):
-            shared = r[0] == "B" and not batched and a.shape[0] == 1 and not shared_gradient_read
-            if r[:1] not in _FOLDED or shared:
-                folded.append(a)  # per call, or shared by every row
-                continue
-            if not batched:
-                a = jnp.broadcast_to(a, (axis_size,) + a.shape)
-            if r[0] == "B":
-                a = jnp.broadcast_to(a, (axis_size, rows) + a.shape[2:])
-            folded.append(a.reshape((-1,) + a.shape[2:]))
-        outs = op_(*folded)
-        sum_terms = (dict(zip(sorted(signature.batch_sums), batch_sum_rows(*folded)))
-                     if signature.batch_sums & read else {})
-        example = jax.eval_shape(tuple_fn, *(
-            jax.ShapeDtypeStruct(a.shape[1:] if batched else a.shape, a.dtype)
-            for a, batched in zip(args, in_batched)))
-        unfolded, batched_out = [], []
-        for i, (out, r, one) in enumerate(zip(outs, signature.results, example)):
-            if i in read and i in sum_terms:
-                terms = sum_terms[i]
-                unfolded.append(jnp.sum(terms.reshape((axis_size, -1) + terms.shape[1:]), axis=1))
-                batched_out.append(True)
-                continue
-            if r[:1] not in ("b", "B") or r[0] == "B" and out.shape[0] == 1:
-                unfolded.append(out)  # unread: the sum over every folded row
-                batched_out.append(False)
-                continue
-            out = out.reshape((axis_size, -1) + out.shape[1:])
-            if out.shape[1] != one.shape[0]:  # a shared (extent 1) dim, per example
-                out = jnp.sum(out, axis=1, keepdims=True)
-            unfolded.append(out)
-            batched_out.append(True)
-        return tuple(unfolded), tuple(batched_out)
-
-    return op_
-
-
-def _mapped(op_, in_batched, args):
-    """One call per mapped example (jax.lax.map): exact, but sequential."""
-    mapped = [a for a, batched in zip(args, in_batched) if batched]
-
-    def one(example):
-        values = iter(example)
-        return op_(*(next(values) if batched else a for a, batched in zip(args, in_batched)))
-
-    outs = jax.lax.map(one, mapped)
-    return outs, jax.tree.map(lambda _: True, outs)

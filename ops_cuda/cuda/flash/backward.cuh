@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads) dkdv_kernel(const Flas
 #pragma unroll
     for (int n = 0; n < T::kM / 8; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) st[n][e] = exp2f(st[n][e] * scale_log2 - lse_scaled[n][e % kRowElems]);
+      for (int e = 0; e < 4; ++e) st[n][e] = fast_exp2(fmaf(st[n][e], scale_log2, -lse_scaled[n][e % kRowElems]));
     }
     if (!full) {
       mask_fragment(st, 0.0f, [&](int n, int e) {
@@ -266,7 +266,7 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads) dq_kernel(const FlashArg
 #pragma unroll
     for (int n = 0; n < T::kN / 8; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) sc[n][e] = exp2f(sc[n][e] * scale_log2 - lse_scaled[e / kRowElems]);
+      for (int e = 0; e < 4; ++e) sc[n][e] = fast_exp2(fmaf(sc[n][e], scale_log2, -lse_scaled[e / kRowElems]));
     }
     if (!full) {
       mask_fragment(sc, 0.0f, [&](int n, int e) {

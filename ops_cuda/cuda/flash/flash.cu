@@ -100,8 +100,8 @@ ffi::Error check_named_kernel(const char* op, int32_t named) {
                          std::to_string(named));
 }
 
-// The rule that picks the forward kernel of a call (fusedattn/ops/backends/flash.py,
-// _cuda_forward_kernel, states the same): the sm_80 kernel when the call names it; else
+// The rule that picks the forward kernel of a call (fusedattn/ops/backends/flash_gpu.py,
+// cuda_forward_kernel, states the same): the sm_80 kernel when the call names it; else
 // the sm_90a kernel on a device of compute capability exactly 9.0 when this library holds
 // it for the call's head dim and there is at least one key (TMA describes no empty tensor);
 // it serves every call the handler accepts otherwise (masks, windows, packing, GQA, softmax
@@ -117,7 +117,7 @@ ffi::Error forward_kernel_of(const char* op, const AttentionParams& p, int32_t n
   return ffi::Error::Success();
 }
 
-// The rule that picks the backward kernel of a call (flash.py, _cuda_backward_kernel, states
+// The rule that picks the backward kernel of a call (flash_gpu.py, cuda_backward_kernel, states
 // the same): the sm_80 kernels when the call names them; else the sm_90a kernel on a device
 // of compute capability exactly 9.0 when this library holds it for the call's head dim
 // (kSm90BackwardHeadDims), the call has queries and keys (TMA describes no empty tensor)
@@ -351,20 +351,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FA_FLASH_BWD_SYMBOL, fusedattn::flash::FlashBwdImp
                               {ffi::Traits::kCmdBufferCompatible});
 
 // The head dims the flash kernels of this library serve, as a bit mask of D / 64 (1: 64,
-// 2: 128, 4: 256); read by fusedattn/ops/backends/flash.py.
+// 2: 128, 4: 256); read by fusedattn/ops/_library.py.
 extern "C" __attribute__((visibility("default"))) int FA_FLASH_HEAD_DIMS_SYMBOL() {
   return fusedattn::flash::kBuiltHeadDims;
 }
 
 #if !defined(__HIPCC__)
 // The head dims of the sm_90a forward kernel in this library (the same bit mask; 0 when it
-// was built without sm_90); read by fusedattn/ops/backends/flash.py.
+// was built without sm_90); read by fusedattn/ops/_library.py.
 extern "C" __attribute__((visibility("default"))) int FusedattnFlashCudaSm90HeadDims() {
   return fusedattn::flash::kSm90HeadDims;
 }
 
 // The head dims of the sm_90a backward kernel in this library (the same bit mask; 0 when it
-// was built without sm_90); read by fusedattn/ops/backends/flash.py.
+// was built without sm_90); read by fusedattn/ops/_library.py.
 extern "C" __attribute__((visibility("default"))) int FusedattnFlashCudaSm90BackwardHeadDims() {
   return fusedattn::flash::kSm90BackwardHeadDims;
 }

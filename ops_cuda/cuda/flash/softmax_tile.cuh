@@ -15,29 +15,17 @@
 namespace fusedattn {
 namespace flash {
 
-// One key tile of a warp's kWarpRows rows: scores [kWarpRows x kN] (fragments) become the weights
-// exp(s - m) (dropout applied) that O += P V takes; the row statistics move to the new
-// running max, and factor[r] receives what the outputs accumulated so far must be
-// multiplied by (rescale_rows) for the lane's row r. `full`: every (query, key) pair of the
-// tile is visible; otherwise masked elements are set to -inf by selection (never
-// arithmetic), so that anything K holds there contributes nothing. kv: the fragment's
-// coordinates (rows: queries, columns: keys).
+// One key tile of a warp's kWarpRows rows: unscaled scores [kWarpRows x kN] (fragments), masked
+// elements -inf (set by selection, never arithmetic, so that anything K holds there
+// contributes nothing), become the weights exp(scale s - m) (dropout applied) that O += P V
+// takes; the row statistics move to the new running max, and factor[r] receives what the
+// outputs accumulated so far must be multiplied by (rescale_rows) for the lane's row r.
+// kv: the fragment's coordinates (rows: queries, columns: keys).
 template <int kN>
 __device__ __forceinline__ void softmax_weights(float (&scores)[kN / 8][4], SoftmaxState (&state)[kLaneRows],
-                                                const FlashArgs& a, const HeadContext& c,
-                                                const QueryToken (&query)[kLaneRows], int64_t h,
-                                                FragmentCoords kv, bool full, float (&factor)[kLaneRows]) {
+                                                const FlashArgs& a, const HeadContext& c, int64_t h,
+                                                FragmentCoords kv, float (&factor)[kLaneRows]) {
   const AttentionParams& p = a.p;
-#pragma unroll
-  for (int n = 0; n < kN / 8; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) scores[n][e] *= p.scale;
-  }
-  if (!full) {
-    mask_fragment(scores, -INFINITY, [&](int n, int e) {
-      return key_visible(p.mask, c, query[e / kRowElems], kv.col(n, e), p.seqlen_kv);
-    });
-  }
   float block_max[kLaneRows];
 #pragma unroll
   for (int r = 0; r < kLaneRows; ++r) block_max[r] = -INFINITY;
@@ -48,12 +36,15 @@ __device__ __forceinline__ void softmax_weights(float (&scores)[kN / 8][4], Soft
   }
 #pragma unroll
   for (int r = 0; r < kLaneRows; ++r) {
-    block_max[r] = row_reduce(block_max[r], [](float x, float y) { return fmaxf(x, y); });
+    // The scale is positive (the op checks it), so the scaled scores' maximum is this one scaled.
+    block_max[r] = row_reduce(block_max[r], [](float x, float y) { return fmaxf(x, y); }) * p.scale;
     factor[r] = state[r].rescale(block_max[r]);
     state[r].any |= block_max[r] > -INFINITY;
   }
-  // exp(x - m) as exp2(x log2(e) - m log2(e)); masked x = -inf gives 0 (a row without a
-  // visible key so far has m = -inf and every weight masked).
+  // exp(scale x - m) as exp2(x scale log2(e) - m log2(e)), one multiply-add per element;
+  // masked x = -inf gives 0 (a row without a visible key so far has m = -inf and every
+  // weight masked).
+  const float scale_log2 = p.scale * kLog2e;
   float m_log2[kLaneRows];
 #pragma unroll
   for (int r = 0; r < kLaneRows; ++r) m_log2[r] = state[r].any ? state[r].m * kLog2e : 0.0f;
@@ -61,7 +52,7 @@ __device__ __forceinline__ void softmax_weights(float (&scores)[kN / 8][4], Soft
   for (int n = 0; n < kN / 8; ++n) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float w = exp2f(scores[n][e] * kLog2e - m_log2[e / kRowElems]);
+      const float w = fast_exp2(fmaf(scores[n][e], scale_log2, -m_log2[e / kRowElems]));
       state[e / kRowElems].l += w;
       scores[n][e] = w;
     }
@@ -87,14 +78,20 @@ __device__ __forceinline__ void rescale_rows(float (&o)[D / 8][4], const float (
   }
 }
 
-// softmax_weights, with o [kWarpRows x D] rescaled at once.
+// softmax_weights, after masking the scores unless `full` (every (query, key) pair of the
+// tile visible), with o [kWarpRows x D] rescaled at once.
 template <int kN, int D>
 __device__ __forceinline__ void softmax_tile(float (&scores)[kN / 8][4], float (&o)[D / 8][4],
                                              SoftmaxState (&state)[kLaneRows], const FlashArgs& a,
                                              const HeadContext& c, const QueryToken (&query)[kLaneRows], int64_t h,
                                              FragmentCoords kv, bool full) {
+  if (!full) {
+    mask_fragment(scores, -INFINITY, [&](int n, int e) {
+      return key_visible(a.p.mask, c, query[e / kRowElems], kv.col(n, e), a.p.seqlen_kv);
+    });
+  }
   float factor[kLaneRows];
-  softmax_weights<kN>(scores, state, a, c, query, h, kv, full, factor);
+  softmax_weights<kN>(scores, state, a, c, h, kv, factor);
   rescale_rows<D>(o, factor);
 }
 

@@ -265,7 +265,10 @@ inline ffi::Error parse_attention_call(const char* op, const ffi::AnyBuffer& q, 
   if (auto e = check_rows(op, "seed", seed, ffi::DataType::U32, {2}, &p->seed_rows); e.failure()) return e;
   if (auto e = check_divides(op, "seed", p->seed_rows, p->batch); e.failure()) return e;
 
-  if (!std::isfinite(scale)) return invalid(op, "the scale attribute must be finite");
+  // Positive: the kernels take each row's maximum of the unscaled scores.
+  if (!std::isfinite(scale) || !(scale > 0.0f)) {
+    return invalid(op, "the scale attribute must be positive and finite, got " + std::to_string(scale));
+  }
   if (softmax_type < kSoftmaxVanilla || softmax_type > kSoftmaxLearnable) {
     return invalid(op, "softmax_type must be 0 (vanilla), 1 (off_by_one) or 2 (learnable), got " +
                            std::to_string(softmax_type));

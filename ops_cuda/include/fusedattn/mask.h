@@ -36,14 +36,41 @@ FA_HOST_DEVICE FA_INLINE QueryToken make_query_token(int32_t q_seg, int32_t q_po
   return t;
 }
 
+// What a query token sees, as its segment id and a closed range of key positions, both in
+// int32 (lo > hi: nothing), so that a kernel tests each key with three comparisons:
+// visible(p, q, seg, pos) == in_range(query_range(p, q), seg, pos) for every int32 pos.
+struct QueryRange {
+  int32_t seg;
+  int32_t lo, hi;
+};
+
+FA_HOST_DEVICE FA_INLINE QueryRange query_range(const MaskParams& p, const QueryToken& q) {
+  // Windows past 2^33 reach as far as unbounded ones (|diagonal| < 2^32), and the sums
+  // below cannot overflow.
+  constexpr int64_t kFar = int64_t{1} << 33;
+  int64_t lo = INT32_MIN, hi = INT32_MAX;
+  if (p.causal && q.diagonal < hi) hi = q.diagonal;
+  if (p.window_right >= 0) {
+    const int64_t right = q.diagonal + (p.window_right < kFar ? p.window_right : kFar);
+    if (right < hi) hi = right;
+  }
+  if (p.window_left >= 0) {
+    const int64_t left = q.diagonal - (p.window_left < kFar ? p.window_left : kFar);
+    if (left > lo) lo = left;
+  }
+  if (q.seg == 0 || lo > hi) return QueryRange{q.seg, INT32_MAX, INT32_MIN};
+  return QueryRange{q.seg, static_cast<int32_t>(lo), static_cast<int32_t>(hi)};
+}
+
+// Every term evaluated (no early return): a GPU kernel tests many keys at once, and selects
+// beat divergent branches there.
+FA_HOST_DEVICE FA_INLINE bool in_range(const QueryRange& r, int32_t kv_seg, int32_t kv_pos) {
+  return (kv_seg == r.seg) & (kv_pos >= r.lo) & (kv_pos <= r.hi);
+}
+
 FA_HOST_DEVICE FA_INLINE bool visible(const MaskParams& p, const QueryToken& q, int32_t kv_seg,
                                       int32_t kv_pos) {
-  if (q.seg == 0 || q.seg != kv_seg) return false;
-  const int64_t pos = kv_pos;
-  if (p.causal && pos > q.diagonal) return false;
-  if (p.window_left >= 0 && pos < q.diagonal - p.window_left) return false;
-  if (p.window_right >= 0 && pos > q.diagonal + p.window_right) return false;
-  return true;
+  return in_range(query_range(p, q), kv_seg, kv_pos);
 }
 
 FA_HOST_DEVICE FA_INLINE bool visible(const MaskParams& p, int32_t q_seg, int32_t q_pos, int32_t q_diag,

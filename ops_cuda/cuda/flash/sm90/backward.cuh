@@ -9,7 +9,8 @@
 //     see (one warp searches them, ../spans.cuh, 32 at a time), that tile's Q and dO with
 //     TMA into a ring of two stages on mbarriers, with the tile's rows of lse and delta
 //     (the warp's lanes), publishing the tile, whether every pair is visible and whether
-//     it may hold padding queries; -1 ends the loop.
+//     it may hold padding queries, and for a tile that is not all visible the keys each
+//     of its queries sees (the mask then reads shared memory); -1 ends the loop.
 //   warpgroups 1 and 2, the consumers, 64 keys each, per query tile:
 //     S^T = K Q^T and dP^T = V dO^T (wgmma, both operands in shared memory);
 //     P^T = exp(scale S^T - lse) (masked elements set to 0 by selection);
@@ -36,18 +37,24 @@ namespace fusedattn {
 namespace flash {
 namespace sm90 {
 
-// The barriers and the published query tiles, after the operand tiles in shared memory.
+// The barriers and the published query tiles, after the operand tiles in shared memory:
+// kStages stages (three: a tile's loads are issued two tiles before it is needed) of kM
+// queries.
+template <int kStages, int kM>
 struct BackwardControl {
   uint64_t kv_full;
-  uint64_t full[2];   // Q and dO of the stage
-  uint64_t empty[2];  // released by the consumers once dV and dK have read them
-  int32_t unit[2];    // query head in the group * query tiles + query tile; -1: no more
-  int32_t all_visible[2];
-  int32_t padded[2];  // the query tile may hold padding queries (segment id 0)
+  uint64_t full[kStages];   // Q and dO of the stage, and its published rows
+  uint64_t empty[kStages];  // released by the consumers once dV and dK have read them
+  int32_t head[kStages];    // the query head of the stage's tile; -1: no more
+  int32_t first[kStages];   // its first query
+  int32_t all_visible[kStages];
+  int32_t padded[kStages];  // the query tile may hold padding queries (segment id 0)
   // Per stage and query of the tile: lse * log2(e) and delta (+inf and 0 past the end and
   // for padding queries: P = 0 and dS = 0 whatever dO holds there).
-  float lse_log2[2][64];
-  float delta[2][64];
+  float lse_log2[kStages][kM];
+  float delta[kStages][kM];
+  // Of a tile that is not all visible: the keys each query sees (the consumers' mask).
+  QueryRange sees[kStages][kM];
 };
 
 template <int D>
@@ -55,7 +62,7 @@ struct BackwardTiles {
   static constexpr int kN = 128;            // keys per block
   static constexpr int kConsumerKeys = 64;  // per consumer warpgroup
   static constexpr int kM = 64;             // queries per streamed tile (one swizzle atom of dS^T)
-  static constexpr int kStages = 2;
+  static constexpr int kStages = 3;
   static constexpr int kThreads = 384;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kAtoms = D / kAtomColumns;
@@ -69,14 +76,14 @@ struct BackwardTiles {
   static constexpr int kDoOffset = kQOffset + kStages * kQueryBytes;
   static constexpr int kDsOffset = kDoOffset + kStages * kQueryBytes;  // two buffers
   static constexpr int kControlOffset = kDsOffset + 2 * kDsBytes;
+  using Control = BackwardControl<kStages, kM>;
   // 1024: room to align the start (the swizzle atoms need 1024-byte alignment).
-  static constexpr int kSharedBytes = kControlOffset + static_cast<int>(sizeof(BackwardControl)) + 1024;
+  static constexpr int kSharedBytes = kControlOffset + static_cast<int>(sizeof(Control)) + 1024;
   // 24 + 2 x 240 = 3 x 168 (the registers at entry): setmaxnreg.inc waits until the
   // block's pool holds what it asks for, so a larger producer share would hang the block.
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
   static_assert(kM == kAtomColumns, "dS^T is one swizzle atom wide");
-  static_assert(kStages == 2 && kM == 64, "BackwardControl's arrays");
 };
 
 // The kernel's arguments: the call, the float32 dQ accumulator and TMA descriptors of q,
@@ -92,7 +99,7 @@ struct BackwardArgs {
 
 // The producer: warp 0 (lane 0 issues the copies and publishes the tiles).
 template <int D>
-__device__ __forceinline__ void produce_backward(const BackwardArgs& args, uint32_t base, BackwardControl* control,
+__device__ __forceinline__ void produce_backward(const BackwardArgs& args, uint32_t base, typename BackwardTiles<D>::Control* control,
                                                  int64_t b, int64_t g, int64_t n0) {
   using T = BackwardTiles<D>;
   const AttentionParams& p = args.a.p;
@@ -127,29 +134,10 @@ __device__ __forceinline__ void produce_backward(const BackwardArgs& args, uint3
     });
     const int s = i % T::kStages;
     if (i >= T::kStages) mbarrier_wait(smem_address(&control->empty[s]), (i / T::kStages - 1) & 1);
-    if (u < n_units) {  // the tile's rows of lse and delta, two queries a lane, before the leader arrives
-      const int64_t h = g * group + u / n_q_tiles, m0 = static_cast<int64_t>(u % n_q_tiles) * T::kM;
-      const int64_t row = (b * p.heads + h) * p.seqlen_q;
-#pragma unroll
-      for (int k = 0; k < T::kM / 32; ++k) {
-        const int q = static_cast<int>(threadIdx.x % 32) + 32 * k;
-        // A padding query sees no key (P = 0); its delta, from garbage dO, may be NaN.
-        const bool real = m0 + q < p.seqlen_q && c.q_seg[m0 + q] != 0;
-        control->lse_log2[s][q] = real ? args.a.lse[row + m0 + q] * kLog2e : INFINITY;
-        control->delta[s][q] = real ? args.a.delta[row + m0 + q] : 0.0f;
-      }
-    }
-    __syncwarp();
-    if (leader && u >= n_units) {
-      control->unit[s] = -1;
-      mbarrier_arrive(smem_address(&control->full[s]));
-    } else if (leader) {
-      const int bit = u - scan.first;
-      control->unit[s] = u;
-      control->all_visible[s] = (scan.full >> bit) & 1u;
-      control->padded[s] = (scan.padded >> bit) & 1u;
-      const int h = static_cast<int>(g * group) + u / n_q_tiles, m0 = (u % n_q_tiles) * T::kM;
-      const uint32_t bar = smem_address(&control->full[s]);
+    // The tile's head and first query.
+    const int h = static_cast<int>(g * group) + u / n_q_tiles, m0 = (u % n_q_tiles) * T::kM;
+    const uint32_t bar = smem_address(&control->full[s]);
+    if (leader && u < n_units) {  // the copies first: their latency covers the loads below
       mbarrier_arrive_expect_tx(bar, 2 * T::kQueryBytes);
 #pragma unroll
       for (int atom = 0; atom < T::kAtoms; ++atom) {
@@ -159,24 +147,41 @@ __device__ __forceinline__ void produce_backward(const BackwardArgs& args, uint3
                     static_cast<int>(b));
       }
     }
+    if (u < n_units) {  // the tile's rows of lse and delta, two queries a lane
+      const int64_t row = (b * p.heads + h) * p.seqlen_q;
+#pragma unroll
+      for (int k = 0; k < T::kM / 32; ++k) {
+        const int q = static_cast<int>(threadIdx.x % 32) + 32 * k;
+        const bool inside = m0 + q < p.seqlen_q;
+        // Loaded together (one latency), then selected: a padding query sees no key
+        // (P = 0); its delta, from garbage dO, may be NaN.
+        const int32_t seg = inside ? c.q_seg[m0 + q] : 0;
+        const float lse = inside ? args.a.lse[row + m0 + q] : 0.0f;
+        const float delta = inside ? args.a.delta[row + m0 + q] : 0.0f;
+        control->lse_log2[s][q] = seg != 0 ? lse * kLog2e : INFINITY;
+        control->delta[s][q] = seg != 0 ? delta : 0.0f;
+        if (!((scan.full >> (u - scan.first)) & 1u)) {
+          control->sees[s][q] = query_range(p.mask, query_token(c, m0 + q, p.seqlen_q));
+        }
+      }
+    }
+    __syncwarp();
+    if (leader) {  // the stage's second arrival (the first: the copies'), after the lanes' stores
+      if (u >= n_units) {
+        control->head[s] = -1;
+        mbarrier_arrive(bar);
+      } else {
+        const int bit = u - scan.first;
+        control->head[s] = h;
+        control->first[s] = m0;
+        control->all_visible[s] = (scan.full >> bit) & 1u;
+        control->padded[s] = (scan.padded >> bit) & 1u;
+      }
+      mbarrier_arrive(bar);
+    }
     __syncwarp();  // the lanes stay in step (next_visible is warp-wide)
     if (u >= n_units) return;
   }
-}
-
-// Bit 4 n + e set where element (n, e) of a lane's [16 x kCols] fragment satisfies pred(n, e)
-// (kCols <= 64). The loop over n is not unrolled, so that the predicate (the mask's token
-// loads, a Philox draw) holds few registers at a time beside the accumulators.
-template <int kCols, typename Pred>
-__device__ __forceinline__ uint32_t fragment_bits(Pred pred) {
-  static_assert(kCols <= 64, "one bit per element of a 32-bit word");
-  uint32_t bits = 0;
-#pragma unroll 1
-  for (int n = 0; n < kCols / 8; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) bits |= static_cast<uint32_t>(pred(n, e)) << (4 * n + e);
-  }
-  return bits;
 }
 
 // Packs a warp's [16 x kCols] float fragments into the A operands (16 x 16 each) of a
@@ -207,15 +212,15 @@ __device__ __forceinline__ void store_scores_t(uint32_t ds, int row0, int lane, 
   }
 }
 
-// One consumer warpgroup (index cw, 0 or 1): keys n0 + 64 cw .. + 63.
-template <ElementType ET, int D>
-__device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint32_t base, BackwardControl* control,
+// One consumer warpgroup (index cw, 0 or 1): keys n0 + 64 cw .. + 63. kDropout: p.dropout (a
+// template argument, so that the loop without dropout carries none of its registers).
+template <ElementType ET, int D, bool kDropout>
+__device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint32_t base, typename BackwardTiles<D>::Control* control,
                                                  int64_t b, int64_t g, int64_t n0, int cw) {
   using T = BackwardTiles<D>;
   const FlashArgs& a = args.a;
   const AttentionParams& p = a.p;
   const int64_t group = p.heads / p.kv_heads;
-  const int n_q_tiles = static_cast<int>((p.seqlen_q + T::kM - 1) / T::kM);
   // The token row and dropout key (shared by the group), derived where used (from the
   // kernel's parameters): kept in registers across the loop, they crowded the accumulators.
   const auto context = [&] { return head_context(a, b, g * group); };
@@ -243,10 +248,9 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
   for (int i = 0;; ++i) {
     const int s = i % T::kStages;
     mbarrier_wait(smem_address(&control->full[s]), (i / T::kStages) & 1);
-    const int u = control->unit[s];
-    if (u < 0) break;
+    const int64_t h = control->head[s], m0 = control->first[s];
+    if (h < 0) break;
     const bool all_visible = control->all_visible[s] != 0;
-    const int64_t h = g * group + u / n_q_tiles, m0 = static_cast<int64_t>(u % n_q_tiles) * T::kM;
     const uint32_t q_tile = base + T::kQOffset + s * T::kQueryBytes;
     const uint32_t do_tile = base + T::kDoOffset + s * T::kQueryBytes;
     if (control->padded[s] != 0) {
@@ -276,20 +280,19 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
 #pragma unroll
     for (int n = 0; n < T::kM / 8; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) st[n][e] = exp2f(st[n][e] * scale_log2 - lse_log2[8 * n + e % 2]);
+      for (int e = 0; e < 4; ++e) st[n][e] = fast_exp2(fmaf(st[n][e], scale_log2, -lse_log2[8 * n + e % 2]));
     }
     if (!all_visible) {
-      const HeadContext c = context();
-      const KeyRows keys = key_rows(c, at, p.seqlen_kv);
+      const KeyRows keys = key_rows(context(), at, p.seqlen_kv);
       const uint32_t seen = fragment_bits<T::kM>([&](int n, int e) {
-        return visible(p.mask, query_token(c, qc.col(n, e), p.seqlen_q), keys.seg[e / 2], keys.pos[e / 2]);
+        return in_range(control->sees[s][qc.col(n, e) - m0], keys.seg[e / 2], keys.pos[e / 2]);
       });
       mask_fragment(st, 0.0f, [&](int n, int e) { return ((seen >> (4 * n + e)) & 1u) != 0; });
     }
     cute::warpgroup_wait<0>();
     fence_accumulators(dpt);
     // st: P^T; then dS^T = P^T o (drop o dP^T - delta) into dpt, and st: (P o drop)^T
-    if (p.dropout) {
+    if constexpr (kDropout) {
       const HeadContext c = context();
       const uint32_t kept = fragment_bits<T::kM>([&](int n, int e) {
         return dropout_factor(p, c, h, qc.col(n, e), qc.row(e)) != 0.0f;
@@ -320,16 +323,13 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
     fence_accumulators(dv);
     fence_accumulators(dk);
     cute::warpgroup_arrive();
+    const uint64_t do0 = mn_major_descriptor(do_tile, T::kM * kAtomRowBytes);
+    const uint64_t q0 = mn_major_descriptor(q_tile, T::kM * kAtomRowBytes);
 #pragma unroll
-    for (int ks = 0; ks < T::kM / 16; ++ks) {
-      gmma_rs<ET, D>(weights[ks], mn_major_descriptor(do_tile + ks * 16 * kAtomRowBytes, T::kM * kAtomRowBytes),
-                     dv);
-    }
+    for (int ks = 0; ks < T::kM / 16; ++ks) gmma_rs<ET, D>(weights[ks], descriptor_plus(do0, ks * 16 * kAtomRowBytes), dv);
     cute::warpgroup_commit_batch();
 #pragma unroll
-    for (int ks = 0; ks < T::kM / 16; ++ks) {
-      gmma_rs<ET, D>(scores[ks], mn_major_descriptor(q_tile + ks * 16 * kAtomRowBytes, T::kM * kAtomRowBytes), dk);
-    }
+    for (int ks = 0; ks < T::kM / 16; ++ks) gmma_rs<ET, D>(scores[ks], descriptor_plus(q0, ks * 16 * kAtomRowBytes), dk);
     cute::warpgroup_commit_batch();
 
     // Both warpgroups' dS^T stored (the buffer's previous reader, two tiles back, is done:
@@ -340,11 +340,12 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
     float dq[T::kDqColumns / 8][4];
     fence_accumulators(dq);
     cute::warpgroup_arrive();
+    const uint64_t ds0 = mn_major_descriptor(ds_tile, T::kDsBytes);
+    const uint64_t k0 = mn_major_descriptor(k_columns, T::kN * kAtomRowBytes);
 #pragma unroll
     for (int ks = 0; ks < T::kN / 16; ++ks) {
-      gmma_ss_mn<ET, T::kDqColumns>(mn_major_descriptor(ds_tile + ks * 16 * kAtomRowBytes, T::kDsBytes),
-                                    mn_major_descriptor(k_columns + ks * 16 * kAtomRowBytes, T::kN * kAtomRowBytes),
-                                    dq, ks > 0);
+      gmma_ss_mn<ET, T::kDqColumns>(descriptor_plus(ds0, ks * 16 * kAtomRowBytes),
+                                    descriptor_plus(k0, ks * 16 * kAtomRowBytes), dq, ks > 0);
     }
     cute::warpgroup_commit_batch();
     cute::warpgroup_wait<1>();  // dV and dK have read Q and dO: the stage goes back
@@ -353,13 +354,18 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
     mbarrier_arrive(smem_address(&control->empty[s]));
     cute::warpgroup_wait<0>();
     fence_accumulators(dq);
+    // Both rows' addresses before any reduction: a reduction reads its registers late, and
+    // overwriting one it has not read yet would wait for it.
+    const int64_t qi = m0 + 16 * warp + lane / 4;
+    float* const dst = args.dq_accum + ((b * p.seqlen_q + qi) * p.heads + h) * D + cw * T::kDqColumns + 2 * (lane % 4);
+    float* const dst8 = dst + 8 * p.heads * D;  // row qi + 8
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int64_t qi = m0 + 16 * warp + lane / 4 + 8 * half;
-      if (qi >= p.seqlen_q) continue;
-      float* dst = args.dq_accum + ((b * p.seqlen_q + qi) * p.heads + h) * D + cw * T::kDqColumns + 2 * (lane % 4);
+      if (qi + 8 * half >= p.seqlen_q) continue;
 #pragma unroll
-      for (int t = 0; t < T::kDqColumns / 8; ++t) red_add_v2(dst + 8 * t, dq[t][2 * half], dq[t][2 * half + 1]);
+      for (int t = 0; t < T::kDqColumns / 8; ++t) {
+        red_add_v2((half ? dst8 : dst) + 8 * t, dq[t][2 * half], dq[t][2 * half + 1]);
+      }
     }
   }
   const int64_t kv_stride = p.kv_heads * D;
@@ -369,7 +375,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
   store_rows<ET>(dv, {1.0f, 1.0f}, dv_row, kv_stride, at, p.seqlen_kv);
 }
 
-template <ElementType ET, int D>
+template <ElementType ET, int D, bool kDropout>
 __global__ void __launch_bounds__(BackwardTiles<D>::kThreads, 1)
     backward_kernel(const __grid_constant__ BackwardArgs args) {
   using T = BackwardTiles<D>;
@@ -377,7 +383,7 @@ __global__ void __launch_bounds__(BackwardTiles<D>::kThreads, 1)
   const AttentionParams& p = args.a.p;
   const uint32_t unaligned = smem_address(smem);
   const uint32_t base = (unaligned + 1023) & ~1023u;
-  BackwardControl* control = reinterpret_cast<BackwardControl*>(smem + (base - unaligned) + T::kControlOffset);
+  auto* control = reinterpret_cast<typename T::Control*>(smem + (base - unaligned) + T::kControlOffset);
   // Key blocks in order of their index, every (batch row, K/V head) at once: under a causal
   // mask the first ones see the most query tiles, so the longest blocks start first.
   const int64_t rows = p.batch * p.kv_heads;
@@ -387,7 +393,7 @@ __global__ void __launch_bounds__(BackwardTiles<D>::kThreads, 1)
   if (threadIdx.x == 0) {
     mbarrier_init(smem_address(&control->kv_full), 1);
     for (int s = 0; s < T::kStages; ++s) {
-      mbarrier_init(smem_address(&control->full[s]), 1);
+      mbarrier_init(smem_address(&control->full[s]), 2);  // the copies' and the published rows'
       mbarrier_init(smem_address(&control->empty[s]), T::kConsumerThreads);
     }
     mbarrier_init_fence();
@@ -399,7 +405,7 @@ __global__ void __launch_bounds__(BackwardTiles<D>::kThreads, 1)
     if (threadIdx.x < 32) produce_backward<D>(args, base, control, b, g, n0);
   } else {
     registers_increase<T::kConsumerRegisters>();
-    consume_backward<ET, D>(args, base, control, b, g, n0, warpgroup - 1);
+    consume_backward<ET, D, kDropout>(args, base, control, b, g, n0, warpgroup - 1);
   }
 }
 

@@ -6,9 +6,10 @@
 //     (../spans.cuh; 32 tiles at a time, a lane each) and one thread loads the Q tile
 //     once, then those K and V tiles, with TMA into a ring of two stages; K and V
 //     complete on mbarriers of their own and are released by the consumers through
-//     "empty" mbarriers of their own (K as soon as S = Q K^T is done). With each K it
-//     publishes the tile's index, whether every pair is visible and whether the tile may
-//     hold padding keys; an index of -1 ends the loop.
+//     "empty" mbarriers of their own (K once the tile's weights are computed). With each K
+//     it publishes the tile's index, whether every pair is visible and whether the tile may
+//     hold padding keys, and for a tile that is not all visible its keys' segment ids and
+//     positions (the mask reads them from shared memory); an index of -1 ends the loop.
 //   warpgroups 1 and 2, the consumers, 64 queries each (consume): S = Q K^T by wgmma from
 //     shared memory, the online softmax of ../softmax_tile.cuh in float32 registers,
 //     O += P V by wgmma with P from registers and V from shared memory; tile i's S is
@@ -28,6 +29,23 @@ namespace fusedattn {
 namespace flash {
 namespace sm90 {
 
+// The barriers and the published tiles, after the operand tiles in shared memory.
+struct Control {
+  static constexpr int kMaxKeys = 128;  // the largest tile
+  uint64_t q_full;
+  uint64_t k_full[2];
+  uint64_t v_full[2];
+  uint64_t k_empty[2];  // released by the consumers once the tile's weights are computed
+  uint64_t v_empty[2];  // released once O += P V is done
+  int32_t tile[2];      // key tile of the stage, -1: no more
+  int32_t full[2];      // every (query, key) pair of the tile is visible
+  int32_t padded[2];    // the tile may hold padding keys (segment id 0) within the sequence
+  // Of a tile that is not full: its keys' segment ids (0 past the end) and positions,
+  // for the consumers' mask (shared memory, not a global load per element).
+  int32_t key_seg[2][kMaxKeys];
+  int32_t key_pos[2][kMaxKeys];
+};
+
 template <int D>
 struct ForwardTiles {
   static constexpr int kM = 128;                 // queries per block
@@ -45,9 +63,10 @@ struct ForwardTiles {
   static constexpr int kVOffset = kKOffset + kStages * kTileBytes;
   static constexpr int kControlOffset = kVOffset + kStages * kTileBytes;
   // 1024: room to align the start (the swizzle atoms need 1024-byte alignment).
-  static constexpr int kSharedBytes = kControlOffset + 128 + 1024;
+  static constexpr int kSharedBytes = kControlOffset + static_cast<int>(sizeof(Control)) + 1024;
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
+  static_assert(kN <= Control::kMaxKeys && kN % 32 == 0, "the staged key tokens: whole warps");
 };
 
 // Named barriers 2 and 3: consumer warpgroup 0's and 1's turn to issue S = Q K^T. The
@@ -64,17 +83,6 @@ struct ForwardArgs {
   FlashArgs a;
 };
 
-// The barriers and the published tiles, after the operand tiles in shared memory.
-struct Control {
-  uint64_t q_full;
-  uint64_t k_full[2];
-  uint64_t v_full[2];
-  uint64_t k_empty[2];  // released by the consumers once S = Q K^T is done
-  uint64_t v_empty[2];  // released once O += P V is done
-  int32_t tile[2];      // key tile of the stage, -1: no more
-  int32_t full[2];      // every (query, key) pair of the tile is visible
-  int32_t padded[2];    // the tile may hold padding keys (segment id 0) within the sequence
-};
 
 // The producer: warp 0 (lane 0 issues the copies and publishes the tiles).
 template <int D>
@@ -110,6 +118,16 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
     const int s = i % T::kStages;
     const uint32_t released = (i / T::kStages - 1) & 1;  // parity of the release of tile i - kStages
     if (i >= T::kStages) mbarrier_wait(smem_address(&control->k_empty[s]), released);
+    if (t < n_tiles && !((scan.full >> (t - scan.first)) & 1u)) {  // the mask's key tokens, a lane a key
+#pragma unroll
+      for (int k = 0; k < T::kN / 32; ++k) {
+        const int r = static_cast<int>(threadIdx.x % 32) + 32 * k;
+        const int64_t j = static_cast<int64_t>(t) * T::kN + r;
+        control->key_seg[s][r] = j < p.seqlen_kv ? c.kv_seg[j] : 0;
+        control->key_pos[s][r] = j < p.seqlen_kv ? c.kv_pos[j] : 0;
+      }
+      __syncwarp();  // before the leader's arrival publishes them
+    }
     if (leader && t >= n_tiles) {
       control->tile[s] = -1;
       mbarrier_arrive(smem_address(&control->k_full[s]));
@@ -153,7 +171,9 @@ __device__ __forceinline__ void consume(const FlashArgs& a, uint32_t base, Contr
   const HeadContext c = head_context(a, b, h);
   const int warp = (threadIdx.x / 32) % 4;
   const FragmentCoords at{m0 + T::kConsumerRows * cw + 16 * warp, 0, static_cast<int>(threadIdx.x % 32)};
-  const QueryToken query[2] = {query_token(c, at.row(0), p.seqlen_q), query_token(c, at.row(2), p.seqlen_q)};
+  // The keys the lane's two rows see (the mask of tiles that are not all visible).
+  const QueryRange sees[2] = {query_range(p.mask, query_token(c, at.row(0), p.seqlen_q)),
+                              query_range(p.mask, query_token(c, at.row(2), p.seqlen_q))};
   SoftmaxState state[2];
   state[0].init();
   state[1].init();
@@ -195,21 +215,34 @@ __device__ __forceinline__ void consume(const FlashArgs& a, uint32_t base, Contr
   };
   // O += P V of tile i (one commit group).
   const auto issue_values = [&](int i) {
+    const uint64_t v0 = mn_major_descriptor(v_tile(i % T::kStages), T::kN * kAtomRowBytes);
 #pragma unroll
-    for (int ks = 0; ks < T::kN / 16; ++ks) {
-      gmma_rs<ET, D>(weights[ks],
-                     mn_major_descriptor(v_tile(i % T::kStages) + ks * 16 * kAtomRowBytes, T::kN * kAtomRowBytes), o);
-    }
+    for (int ks = 0; ks < T::kN / 16; ++ks) gmma_rs<ET, D>(weights[ks], descriptor_plus(v0, ks * 16 * kAtomRowBytes), o);
     cute::warpgroup_commit_batch();
   };
-  // Tile t's scores (done) -> weights; K of tile i released. O is rescaled after `retire`
-  // has waited for the product in flight.
+  // Tile t's scores (done) -> weights; K of tile i (and its key tokens) released. O is
+  // rescaled after `retire` has waited for the product in flight.
   const auto soften = [&](int i, int t, bool full, float (&scores)[T::kN / 8][4], auto retire) {
     fence_accumulators(scores);
-    mbarrier_arrive(smem_address(&control->k_empty[i % T::kStages]));
+    const int s = i % T::kStages;
     const FragmentCoords kv{at.row0, static_cast<int64_t>(t) * T::kN, at.lane};
+    if (!full) {  // the mask as bits, 64 elements a word (fragment_bits keeps few registers live)
+      constexpr int kWords = (T::kN + 63) / 64, kWordTiles = T::kN / 8 / kWords;
+      uint32_t seen[kWords];
+#pragma unroll
+      for (int w = 0; w < kWords; ++w) {
+        seen[w] = fragment_bits<8 * kWordTiles>([&](int n, int e) {
+          const int r = static_cast<int>(kv.col(n + w * kWordTiles, e) - kv.col0);
+          return in_range(sees[e / kRowElems], control->key_seg[s][r], control->key_pos[s][r]);
+        });
+      }
+      mask_fragment(scores, -INFINITY, [&](int n, int e) {
+        return ((seen[n / kWordTiles] >> (4 * (n % kWordTiles) + e)) & 1u) != 0;
+      });
+    }
     float factor[2];
-    softmax_weights<T::kN>(scores, state, a, c, query, h, kv, full, factor);
+    softmax_weights<T::kN>(scores, state, a, c, h, kv, factor);
+    mbarrier_arrive(smem_address(&control->k_empty[s]));  // K and the key tokens are read
     retire();
     rescale_rows<D>(o, factor);
 #pragma unroll

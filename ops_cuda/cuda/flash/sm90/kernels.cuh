@@ -55,7 +55,7 @@ std::string backward(gpuStream_t stream, const FlashArgs& a, float* dq_accum) {
   gpuMemsetAsync(dq_accum, 0, sizeof(float) * elements, stream);
   const int64_t blocks = (p.seqlen_kv + T::kN - 1) / T::kN * p.kv_heads * p.batch;
   if (blocks > 0) {
-    const auto kernel = backward_kernel<ET, D>;
+    const auto kernel = p.dropout ? backward_kernel<ET, D, true> : backward_kernel<ET, D, false>;
     gpuFuncSetAttribute(reinterpret_cast<const void*>(kernel), gpuFuncAttributeMaxDynamicSharedMemorySize,
                         T::kSharedBytes);
     kernel<<<static_cast<unsigned>(blocks), T::kThreads, T::kSharedBytes, stream>>>(args);

@@ -133,6 +133,14 @@ __device__ __forceinline__ uint64_t mn_major_descriptor(uint32_t address, uint32
   return kDescriptorSwizzle128 | (uint64_t{atom_bytes >> 4} << 16) | ((address & 0x3FFFF) >> 4);
 }
 
+// The descriptor of the same operand `bytes` (a multiple of 16) further on. The start
+// address field is the low 14 bits (address / 16) and shared memory ends below 256 KB,
+// so adding there cannot carry into the other fields; from one descriptor per tile, each
+// product's is one add of a constant (rebuilding it from the address costs several).
+__device__ __forceinline__ uint64_t descriptor_plus(uint64_t descriptor, uint32_t bytes) {
+  return descriptor + (bytes >> 4);
+}
+
 // ---- warpgroup products (m64 nN k16, float accumulators) ---------------------------
 
 // The accumulators of a 64 x N product are, per warp, the C fragments of mma.sync 16 x 8
@@ -184,11 +192,12 @@ __device__ __forceinline__ void gmma_ss(uint64_t a, uint64_t b, float (&acc)[N /
 template <ElementType ET, int N, int kDepth>
 __device__ __forceinline__ void gmma_rows_times_rows(uint32_t a, uint32_t a_atom, uint32_t b, uint32_t b_atom,
                                                      float (&acc)[N / 8][4]) {
+  const uint64_t a0 = k_major_descriptor(a), b0 = k_major_descriptor(b);
 #pragma unroll
   for (int ks = 0; ks < kDepth / 16; ++ks) {
     const uint32_t column = (ks % 4) * 32;  // 16 columns of the atom, in bytes
-    gmma_ss<ET, N>(k_major_descriptor(a + (ks / 4) * a_atom + column),
-                   k_major_descriptor(b + (ks / 4) * b_atom + column), acc, ks > 0);
+    gmma_ss<ET, N>(descriptor_plus(a0, (ks / 4) * a_atom + column), descriptor_plus(b0, (ks / 4) * b_atom + column),
+                   acc, ks > 0);
   }
 }
 

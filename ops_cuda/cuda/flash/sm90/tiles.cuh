@@ -1,6 +1,7 @@
 // What the Hopper kernels share about the tiles they stream: the producer warp's search
 // for the visible ones (spans.cuh relations, 32 tiles at a time, a lane each) and the
-// zeroing of padding rows (segment id 0) in a TMA-written shared-memory tile.
+// zeroing of padding rows (segment id 0) in a TMA-written shared-memory tile, and the mask
+// of a fragment as bits.
 #ifndef FUSEDATTN_FLASH_SM90_TILES_CUH_
 #define FUSEDATTN_FLASH_SM90_TILES_CUH_
 
@@ -41,6 +42,21 @@ __device__ __forceinline__ int next_visible(TileScan& scan, int after, int n_til
     t = scan.first + 32;
   }
   return n_tiles;
+}
+
+// Bit 4 n + e set where element (n, e) of a lane's [16 x kCols] fragment satisfies pred(n, e)
+// (kCols <= 64). The loop over n is not unrolled, so that the predicate (the mask's token
+// loads, a Philox draw) holds few registers at a time beside the accumulators.
+template <int kCols, typename Pred>
+__device__ __forceinline__ uint32_t fragment_bits(Pred pred) {
+  static_assert(kCols <= 64, "one bit per element of a 32-bit word");
+  uint32_t bits = 0;
+#pragma unroll 1
+  for (int n = 0; n < kCols / 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) bits |= static_cast<uint32_t>(pred(n, e)) << (4 * n + e);
+  }
+  return bits;
 }
 
 // Zeroes the rows of the padding tokens (segment id 0, seg[row0 + r]) of a tile of kRows
