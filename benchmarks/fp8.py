@@ -4,17 +4,14 @@ Impls:
   "fp8"        ours: fused_attn with config.fp8.enabled (E4M3, delayed scaling) on bf16
                inputs, backend "cudnn": the amaxes and quantisation of q, k, v (and dO) in
                XLA around cuDNN's FP8 graphs; the state is a call argument with a history
-               (steady-state training: no probe passes)
+               (delayed scaling runs no probe pass: one cuDNN call per direction)
   "fp8_inputs" the same with q, k, v given in float8_e4m3fn (no quantisation pass): what
                JAX's path takes
   "fp8_graph"  cuDNN's FP8 graphs alone, as the op calls them (fp8_calls.py) on
-               float8_e4m3fn q, k, v, dO with unit scales: no amax, quantisation, probe
-               pass, state update or conversion of O/dQ/dK/dV to bfloat16; the floor
-               under "fp8_inputs", set against jax_fp8 (the same work)
-  "fp8_probes" fp8_graph plus the probe passes steady-state delayed scaling runs (cuDNN's
-               graphs with a padding mask of zero lengths: one forward, two backward):
-               fp8_probes - fp8_graph is what they cost, fp8_inputs - fp8_probes the XLA
-               work around the graphs (amaxes, conversions, the state update)
+               float8_e4m3fn q, k, v, dO with unit scales: no amax, quantisation, state
+               update or conversion of O/dQ/dK/dV to bfloat16; the floor under
+               "fp8_inputs", set against jax_fp8 (the same work); fp8_inputs - fp8_graph
+               is the XLA work around the graphs (amaxes, conversions, the state update)
   "bf16"       ours in bf16, backend "cudnn"
   "jax_fp8"    jax._src.cudnn.fused_attention_stablehlo.dot_product_attention(use_fp8=True)
                on float8_e4m3fn inputs, unit scales (its gradients FP8 too)
@@ -48,7 +45,7 @@ from common import interleaved_ms, parse_args, random_normal, write_results
 # (b, s, h, d, causal): the issue's cases.
 CASES = [(4, 2048, 16, 128, False), (1, 8192, 16, 128, False), (1, 8192, 16, 128, True),
          (2, 4096, 32, 128, True)]
-IMPLS = ("fp8", "fp8_inputs", "fp8_graph", "fp8_probes", "bf16", "jax_fp8")
+IMPLS = ("fp8", "fp8_inputs", "fp8_graph", "bf16", "jax_fp8")
 RATIOS = (("fp8", "bf16"), ("fp8", "jax_fp8"), ("fp8_inputs", "jax_fp8"),
           ("fp8_graph", "jax_fp8"))
 
@@ -97,41 +94,26 @@ def ours_fp8(causal: bool, q, k, v, do, fp8_inputs: bool):
             "fwd+bwd": lambda *_: forward_backward(*inputs, state, do)}
 
 
-def ours_fp8_graph(causal: bool, q, k, v, do, probes: bool):
-    """cuDNN's FP8 graphs alone, with or without the zero-length probe passes (module
-    docstring), as fn(q, k, v, do)."""
+def ours_fp8_graph(causal: bool, q, k, v, do):
+    """cuDNN's FP8 graphs alone (module docstring), as fn(q, k, v, do)."""
     config = _config(causal, fp8=True)
     spec = AttentionSpec.from_config(config)
     call = _static(spec, 1.0 / q.shape[-1] ** 0.5, False, False, q.shape[1], k.shape[1])
     q8, k8, v8, do8 = (x.astype(jnp.float8_e4m3fn) for x in (q, k, v, do))
     one = 1.0
-    no_work = (jnp.zeros((q.shape[0],), jnp.int32),) * 2   # arguments: not constant-folded
-
-    def run_forward(q8, k8, v8, lengths, training):
-        """(o8, stats, the probe's amax_o or 0): the probe's result is returned, so that
-        XLA keeps the call, as the op's use of it does."""
-        probed = (fp8_calls.forward(call, q8, k8, v8, one, one, one, one, one, False,
-                                    lengths)[3] if probes else 0.0)
-        o8, stats, _, _ = fp8_calls.forward(call, q8, k8, v8, one, one, one, one, one, training)
-        return o8, stats, probed
 
     @jax.jit
-    def forward(q8, k8, v8, lengths):
-        o8, _, probed = run_forward(q8, k8, v8, lengths, False)
-        return o8, probed
+    def forward(q8, k8, v8):
+        return fp8_calls.forward(call, q8, k8, v8, one, one, one, one, one, False)[0]
 
     @jax.jit
-    def forward_backward(q8, k8, v8, do8, lengths):
-        o8, stats, probed = run_forward(q8, k8, v8, lengths, True)
+    def forward_backward(q8, k8, v8, do8):
+        o8, stats, _, _ = fp8_calls.forward(call, q8, k8, v8, one, one, one, one, one, True)
         args = (call, FP8_E4M3, q8, k8, v8, o8, do8, stats, (one,) * 5, one)
-        if probes:   # the second probe takes a scale from the first's amax_dp, as the op's
-            amax_dp = fp8_calls.backward(*args, one, (one,) * 3, lengths)[6]
-            probed += fp8_calls.backward(*args, one + amax_dp, (one,) * 3, lengths)[3]
-        return o8, fp8_calls.backward(*args, one, (one,) * 3)[:3], probed
+        return o8, fp8_calls.backward(*args, one, (one,) * 3)[:3]
 
-    return {"fwd": lambda *_: forward(q8, k8, v8, no_work),
-            "fwd+bwd": lambda *_: forward_backward(q8, k8, v8, do8, no_work)}
-
+    return {"fwd": lambda *_: forward(q8, k8, v8),
+            "fwd+bwd": lambda *_: forward_backward(q8, k8, v8, do8)}
 
 
 def ours_bf16(causal: bool):
@@ -187,8 +169,7 @@ def run_case(b: int, s: int, h: int, d: int, causal: bool, args) -> list[dict]:
     q, k, v, do = (random_normal(key, (b, s, h, d), jnp.bfloat16) for key in keys)
     builders = {"fp8": lambda: ours_fp8(causal, q, k, v, do, fp8_inputs=False),
                 "fp8_inputs": lambda: ours_fp8(causal, q, k, v, do, fp8_inputs=True),
-                "fp8_graph": lambda: ours_fp8_graph(causal, q, k, v, do, probes=False),
-                "fp8_probes": lambda: ours_fp8_graph(causal, q, k, v, do, probes=True),
+                "fp8_graph": lambda: ours_fp8_graph(causal, q, k, v, do),
                 "bf16": lambda: ours_bf16(causal),
                 "jax_fp8": lambda: jax_fp8(causal, q, k, v, do)}
     fns, errors = {}, {}

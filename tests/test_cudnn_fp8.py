@@ -1,5 +1,5 @@
 """The cudnn backend's FP8 path on any machine: the reasons supports() gives, and what an
-FP8 call lowers to for CUDA (cuDNN's FP8 calls, with the probe passes the recipe needs).
+FP8 call lowers to for CUDA (cuDNN's FP8 calls, with probe passes under current scaling).
 Its numbers against the emulation: tests/test_fp8_gpu.py."""
 
 from __future__ import annotations
@@ -84,7 +84,9 @@ def test_cudnn_checks_the_fp8_graphs_and_gives_its_reason(fake_cuda, monkeypatch
     assert asked[0][-1] == code and asked[0][7] == 0  # the FP8 graphs, not bf16 ones
 
 
-def test_delayed_scaling_checks_the_probe_graphs_too(fake_cuda, monkeypatch):
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+def test_supports_checks_only_the_dense_graphs(fake_cuda, monkeypatch, scaling):
+    """No scaling runs cuDNN's padding-mask graphs (delayed scaling has no probe passes)."""
     asked = []
 
     def check(params, scale, dropout, device):
@@ -92,19 +94,20 @@ def test_delayed_scaling_checks_the_probe_graphs_too(fake_cuda, monkeypatch):
         return "no padding" if params[12] == 1 else None   # segments
 
     monkeypatch.setattr(cudnn_library, "check", check)
-    reason = cudnn.BACKEND.supports(fp8_spec(), shapes(), "cuda")
-    assert reason.endswith("(e4m3 format) (its probe graphs, with a padding mask): no padding")
-    assert [params[12] for params in asked] == [0, 1]
-    asked.clear()
-    assert cudnn.BACKEND.supports(fp8_spec(fp8={"scaling": "current"}), shapes(), "cuda") is None
+    assert cudnn.BACKEND.supports(fp8_spec(fp8={"scaling": scaling}), shapes(), "cuda") is None
     assert [params[12] for params in asked] == [0]
 
 
-def test_explain_names_the_fp8_path(fake_cuda):
+@pytest.mark.parametrize("scaling, passes", [
+    ("delayed", "one cuDNN call per direction (delayed scaling: no probe pass)"),
+    ("current", "a probe forward and two probe backwards"),
+])
+def test_explain_names_the_fp8_path(fake_cuda, scaling, passes):
     q = jax.ShapeDtypeStruct((2, 128, 4, 128), jnp.bfloat16)
-    explanation = explain((q, q, q), config=make_config(fp8={"enabled": True}))
+    explanation = explain((q, q, q), config=make_config(fp8={"enabled": True, "scaling": scaling}))
     assert explanation.backend == "cudnn"
     assert "cuDNN's FP8 SDPA graphs" in str(explanation), str(explanation)
+    assert passes in str(explanation), str(explanation)
 
 
 def _targets(text: str) -> list[str]:
@@ -113,10 +116,11 @@ def _targets(text: str) -> list[str]:
 
 @pytest.mark.parametrize("scaling, forward_calls, backward_calls", [
     ("current", 2, 3),   # the probes (of amax_o; of amax_dp, then dq/dk/dv's) and the calls
-    ("delayed", 2, 3),   # the same, with padding masks of zero lengths once not needed
+    ("delayed", 1, 1),   # the state's scales: one cuDNN graph per direction, no probe
 ])
-def test_lowers_to_the_fp8_calls_with_their_probes(fake_cuda, scaling, forward_calls,
-                                                   backward_calls):
+def test_lowers_to_the_fp8_calls_probes_only_under_current_scaling(fake_cuda, scaling,
+                                                                    forward_calls,
+                                                                    backward_calls):
     config = make_config(backend="cudnn", mask="causal", fp8={"enabled": True, "scaling": scaling})
     state = fp8_state_init(config)
     q = jax.ShapeDtypeStruct((2, 128, 4, 128), jnp.bfloat16)
@@ -135,4 +139,4 @@ def test_lowers_to_the_fp8_calls_with_their_probes(fake_cuda, scaling, forward_c
     assert cudnn_library.FWD_TARGET not in targets
     assert not re.findall(r"stablehlo\.(?:case|if|while)\b", text)  # no host round trips
     segments = re.findall(r"custom_call @fusedattn_cudnn_fp8_\w+\(.*segments = (\d+)", text)
-    assert sorted(segments) == sorted(["0"] * 2 + ["1"] * 3 if scaling == "delayed" else ["0"] * 5)
+    assert segments == ["0"] * (forward_calls + backward_calls)   # dense graphs only

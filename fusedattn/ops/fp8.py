@@ -18,10 +18,16 @@ A call records its amaxes: each tensor's column of the history rolls down by one
 the new amax on top, and its scale becomes fp8_max / max(column) / 2**margin (kept as it
 was while that max is 0 or not finite). "delayed" scaling quantises with the state's
 scales (set by earlier calls); "current" quantises with the same formula over this
-call's own amax, and records it the same way. A tensor with nothing recorded yet (its
-history all zero: the first call, or do/dp/dq/dk/dv when the training step does not feed
-the state's gradient back) is scaled from its own amax under "delayed" scaling too, so no
-call ever quantises with the initial unit scale.
+call's own amax, and records it the same way. Under "delayed" scaling a tensor with
+nothing recorded yet (its history all zero: the first call) is scaled from its own amax
+where the call computes that amax before quantising anyway (q, k, v and do, quantised
+in XLA); the tensors a fused kernel writes (KERNEL_WRITTEN: o, dp, dq, dk, dv) take the
+state's scale even then (fp8_state_init's 1, as TransformerEngine's DelayedScaling
+starts), since learning their amax before the kernel runs would take a second kernel
+pass on every call (an XLA conditional to skip it costs a host round trip on the GPU).
+The kernel's own amaxes of those tensors are recorded, so from the second call on their
+scales follow the history; a training step that never feeds the state's gradient back
+leaves dp, dq, dk and dv at unit scales, where small gradients underflow.
 
 Inputs already in FP8 (q, k, v float8_e4m3fn, e.g. from an FP8 projection) are read with
 the state's q/k/v scales, the ones they were stored with; the output is then bfloat16,
@@ -46,6 +52,8 @@ from fusedattn.ops.enums import BiasType, Fp8Format, Fp8Scaling, SoftmaxType
 from fusedattn.ops.spec import AttentionSpec
 
 TENSORS = ("q", "k", "v", "s", "o", "do", "dp", "dq", "dk", "dv")
+# Written by the fused kernel, which takes their scales as inputs (module docstring).
+KERNEL_WRITTEN = ("o", "dp", "dq", "dk", "dv")
 _HYBRID_E5M2 = ("do", "dp")
 
 
@@ -157,18 +165,15 @@ def has_history(state: Fp8State, tensor: str) -> jax.Array:
     return (jnp.max(state.amax_history, axis=0) > 0)[TENSORS.index(tensor)]
 
 
-def needs_amax(spec: AttentionSpec, state: Fp8State, tensors) -> jax.Array | bool:
-    """Whether any of `tensors` is quantised with this call's own amax (current scaling, or
-    no history yet): a kernel that takes the scale as an input must learn the amax first."""
-    if spec.fp8_scaling == Fp8Scaling.CURRENT:
-        return True
-    return ~jnp.all(jnp.stack([has_history(state, tensor) for tensor in tensors]))
-
-
 def call_scale(spec: AttentionSpec, state: Fp8State, tensor: str,
-               amax_value: jax.Array) -> jax.Array:
-    """The scale `tensor` is quantised with in this call (float32 scalar)."""
+               amax_value: jax.Array | None) -> jax.Array:
+    """The scale `tensor` is quantised with in this call (float32 scalar): from this call's
+    `amax_value` under current scaling; under delayed scaling the state's, or, for a tensor
+    outside KERNEL_WRITTEN with an empty history, from `amax_value` (module docstring).
+    `amax_value` may be None for a KERNEL_WRITTEN tensor under delayed scaling."""
     stored = state.scale[TENSORS.index(tensor)]
+    if spec.fp8_scaling == Fp8Scaling.DELAYED and tensor in KERNEL_WRITTEN:
+        return stored
     current = _scale_for(spec, tensor, amax_value, stored)
     if spec.fp8_scaling == Fp8Scaling.CURRENT:
         return current

@@ -115,8 +115,12 @@ class CudnnBackend:
 
     def fp8_kernel(self, spec: AttentionSpec, shapes: CallShapes | None, platform: str) -> str:
         """explain()'s note on what an FP8 call runs."""
+        passes = ("one cuDNN call per direction (delayed scaling: no probe pass)"
+                  if spec.fp8_scaling == Fp8Scaling.DELAYED else
+                  "current scaling: a probe forward and two probe backwards measure this "
+                  "call's amaxes of O, dS, dQ, dK, dV first")
         return ("cuDNN's FP8 SDPA graphs: q, k, v, P, O, dO, dS, dQ, dK, dV in FP8 with "
-                "per-tensor scales; probe passes where a scale needs this call's amax")
+                f"per-tensor scales; {passes}")
 
     def fp8_attention(self, spec: AttentionSpec, args: CanonicalArgs, scale: float,
                       state: fp8.Fp8State):
@@ -220,19 +224,14 @@ def _fp8_reason(spec: AttentionSpec, shapes: CallShapes | None) -> str | None:
     static = _static(spec, _default_scale(spec, shapes.head_dim_qk), False, False,
                      shapes.seqlen_q, shapes.seqlen_kv)
     fp8_format = FP8_HYBRID if spec.fp8_format == Fp8Format.HYBRID else FP8_E4M3
-    # Delayed scaling's probe passes run the graphs with a padding mask (fp8_vjp.py).
-    graphs = [static] + ([static._replace(segments=1)]
-                         if spec.fp8_scaling == Fp8Scaling.DELAYED else [])
-    for graph in graphs:
-        params = _graph_params(graph, shapes.batch, shapes.num_heads, shapes.num_kv_heads,
-                               shapes.seqlen_q, shapes.seqlen_kv, shapes.head_dim_qk,
-                               shapes.head_dim_v, jnp.float8_e4m3fn, 0, 0, fp8_format)
-        why = cudnn_library.check(params, static.scale, 0.0, _device_ordinal())
-        if why is not None:
-            which = " (its probe graphs, with a padding mask)" if graph.segments else ""
-            return (f"cudnn: cuDNN {cudnn_library.version_string(version)} on compute "
-                    f"capability {major}.{minor} cannot run this FP8 call ({spec.fp8_format} "
-                    f"format){which}: {why}")
+    params = _graph_params(static, shapes.batch, shapes.num_heads, shapes.num_kv_heads,
+                           shapes.seqlen_q, shapes.seqlen_kv, shapes.head_dim_qk,
+                           shapes.head_dim_v, jnp.float8_e4m3fn, 0, 0, fp8_format)
+    why = cudnn_library.check(params, static.scale, 0.0, _device_ordinal())
+    if why is not None:
+        return (f"cudnn: cuDNN {cudnn_library.version_string(version)} on compute "
+                f"capability {major}.{minor} cannot run this FP8 call ({spec.fp8_format} "
+                f"format): {why}")
     return None
 
 

@@ -11,9 +11,8 @@
 q8, k8, v8, o8, dq8, dk8, dv8 float8_e4m3fn in the canonical [b, s, h, d] layout; do8
 float8_e4m3fn or float8_e5m2 ("hybrid"); every scale, descale and amax a float32 scalar
 (float32 [1] at the call). cuDNN's amax_dp is that of its dS, which includes the attention
-scale (cudnn_fp8.cc). The calls take the dense layouts; given `lengths` (int32 seqlen_q,
-seqlen_kv [b]) they run cuDNN's graph with a padding mask instead (segments = 1): the
-probe passes of fp8_vjp.py, whose lengths are the full ones or zeros (nothing to do).
+scale (cudnn_fp8.cc). The calls here take the dense layouts (segments = 0: seqlen_q and
+seqlen_kv unread; the FFI's padding form, segments = 1, has no caller).
 Under jax.vmap they run once per example (vmap_method "sequential"), each with its own
 scales and amaxes, as the xla emulation's batched amaxes are.
 """
@@ -53,18 +52,10 @@ def _scalars(values) -> list[jax.Array]:
     return [jnp.asarray(x, jnp.float32).reshape(1) for x in values]
 
 
-def _lengths(static: _Static, lengths):
-    """(the call's attributes, seqlen_q, seqlen_kv operands) with or without `lengths`."""
-    if lengths is None:
-        return static, _UNREAD_INT32, _UNREAD_INT32
-    return static._replace(segments=1), *lengths
-
-
 def forward(static: _Static, q8, k8, v8, descale_q, descale_k, descale_v, scale_s, scale_o,
-            training: bool, lengths=None):
+            training: bool):
     """(o8 [b, sq, h, dv] float8_e4m3fn, stats float32 [b, h, sq, 1] or None without
     training, amax_s, amax_o float32 scalars): P stored with scale_s, O with scale_o."""
-    static, seqlen_q, seqlen_kv = _lengths(static, lengths)
     b, sq, h, _ = q8.shape
     stats_shape = (b, h, sq, 1) if training else (0,)
     o8, stats, amax_s, amax_o, _ = jax.ffi.ffi_call(
@@ -73,14 +64,14 @@ def forward(static: _Static, q8, k8, v8, descale_q, descale_k, descale_v, scale_
          jax.ShapeDtypeStruct(stats_shape, jnp.float32), _SCALAR, _SCALAR,
          _workspace(static, FP8_E4M3, q8, v8, backward=False, training=training)),
         vmap_method="sequential",
-    )(q8, k8, v8, seqlen_q, seqlen_kv,
+    )(q8, k8, v8, _UNREAD_INT32, _UNREAD_INT32,
       *_scalars((descale_q, descale_k, descale_v, 1.0 / scale_s, scale_s, scale_o)),
       **_attributes(static, training))
     return o8, stats if training else None, amax_s[0], amax_o[0]
 
 
 def backward(static: _Static, fp8_format: int, q8, k8, v8, o8, do8, stats, descales, scale_s,
-             scale_dp, grad_scales, lengths=None):
+             scale_dp, grad_scales):
     """(dq8, dk8, dv8 float8_e4m3fn like q8, k8, v8; amax_dq, amax_dk, amax_dv, amax_dp
     float32 scalars).
 
@@ -88,7 +79,6 @@ def backward(static: _Static, fp8_format: int, q8, k8, v8, o8, do8, stats, desca
     amax_dp cuDNN's (of dS with the attention scale in it); grad_scales of dq, dk, dv.
     """
     descale_q, descale_k, descale_v, descale_o, descale_do = descales
-    static, seqlen_q, seqlen_kv = _lengths(static, lengths)
     *grads, amax_dq, amax_dk, amax_dv, amax_dp, _ = jax.ffi.ffi_call(
         cudnn_library.FP8_BWD_TARGET,
         (jax.ShapeDtypeStruct(q8.shape, jnp.float8_e4m3fn),
@@ -96,7 +86,7 @@ def backward(static: _Static, fp8_format: int, q8, k8, v8, o8, do8, stats, desca
          jax.ShapeDtypeStruct(v8.shape, jnp.float8_e4m3fn), _SCALAR, _SCALAR, _SCALAR, _SCALAR,
          _workspace(static, fp8_format, q8, v8, backward=True, training=True)),
         vmap_method="sequential",
-    )(q8, k8, v8, o8, do8, stats, seqlen_q, seqlen_kv,
+    )(q8, k8, v8, o8, do8, stats, _UNREAD_INT32, _UNREAD_INT32,
       *_scalars((descale_q, descale_k, descale_v, descale_o, descale_do, 1.0 / scale_s,
                  1.0 / scale_dp, scale_s, *grad_scales, scale_dp)),
       **_attributes(static, True))

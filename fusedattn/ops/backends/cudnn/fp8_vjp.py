@@ -15,15 +15,13 @@ amax_s output is not read. (cuDNN's numerators are relative to a running row max
 key blocks, the emulation's to the final one: the same values up to FP8 rounding.)
 
 cuDNN takes every scale as an input, so it must know a scale before the pass that uses it.
-Where the recipe takes a scale from this call's own amax (current scaling, or a tensor
-whose history is still empty: the first call), probe passes measure the amaxes first:
-amax_o depends on scale_s (known), amax_dp (cuDNN's dS) on none of the backward's scales,
-and the gradients' amaxes on scale_dp: one probe forward, two probe backwards. Current
-scaling runs them always (the forward twice, the probe without stats; the backward three
-times). Delayed scaling needs them only while a history is empty (the first call), and
-never branches for it (an XLA conditional costs a host round trip on the GPU, about
-0.1 ms): its probes are cuDNN's graphs with a padding mask whose lengths are the full
-ones while needed and zeros once the history holds values, when they do no work.
+Under current scaling the recipe scales o, dp, dq, dk and dv by this call's own amaxes,
+so probe passes measure them first: amax_o depends on scale_s (known), amax_dp (cuDNN's
+dS) on none of the backward's scales, and the gradients' amaxes on scale_dp: the forward
+runs twice (the probe without stats), the backward three times. Under delayed scaling
+these tensors take the state's scales (ops/fp8.py, KERNEL_WRITTEN), so each direction is
+one cuDNN call whose amax outputs are recorded for the next call's scales: no probe and
+no branch (an XLA conditional costs a host round trip on the GPU, about 0.1 ms).
 
 cuDNN's dS carries the attention scale (cudnn_fp8.cc): its scale_dp is the recipe's
 divided by the attention scale (the same dS8 values), its amax_dp the recipe's times it.
@@ -40,7 +38,7 @@ import jax.numpy as jnp
 from fusedattn.ops import fp8
 from fusedattn.ops.backends.cudnn import fp8_calls
 from fusedattn.ops.backends.cudnn.graph_key import FP8_E4M3, FP8_HYBRID, _Static
-from fusedattn.ops.enums import Fp8Format
+from fusedattn.ops.enums import Fp8Format, Fp8Scaling
 from fusedattn.ops.spec import AttentionSpec
 
 _ONE = 1.0
@@ -63,25 +61,14 @@ def attention(spec: AttentionSpec, call: _Static, q, k, v,
     return _fp8_cudnn(_Fp8Static(call, spec, dtypes), q, k, v, state)
 
 
-def _scales(spec: AttentionSpec, state: fp8.Fp8State, tensors: tuple[str, ...], probe,
-            full_lengths):
-    """The scales of `tensors` in this call: the state's, or from this call's amaxes, which
-    probe(lengths) (a tuple of float32 scalars, one per tensor) measures. Under delayed
-    scaling the probe runs with `full_lengths` (int32 seqlen_q, seqlen_kv [b]) while the
-    recipe needs an amax, else with zero lengths: no work, and its amaxes are not read."""
-    needed = fp8.needs_amax(spec, state, tensors)
-    if needed is True:
-        amaxes = probe(None)
-    else:
-        lengths = tuple(jnp.where(needed, length, 0) for length in full_lengths)
-        amaxes = tuple(jnp.where(needed, amax, 0.0) for amax in probe(lengths))
+def _scales(spec: AttentionSpec, state: fp8.Fp8State, tensors: tuple[str, ...], probe):
+    """The scales of `tensors` (of fp8.KERNEL_WRITTEN) in this call: under current scaling
+    from the amaxes probe() (a tuple of float32 scalars, one per tensor) measures, under
+    delayed scaling the state's (no probe)."""
+    if spec.fp8_scaling == Fp8Scaling.DELAYED:
+        return tuple(fp8.call_scale(spec, state, tensor, None) for tensor in tensors)
     return tuple(fp8.call_scale(spec, state, tensor, amax)
-                 for tensor, amax in zip(tensors, amaxes))
-
-
-def _full_lengths(q, k):
-    b, sq = q.shape[:2]
-    return jnp.full((b,), sq, jnp.int32), jnp.full((b,), k.shape[1], jnp.int32)
+                 for tensor, amax in zip(tensors, probe()))
 
 
 def _forward(static: _Fp8Static, q, k, v, state: fp8.Fp8State, training: bool):
@@ -91,15 +78,13 @@ def _forward(static: _Fp8Static, q, k, v, state: fp8.Fp8State, training: bool):
     (q8, _, scale_q), (k8, _, scale_k), (v8, _, scale_v) = quantised.values()
     amaxes = {name: amax for name, (_, amax, _) in quantised.items()}
 
-    def run(scale_s, scale_o, with_stats=False, lengths=None):
+    def run(scale_s, scale_o, with_stats=False):
         return fp8_calls.forward(call, q8, k8, v8, 1.0 / scale_q, 1.0 / scale_k, 1.0 / scale_v,
-                                 scale_s, scale_o, with_stats, lengths)
+                                 scale_s, scale_o, with_stats)
 
     amaxes["s"] = jnp.ones((), jnp.float32)
     scale_s = fp8.call_scale(spec, state, "s", amaxes["s"])
-    (scale_o,) = _scales(spec, state, ("o",),
-                         lambda lengths: (run(scale_s, _ONE, lengths=lengths)[3],),
-                         _full_lengths(q8, k8))
+    (scale_o,) = _scales(spec, state, ("o",), lambda: (run(scale_s, _ONE)[3],))
     o8, stats, _, amaxes["o"] = run(scale_s, scale_o, training)
     new_state = fp8.record(spec, state, amaxes)
     out_dtype = jnp.bfloat16 if fp8.given_in_fp8(q) else q.dtype
@@ -128,20 +113,19 @@ def _fp8_cudnn_bwd(static: _Fp8Static, residuals, cotangents):
     descales = tuple(1.0 / scales[name] for name in ("q", "k", "v", "o")) + (1.0 / scale_do,)
     fp8_format = FP8_HYBRID if spec.fp8_format == Fp8Format.HYBRID else FP8_E4M3
 
-    def run(scale_dp, grad_scales, lengths=None):
+    def run(scale_dp, grad_scales):
         """(dq8, dk8, dv8), their amaxes, the recipe's amax_dp; scale_dp the recipe's."""
         *grads, amax_dq, amax_dk, amax_dv, amax_dp = fp8_calls.backward(
             call, fp8_format, q8, k8, v8, o8, do8, stats, descales, scales["s"],
-            scale_dp / call.scale, grad_scales, lengths)
+            scale_dp / call.scale, grad_scales)
         return grads, (amax_dq, amax_dk, amax_dv), amax_dp / call.scale
 
-    def probe(lengths):
+    def probe():
         ones = (_ONE,) * 3
-        amax_dp = run(_ONE, ones, lengths)[2]
-        return (amax_dp, *run(fp8.call_scale(spec, state, "dp", amax_dp), ones, lengths)[1])
+        amax_dp = run(_ONE, ones)[2]
+        return (amax_dp, *run(fp8.call_scale(spec, state, "dp", amax_dp), ones)[1])
 
-    scale_dp, *grad_scales = _scales(spec, state, ("dp", "dq", "dk", "dv"), probe,
-                                     _full_lengths(q8, k8))
+    scale_dp, *grad_scales = _scales(spec, state, ("dp", "dq", "dk", "dv"), probe)
     grads, grad_amaxes, amaxes["dp"] = run(scale_dp, tuple(grad_scales))
     amaxes.update(zip(("dq", "dk", "dv"), grad_amaxes))
     grads = tuple(fp8.input_cotangent(g8.astype(jnp.float32) / scale, dtype, scales[name])
