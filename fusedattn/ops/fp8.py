@@ -26,8 +26,9 @@ state's scale even then (fp8_state_init's 1, as TransformerEngine's DelayedScali
 starts), since learning their amax before the kernel runs would take a second kernel
 pass on every call (an XLA conditional to skip it costs a host round trip on the GPU).
 The kernel's own amaxes of those tensors are recorded, so from the second call on their
-scales follow the history; a training step that never feeds the state's gradient back
-leaves dp, dq, dk and dv at unit scales, where small gradients underflow.
+scales follow the history; on the first, gradients below E4M3's 2^-9 at unit scale
+flush to zero, and a training step that never feeds the state's gradient back leaves
+dp, dq, dk and dv at unit scales for good.
 
 Inputs already in FP8 (q, k, v float8_e4m3fn, e.g. from an FP8 projection) are read with
 the state's q/k/v scales, the ones they were stored with; the output is then bfloat16,
