@@ -30,7 +30,7 @@ def test_linen_state_updates_in_a_train_step_through_apply_gradients(rng):
     model = linen.MultiHeadAttention(num_heads=4, config=make_config(fp8=FP8))
     variables = model.init(jax.random.key(0), x)
     meta = variables[OVERWRITE_WITH_GRADIENT]
-    assert meta["fp8_scale"].shape == (7,) and meta["fp8_amax_history"].shape == (16, 7)
+    assert meta["fp8_scale"].shape == (10,) and meta["fp8_amax_history"].shape == (16, 10)
     np.testing.assert_array_equal(np.asarray(meta["fp8_amax_history"]), 0.0)
     state = train_state.TrainState.create(apply_fn=model.apply, params=variables,
                                           tx=optax.sgd(1e-2))

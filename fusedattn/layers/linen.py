@@ -56,7 +56,7 @@ class MultiHeadDotProductAttention(nn.Module):
 
     FP8 attention (config.fp8.enabled): the scales and amax histories live in the
     collection flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT ("_overwrite_with_gradient"),
-    as the variables fp8_scale float32 [7] and fp8_amax_history float32 [L, 7]
+    as the variables fp8_scale float32 [10] and fp8_amax_history float32 [L, 10]
     (fusedattn.ops.fp8). Differentiating the loss with respect to that collection gives
     the state with every amax of the step recorded, and flax.training.train_state.
     TrainState.apply_gradients writes it back (the convention of Flax's own FP8 ops);

@@ -89,8 +89,8 @@ class MultiHeadAttention(nnx.Module):
         fusedattn.ops.max_logit) as the nnx.Intermediate "max_logit" (read it with
         nnx.capture(model, nnx.Intermediate)).
 
-    FP8 attention (config.fp8.enabled): fp8_scale float32 [7] and fp8_amax_history
-    float32 [L, 7] (fusedattn.ops.fp8) are Fp8Meta variables. Each call records the
+    FP8 attention (config.fp8.enabled): fp8_scale float32 [10] and fp8_amax_history
+    float32 [L, 10] (fusedattn.ops.fp8) are Fp8Meta variables. Each call records the
     forward's amaxes in them; the gradient with respect to them is the state with the
     backward's amaxes recorded as well: `apply_fp8_gradients(model, grads)` writes it
     (differentiate with nnx.DiffState(0, (nnx.Param, Fp8Meta))). Without that, dO and dP

@@ -1,23 +1,34 @@
 """FP8 attention's scaling recipe: formats, the per-tensor state, quantisation.
 
-An FP8 attention call (config.fp8.enabled) holds seven tensors in FP8 (TENSORS): the
-inputs q, k, v; s, the softmax weights P; o, the output; do, the output's gradient; and
-dp, the score gradient dS = P * (dP - delta) that feeds the dQ and dK matmuls. Each has
-a scale: it is stored as x8 = saturate(x * scale) in its format and read back as
-x8 / scale. Formats: every tensor E4M3 ("e4m3"), or E5M2 for do and dp ("hybrid").
+An FP8 attention call (config.fp8.enabled) holds ten tensors in FP8 (TENSORS): the
+inputs q, k, v; s, the softmax numerators exp(S - rowmax) in the forward (normalised
+after the P.V product, as cuDNN's FP8 kernels do; amax 1) and the weights P in the
+backward, with the same scale; o, the output; do, the output's gradient;
+dp, the score gradient dS = P * (dP - delta) that feeds the dQ and dK matmuls; and the
+gradients dq, dk, dv (cuDNN's FP8 backward on Hopper writes them in FP8, as
+TransformerEngine's META_DQKV scales them). Each has a scale: it is stored as
+x8 = saturate(x * scale) in its format and read back as x8 / scale. Formats: every
+tensor E4M3 ("e4m3"), or E5M2 for do and dp ("hybrid"; dq, dk, dv stay E4M3).
 
 Fp8State, a pytree (fp8_state_init(config) makes the first one):
-  scale         float32 [7]     each tensor's scale for the next call (TENSORS order)
-  amax_history  float32 [L, 7]  the amax (max |x|) of the last L calls, newest in row 0
+  scale         float32 [10]     each tensor's scale for the next call (TENSORS order)
+  amax_history  float32 [L, 10]  the amax (max |x|) of the last L calls, newest in row 0
 
 A call records its amaxes: each tensor's column of the history rolls down by one with
 the new amax on top, and its scale becomes fp8_max / max(column) / 2**margin (kept as it
 was while that max is 0 or not finite). "delayed" scaling quantises with the state's
 scales (set by earlier calls); "current" quantises with the same formula over this
-call's own amax, and records it the same way. A tensor with nothing recorded yet (its
-history all zero: the first call, or do/dp when the training step does not feed the
-state's gradient back) is scaled from its own amax under "delayed" scaling too, so no
-call ever quantises with the initial unit scale.
+call's own amax, and records it the same way. Under "delayed" scaling a tensor with
+nothing recorded yet (its history all zero: the first call) is scaled from its own amax
+where the call computes that amax before quantising anyway (q, k, v and do, quantised
+in XLA); the tensors a fused kernel writes (KERNEL_WRITTEN: o, dp, dq, dk, dv) take the
+state's scale even then (fp8_state_init's 1, as TransformerEngine's DelayedScaling
+starts), since learning their amax before the kernel runs would take a second kernel
+pass on every call (an XLA conditional to skip it costs a host round trip on the GPU).
+The kernel's own amaxes of those tensors are recorded, so from the second call on their
+scales follow the history; on the first, gradients below E4M3's 2^-9 at unit scale
+flush to zero, and a training step that never feeds the state's gradient back leaves
+dp, dq, dk and dv at unit scales for good.
 
 Inputs already in FP8 (q, k, v float8_e4m3fn, e.g. from an FP8 projection) are read with
 the state's q/k/v scales, the ones they were stored with; the output is then bfloat16,
@@ -25,7 +36,7 @@ and their gradients are dL/dx8 = dL/dx / scale rounded to float8_e4m3fn (lossy:
 differentiate the unquantised values instead where a gradient matters).
 
 The forward knows the amaxes of q, k, v, s and o: fused_attn returns the state with those
-recorded. do and dp are known only in the backward pass, so the gradient of the loss
+recorded. do, dp, dq, dk and dv are known only in the backward pass, so the gradient of the loss
 with respect to fp8_state is the whole new state (Flax's "overwrite with gradient"
 convention, flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT): a training step replaces the
 state with its gradient, which the layers arrange.
@@ -41,14 +52,16 @@ import jax.numpy as jnp
 from fusedattn.ops.enums import BiasType, Fp8Format, Fp8Scaling, SoftmaxType
 from fusedattn.ops.spec import AttentionSpec
 
-TENSORS = ("q", "k", "v", "s", "o", "do", "dp")
-_GRADIENTS = ("do", "dp")
+TENSORS = ("q", "k", "v", "s", "o", "do", "dp", "dq", "dk", "dv")
+# Written by the fused kernel, which takes their scales as inputs (module docstring).
+KERNEL_WRITTEN = ("o", "dp", "dq", "dk", "dv")
+_HYBRID_E5M2 = ("do", "dp")
 
 
 class Fp8State(NamedTuple):
     """Per-tensor FP8 scales and amax histories (module docstring).
 
-    scale: float32 [7]; amax_history: float32 [amax_history_len, 7]; columns in TENSORS order.
+    scale: float32 [10]; amax_history: float32 [amax_history_len, 10]; columns in TENSORS order.
     """
 
     scale: jax.Array
@@ -66,7 +79,7 @@ def fp8_state_init(config) -> Fp8State:
 
 def dtype_of(spec: AttentionSpec, tensor: str):
     """The FP8 dtype that `tensor` (one of TENSORS) is stored in."""
-    if spec.fp8_format == Fp8Format.HYBRID and tensor in _GRADIENTS:
+    if spec.fp8_format == Fp8Format.HYBRID and tensor in _HYBRID_E5M2:
         return jnp.float8_e5m2
     return jnp.float8_e4m3fn
 
@@ -74,6 +87,12 @@ def dtype_of(spec: AttentionSpec, tensor: str):
 def fp8_max(dtype) -> float:
     """The largest finite value of FP8 `dtype`."""
     return float(jnp.finfo(dtype).max)
+
+
+def quantise(x: jax.Array, dtype, scale: jax.Array) -> jax.Array:
+    """x stored in FP8 `dtype` with `scale`: saturate(x * scale), same shape as x."""
+    top = fp8_max(dtype)
+    return jnp.clip(x.astype(jnp.float32) * scale, -top, top).astype(dtype)
 
 
 def dequantise(x8: jax.Array, scale: jax.Array) -> jax.Array:
@@ -89,8 +108,34 @@ def dequantise(x8: jax.Array, scale: jax.Array) -> jax.Array:
 
 def round_trip(x: jax.Array, dtype, scale: jax.Array) -> jax.Array:
     """x stored in FP8 `dtype` with `scale` and read back: float32, same shape as x."""
-    top = fp8_max(dtype)
-    return dequantise(jnp.clip(x.astype(jnp.float32) * scale, -top, top).astype(dtype), scale)
+    return dequantise(quantise(x, dtype, scale), scale)
+
+
+def given_in_fp8(x) -> bool:
+    """Whether an input comes already in FP8 (float8_e4m3fn: read with the state's scale)."""
+    return jnp.dtype(x.dtype) == jnp.dtype(jnp.float8_e4m3fn)
+
+
+def quantise_input(spec: AttentionSpec, state: Fp8State, tensor: str,
+                   x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(x8 in the tensor's FP8 dtype, amax of the value x8 stands for, its scale) of input
+    `tensor` (q, k or v): quantised with this call's scale, or, given in FP8, as it is with
+    the state's scale."""
+    if given_in_fp8(x):
+        scale = state.scale[TENSORS.index(tensor)]
+        return x, amax(dequantise(x, scale)), scale
+    value = amax(x)
+    scale = call_scale(spec, state, tensor, value)
+    return quantise(x, dtype_of(spec, tensor), scale), value, scale
+
+
+def input_cotangent(gradient: jax.Array, dtype, scale: jax.Array) -> jax.Array:
+    """The gradient with respect to an input of `dtype` from the one with respect to the
+    value it stands for (an FP8 input x8 = x * scale: dL/dx8 = dL/dx / scale, rounded to
+    its format)."""
+    if jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn):
+        return quantise(gradient / scale, dtype, jnp.float32(1.0))
+    return gradient.astype(dtype)
 
 
 def amax(x: jax.Array) -> jax.Array:
@@ -98,34 +143,55 @@ def amax(x: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
-def _scale_for(spec: AttentionSpec, tensor: str, amax_value: jax.Array,
-               fallback: jax.Array) -> jax.Array:
-    """fp8_max / amax / 2**margin, or `fallback` where amax is 0 or not finite."""
+def _scale_from(top, amax_value: jax.Array, fallback: jax.Array) -> jax.Array:
+    """top / amax (elementwise), or `fallback` where amax is 0 or not finite."""
     usable = jnp.isfinite(amax_value) & (amax_value > 0)
-    top = fp8_max(dtype_of(spec, tensor)) / 2.0 ** spec.fp8_margin
     return jnp.where(usable, top / jnp.where(usable, amax_value, 1.0), fallback)
 
 
+def _top(spec: AttentionSpec, tensor: str) -> float:
+    """fp8_max / 2**margin of `tensor`'s format: its scale times its amax."""
+    return fp8_max(dtype_of(spec, tensor)) / 2.0 ** spec.fp8_margin
+
+
+def _scale_for(spec: AttentionSpec, tensor: str, amax_value: jax.Array,
+               fallback: jax.Array) -> jax.Array:
+    """fp8_max / amax / 2**margin, or `fallback` where amax is 0 or not finite."""
+    return _scale_from(_top(spec, tensor), amax_value, fallback)
+
+
+def has_history(state: Fp8State, tensor: str) -> jax.Array:
+    """Whether `tensor` has an amax recorded (bool scalar): delayed scaling reads its scale.
+    (One reduction over the whole history, the same for every tensor: XLA computes it once.)"""
+    return (jnp.max(state.amax_history, axis=0) > 0)[TENSORS.index(tensor)]
+
+
 def call_scale(spec: AttentionSpec, state: Fp8State, tensor: str,
-               amax_value: jax.Array) -> jax.Array:
-    """The scale `tensor` is quantised with in this call (float32 scalar)."""
-    column = TENSORS.index(tensor)
-    stored = state.scale[column]
+               amax_value: jax.Array | None) -> jax.Array:
+    """The scale `tensor` is quantised with in this call (float32 scalar): from this call's
+    `amax_value` under current scaling; under delayed scaling the state's, or, for a tensor
+    outside KERNEL_WRITTEN with an empty history, from `amax_value` (module docstring).
+    `amax_value` may be None for a KERNEL_WRITTEN tensor under delayed scaling."""
+    stored = state.scale[TENSORS.index(tensor)]
+    if spec.fp8_scaling == Fp8Scaling.DELAYED and tensor in KERNEL_WRITTEN:
+        return stored
     current = _scale_for(spec, tensor, amax_value, stored)
     if spec.fp8_scaling == Fp8Scaling.CURRENT:
         return current
-    return jnp.where(jnp.max(state.amax_history[:, column]) > 0, stored, current)
+    return jnp.where(has_history(state, tensor), stored, current)
 
 
 def record(spec: AttentionSpec, state: Fp8State, amaxes: dict[str, jax.Array]) -> Fp8State:
-    """The state after a call that saw `amaxes` (tensor name -> float32 scalar)."""
-    scale, history = state.scale, state.amax_history
-    for tensor, value in amaxes.items():
-        column = TENSORS.index(tensor)
-        rolled = jnp.concatenate([value[None], history[:-1, column]])
-        history = history.at[:, column].set(rolled)
-        scale = scale.at[column].set(_scale_for(spec, tensor, jnp.max(rolled), scale[column]))
-    return Fp8State(scale=scale, amax_history=history)
+    """The state after a call that saw `amaxes` (tensor name -> float32 scalar): the columns
+    of those tensors rolled and rescaled, the others as they were. Whole-array selects, one
+    small fusion (a scatter per column cost a kernel each, in series)."""
+    recorded = jnp.asarray([tensor in amaxes for tensor in TENSORS])
+    row = jnp.stack([jnp.asarray(amaxes.get(tensor, 0.0), jnp.float32) for tensor in TENSORS])
+    rolled = jnp.concatenate([row[None], state.amax_history[:-1]])
+    history = jnp.where(recorded[None, :], rolled, state.amax_history)
+    tops = jnp.asarray([_top(spec, tensor) for tensor in TENSORS], jnp.float32)
+    rescaled = _scale_from(tops, jnp.max(history, axis=0), state.scale)
+    return Fp8State(scale=jnp.where(recorded, rescaled, state.scale), amax_history=history)
 
 
 def check_config(spec: AttentionSpec, dtype) -> None:

@@ -77,7 +77,8 @@ def explain_spec(spec: AttentionSpec, shapes: CallShapes, platform: str) -> Expl
         chosen = str(spec.backend) if verdicts[str(spec.backend)] is None else None
     kernels = {}
     for name, reason in verdicts.items():
-        describe = getattr(BACKENDS[name], "kernel", None)
+        # FP8 calls: the backend's `fp8_kernel`, where it has one.
+        describe = getattr(BACKENDS[name], "fp8_kernel" if spec.fp8_enabled else "kernel", None)
         text = (describe(spec, shapes, platform) if reason is None and describe is not None
                 else None)
         if text is not None:

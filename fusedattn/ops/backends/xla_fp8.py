@@ -5,14 +5,23 @@ float32; the matmuls and the softmax then run in float32, as a kernel that multi
 FP8 operands and accumulates in float32 would. The steps, per call:
 
   forward   q8, k8, v8 = fp8(q), fp8(k), fp8(v)
-            S = scale * q8 k8^T (masked), P = softmax(S) (then dropout), P8 = fp8(P)
-            O = P8 v8, O8 = fp8(O); the output is O8 in q's dtype
-  backward  dO8 = fp8(dO); dV = P8^T dO8; dP = dO8 v8^T (dropout's mask and 1/(1-rate))
+            S = scale * q8 k8^T (masked); E = exp(S - rowmax(S)) (then dropout), the
+            softmax numerators in (0, 1]; E8 = fp8(E) with s's scale; l = rowsum(E)
+            O = (E8 v8) / l, O8 = fp8(O); the output is O8 in q's dtype
+  backward  P = E / l; P8 = fp8(P) with s's scale; dO8 = fp8(dO); dV = P8^T dO8;
+            dP = dO8 v8^T (dropout's mask and 1/(1-rate))
             dS = P * (dP - rowsum(dO8 * O8)), dS8 = fp8(dS)
-            dQ = scale * dS8 k8; dK = scale * dS8^T q8
+            dQ8 = fp8(scale * dS8 k8); dK8 = fp8(scale * dS8^T q8); dV8 = fp8(dV)
 
-Quantisation is the identity for the gradient (straight through): dQ, dK and dV are
-the gradients with respect to q, k and v, in their dtype.
+The forward stores the numerators, not P, in FP8, as cuDNN's FP8 flash kernels do (they
+normalise after the P.V product; their numerators are relative to a running row max,
+which the emulation takes as the row's final max), so s's amax is 1 (1 / (1 - rate)
+with dropout) and its scale fp8_max / 2**margin; the backward, as cuDNN's, stores the
+normalised P with the same scale.
+
+Quantisation is the identity for the gradient (straight through): dQ8, dK8 and dV8 are
+the gradients with respect to q, k and v, in their dtype (as cuDNN's FP8 backward on
+Hopper writes them in FP8).
 """
 
 from __future__ import annotations
@@ -52,28 +61,10 @@ def _quantised_inputs(spec: AttentionSpec, state: fp8.Fp8State, tokens: TokenInf
     k, v = jnp.where(real_key, k, 0), jnp.where(real_key, v, 0)
     rounded, amaxes, scales = [], {}, []
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if _given_in_fp8(x):
-            scales.append(state.scale[fp8.TENSORS.index(name)])
-            rounded.append(fp8.dequantise(x, scales[-1]))
-            amaxes[name] = fp8.amax(rounded[-1])
-            continue
-        amaxes[name] = fp8.amax(x)
-        scales.append(fp8.call_scale(spec, state, name, amaxes[name]))
-        rounded.append(fp8.round_trip(x, fp8.dtype_of(spec, name), scales[-1]))
+        x8, amaxes[name], scale = fp8.quantise_input(spec, state, name, x)
+        rounded.append(fp8.dequantise(x8, scale))
+        scales.append(scale)
     return tuple(rounded), amaxes, tuple(scales)
-
-
-def _given_in_fp8(x) -> bool:
-    return jnp.dtype(x.dtype) == jnp.dtype(jnp.float8_e4m3fn)
-
-
-def _cotangent(gradient: jax.Array, dtype, scale: jax.Array) -> jax.Array:
-    """The gradient with respect to an input of `dtype` (an FP8 input x8 = x * scale:
-    dL/dx8 = dL/dx / scale, rounded to its format)."""
-    if jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn):
-        top = fp8.fp8_max(dtype)
-        return jnp.clip(gradient / scale, -top, top).astype(dtype)
-    return gradient.astype(dtype)
 
 
 def _forward(static, q, k, v, tokens, seed, state):
@@ -81,20 +72,26 @@ def _forward(static, q, k, v, tokens, seed, state):
     (q8, k8, v8), amaxes, input_scales = _quantised_inputs(spec, state, tokens, q, k, v)
     args = CanonicalArgs(q=q8, k=k8, v=v8, tokens=tokens)
     scores, visible = xla.scores_and_visible(spec, args, scale)
-    weights, _ = xla._softmax(scores, visible, None)
+    row_max = jnp.max(jnp.where(visible, scores, -jnp.inf), axis=-1, keepdims=True,
+                      initial=-jnp.inf)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    numerators = jnp.where(visible, jnp.exp(jnp.where(visible, scores - row_max, 0.0)), 0.0)
+    denominator = jnp.sum(numerators, axis=-1, keepdims=True)                # [b, h, sq, 1]
+    denominator = jnp.where(denominator > 0, denominator, 1.0)
+    weights = numerators / denominator
     keep = (None if seed is None else
             philox.dropout_keep_mask(seed, spec.dropout_rate, weights.shape))
-    dropped = xla._dropped(spec, weights, keep)
+    dropped = xla._dropped(spec, numerators, keep)
     amaxes["s"] = fp8.amax(dropped)
-    p8 = fp8.round_trip(dropped, fp8.dtype_of(spec, "s"),
-                        fp8.call_scale(spec, state, "s", amaxes["s"]))
-    out = xla._weighted_values(p8, v8, jnp.float32)
+    scale_s = fp8.call_scale(spec, state, "s", amaxes["s"])
+    e8 = fp8.round_trip(dropped, fp8.dtype_of(spec, "s"), scale_s)
+    out = xla._weighted_values(e8, v8, jnp.float32) / denominator.transpose(0, 2, 1, 3)
     amaxes["o"] = fp8.amax(out)
     o8 = fp8.round_trip(out, fp8.dtype_of(spec, "o"), fp8.call_scale(spec, state, "o", amaxes["o"]))
     max_logit = jnp.max(jnp.where(visible, scores, -jnp.inf), axis=(0, 2, 3))
     new_state = fp8.record(spec, state, amaxes)
-    residuals = (q8, k8, v8, weights, keep, p8, o8, state, new_state, input_scales)
-    out_dtype = jnp.bfloat16 if _given_in_fp8(q) else q.dtype
+    residuals = (q8, k8, v8, weights, keep, scale_s, o8, state, new_state, input_scales)
+    out_dtype = jnp.bfloat16 if fp8.given_in_fp8(q) else q.dtype
     return (o8.astype(out_dtype), new_state, max_logit), residuals
 
 
@@ -105,7 +102,8 @@ def _attention(static, q, k, v, tokens, seed, state):
 
 def _backward(static, residuals, cotangents):
     spec, scale, (q_dtype, k_dtype, v_dtype) = static
-    q8, k8, v8, weights, keep, p8, o8, state, new_state, input_scales = residuals
+    q8, k8, v8, weights, keep, scale_s, o8, state, new_state, input_scales = residuals
+    p8 = fp8.round_trip(xla._dropped(spec, weights, keep), fp8.dtype_of(spec, "s"), scale_s)
     d_out = cotangents[0].astype(jnp.float32)
     amaxes = {"do": fp8.amax(d_out)}
     do8 = fp8.round_trip(d_out, fp8.dtype_of(spec, "do"),
@@ -116,11 +114,15 @@ def _backward(static, residuals, cotangents):
     amaxes["dp"] = fp8.amax(d_scores)
     ds8 = fp8.round_trip(d_scores, fp8.dtype_of(spec, "dp"),
                          fp8.call_scale(spec, state, "dp", amaxes["dp"]))
-    dq = scale * xla._weighted_values(ds8, k8, jnp.float32)
-    dk = scale * _transposed_product(ds8, q8, k8.shape[2])
-    dv = _transposed_product(p8, do8, v8.shape[2])
-    grads = tuple(_cotangent(g, dtype, s) for g, dtype, s in
-                  zip((dq, dk, dv), (q_dtype, k_dtype, v_dtype), input_scales))
+    grads = {"dq": scale * xla._weighted_values(ds8, k8, jnp.float32),
+             "dk": scale * _transposed_product(ds8, q8, k8.shape[2]),
+             "dv": _transposed_product(p8, do8, v8.shape[2])}
+    for name, gradient in grads.items():
+        amaxes[name] = fp8.amax(gradient)
+        grads[name] = fp8.round_trip(gradient, fp8.dtype_of(spec, name),
+                                     fp8.call_scale(spec, state, name, amaxes[name]))
+    grads = tuple(fp8.input_cotangent(g, dtype, s) for g, dtype, s in
+                  zip(grads.values(), (q_dtype, k_dtype, v_dtype), input_scales))
     return (*grads, None, None, fp8.record(spec, new_state, amaxes))
 
 

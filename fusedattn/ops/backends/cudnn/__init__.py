@@ -1,7 +1,8 @@
 """The "cudnn" backend: cuDNN's fused SDPA through the cuDNN frontend graph API.
 
-Kernels: ops_cuda/cudnn/cudnn_sdpa.cc, built into libfusedattn_cudnn, which
-library.py loads (with libcudnn) and asks about graphs. Two XLA FFI calls
+Kernels: ops_cuda/cudnn/*.cc (cudnn_sdpa.cc the bf16/fp16 handlers, cudnn_fp8.cc the
+FP8 ones), built into libfusedattn_cudnn, which library.py loads (with libcudnn) and
+asks about graphs. Two XLA FFI calls
 around a `jax.custom_vjp`:
 
     fusedattn_cudnn_fwd(q, k, v, bias, seqlen_q, seqlen_kv, offsets, rng, sink) -> (o, stats)
@@ -57,7 +58,9 @@ What it serves (everything else is rejected by `supports` with the reason):
   without stats keeps cuDNN's composite implementation, that of the training
   forward, so a call nobody differentiates draws it too);
 - deterministic backward (config.deterministic_backward) through cuDNN's
-  deterministic algorithm.
+  deterministic algorithm;
+- FP8 (config.fp8.enabled) through cuDNN's FP8 graphs on Hopper and newer: dense
+  "no_mask" and "causal" (fp8_calls.py, fp8_vjp.py; docs/fp8.md says what else).
 
 Under jax.vmap the mapped axis folds into the batch (one cuDNN call); a vmap
 over dropout keys or softmax offsets runs one call per example instead, since
@@ -84,8 +87,10 @@ The package, one job a module (each imports only the ones before it):
                   the rows cuDNN cannot express
     ffi_calls.py  the two FFI calls and their operands, sharded and folded under vmap
     vjp.py        the custom_vjp over the FFI calls (the op)
+    fp8_calls.py  the two FP8 FFI calls
+    fp8_vjp.py    the FP8 op: the recipe of ops/fp8.py around them, a custom_vjp
     backend.py    CudnnBackend: supports() and its reasons, attention() (bias, ALiBi,
-                  dropout seed, softmax offset -> the op)
+                  dropout seed, softmax offset -> the op), fp8_attention()
 """
 
 from fusedattn.ops.backends.cudnn.backend import BACKEND, CudnnBackend

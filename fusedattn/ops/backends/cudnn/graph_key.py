@@ -20,14 +20,20 @@ def _device() -> jax.Device:
 
 
 def _graph_params(static: _Static, b: int, h: int, hkv: int, sq: int, skv: int, d: int, dv: int,
-                  dtype, bias_b: int, bias_h: int) -> tuple[int, ...]:
+                  dtype, bias_b: int, bias_h: int, fp8: int = 0) -> tuple[int, ...]:
     """The library's graph parameters of a call (FusedattnCudnnCheck's order): what its
-    handlers read off the operands and attributes."""
+    handlers read off the operands and attributes. fp8: 0 for the bf16/fp16 graphs, else
+    the FP8 graphs' format (FP8_E4M3 or FP8_HYBRID)."""
     return (b, h, hkv, sq, skv, d, dv, int(jnp.dtype(dtype) == jnp.bfloat16), int(static.causal),
             int(static.bottom_right), static.window_left, static.window_right, static.segments,
             int(static.ragged), static.max_seqlen_q or sq, static.max_seqlen_kv or skv,
             bias_b if static.has_bias else 0, bias_h if static.has_bias else 0,
-            int(static.has_sink), int(static.alibi), int(static.deterministic))
+            int(static.has_sink), int(static.alibi), int(static.deterministic), fp8)
+
+
+# The library's FP8 formats (cudnn_common.h, enum Fp8): every tensor E4M3, or E5M2 for
+# dO and dP in the backward.
+FP8_E4M3, FP8_HYBRID = 1, 2
 
 
 class _Static(NamedTuple):

@@ -4,7 +4,7 @@ libfusedattn_cudnn (ops_cuda/cudnn/cudnn_sdpa.cc) is a library of its own, built
 when the nvidia-cudnn-frontend and nvidia-cudnn-cu13 headers are found at install
 time. libcudnn itself is loaded at run time by that library: the libcudnn.so.9
 JAX's CUDA plugin already loaded, else the one of the nvidia-cudnn wheel. Besides
-the two FFI handlers it registers, the library answers, through ctypes, whether
+the four FFI handlers it registers (bf16/fp16 and FP8, forward and backward), the library answers, through ctypes, whether
 cuDNN can build a configuration's graphs (`check`, with cuDNN's reason) and how
 much workspace a call needs (`workspace_bytes`); both build the graphs and cache
 them in the library, so a step pays no graph build after the first.
@@ -27,7 +27,10 @@ from fusedattn.ops import _library
 
 FWD_TARGET = "fusedattn_cudnn_fwd"
 BWD_TARGET = "fusedattn_cudnn_bwd"
-TARGETS = {FWD_TARGET: "FusedattnCudnnFwd", BWD_TARGET: "FusedattnCudnnBwd"}
+FP8_FWD_TARGET = "fusedattn_cudnn_fp8_fwd"
+FP8_BWD_TARGET = "fusedattn_cudnn_fp8_bwd"
+TARGETS = {FWD_TARGET: "FusedattnCudnnFwd", BWD_TARGET: "FusedattnCudnnBwd",
+           FP8_FWD_TARGET: "FusedattnCudnnFp8Fwd", FP8_BWD_TARGET: "FusedattnCudnnFp8Bwd"}
 LIBRARY_STEM = "fusedattn_cudnn"
 _MESSAGE_BYTES = 4096
 
