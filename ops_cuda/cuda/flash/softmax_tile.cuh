@@ -95,22 +95,19 @@ __device__ __forceinline__ void softmax_tile(float (&scores)[kN / 8][4], float (
   rescale_rows<D>(o, factor);
 }
 
-// The end of a warp's kWarpRows rows: completes the row sums over the lanes, folds the
-// softmax sink in, stores o / denominator (rows < seqlen_q) at dst (row stride q_stride,
-// the rows of `at`) and the log-sum-exp at lse_row (the [Sq] row of lse of this batch row
-// and head).
-template <ElementType ET, int D>
-__device__ __forceinline__ void finish_rows(const float (&o)[D / 8][4], SoftmaxState (&state)[kLaneRows],
-                                            const AttentionParams& p, float sink, uint16_t* dst, int64_t q_stride,
-                                            FragmentCoords at, float* lse_row) {
-  float inverse[kLaneRows];
+// The statistics at the end of a warp's kWarpRows rows: completes the row sums over the
+// lanes, folds the softmax sink in, stores the log-sum-exp at lse_row (the [Sq] row of lse
+// of this batch row and head; rows < seqlen_q of `at`) and returns each lane row's
+// 1 / denominator in `inverse`.
+__device__ __forceinline__ void finish_statistics(SoftmaxState (&state)[kLaneRows], const AttentionParams& p,
+                                                  float sink, FragmentCoords at, float* lse_row,
+                                                  float (&inverse)[kLaneRows]) {
   float lse[kLaneRows];
 #pragma unroll
   for (int r = 0; r < kLaneRows; ++r) {
     state[r].l = row_reduce(state[r].l, [](float x, float y) { return x + y; });
     lse[r] = state[r].finalize(p.softmax_type, sink, &inverse[r]);
   }
-  store_rows<ET>(o, inverse, dst, q_stride, at, p.seqlen_q);
   if (at.first_of_row()) {
 #pragma unroll
     for (int r = 0; r < kLaneRows; ++r) {
@@ -118,6 +115,17 @@ __device__ __forceinline__ void finish_rows(const float (&o)[D / 8][4], SoftmaxS
       if (i < p.seqlen_q) lse_row[i] = lse[r];
     }
   }
+}
+
+// finish_statistics, then o / denominator (rows < seqlen_q) stored at dst (row stride
+// q_stride, the rows of `at`).
+template <ElementType ET, int D>
+__device__ __forceinline__ void finish_rows(const float (&o)[D / 8][4], SoftmaxState (&state)[kLaneRows],
+                                            const AttentionParams& p, float sink, uint16_t* dst, int64_t q_stride,
+                                            FragmentCoords at, float* lse_row) {
+  float inverse[kLaneRows];
+  finish_statistics(state, p, sink, at, lse_row, inverse);
+  store_rows<ET>(o, inverse, dst, q_stride, at, p.seqlen_q);
 }
 
 }  // namespace flash

@@ -391,7 +391,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
 #pragma unroll
     for (int t = 0; t < T::kDqColumns / 8; ++t) store_shared_v4(dq_buffer + (t * 128 + consumer_thread % 128) * 16, dq[t]);
     fence_proxy_async();
-    named_barrier_sync(kDqBarrier + cw, 128);
+    named_barrier_sync(kWarpgroupBarrier + cw, 128);
     if (dq_issuer) {
       bulk_reduce_add(DqAccumulator<D>::block(args.dq_accum, b, h, m0, cw, p.heads, p.seqlen_q), dq_buffer,
                       T::kDqBytes);

@@ -73,16 +73,17 @@ struct ForwardTiles {
 // turns alternate, so that one warpgroup's softmax overlaps the other's products.
 constexpr int kTurnBarrier = 2;
 
-// The kernel's arguments: the call, and TMA descriptors of q, k and v, each a 4-d tensor
-// (head dim, heads, sequence, batch) read in boxes of (64, 1, rows, 1) with 128-byte
-// swizzling (rows: kM for q, kN for k and v). Passed as a __grid_constant__ parameter.
+// The kernel's arguments: the call, and TMA descriptors of q, k, v and o, each a 4-d tensor
+// (head dim, heads, sequence, batch) in boxes of (64, 1, rows, 1) with 128-byte swizzling
+// (rows: kM for q, kN for k and v, kConsumerRows for o). Passed as a __grid_constant__
+// parameter.
 struct ForwardArgs {
   CUtensorMap q_map;
   CUtensorMap k_map;
   CUtensorMap v_map;
+  CUtensorMap o_map;
   FlashArgs a;
 };
-
 
 // The producer: warp 0 (lane 0 issues the copies and publishes the tiles).
 template <int D>
@@ -164,8 +165,8 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
 // product does (O is rescaled once it is done). The first tile runs alone, so that the
 // loop always has the same products in flight (the compiler then keeps them asynchronous).
 template <ElementType ET, int D>
-__device__ __forceinline__ void consume(const FlashArgs& a, uint32_t base, Control* control, int64_t b, int64_t h,
-                                        int64_t m0, int cw) {
+__device__ __forceinline__ void consume(const FlashArgs& a, const CUtensorMap* o_map, uint32_t base, Control* control,
+                                        int64_t b, int64_t h, int64_t m0, int cw) {
   using T = ForwardTiles<D>;
   const AttentionParams& p = a.p;
   const HeadContext c = head_context(a, b, h);
@@ -293,9 +294,21 @@ __device__ __forceinline__ void consume(const FlashArgs& a, uint32_t base, Contr
     cute::warpgroup_wait<0>();
     fence_accumulators(o);
   }
-  const int64_t q_stride = p.heads * D;
-  finish_rows<ET, D>(o, state, p, c.sink, a.o + (b * p.seqlen_q * p.heads + h) * D, q_stride, at,
-                     a.lse + (b * p.heads + h) * p.seqlen_q);
+  // O / denominator through this warpgroup's rows of the Q tile, then TMA stores (rows past
+  // the end are not written); the copies must have read shared memory before the block ends.
+  float inverse[kLaneRows];
+  finish_statistics(state, p, c.sink, at, a.lse + (b * p.heads + h) * p.seqlen_q, inverse);
+  stage_rows<ET, D, T::kM>(o, inverse, base, T::kConsumerRows * cw + 16 * warp, at.lane);
+  fence_proxy_async();
+  named_barrier_sync(kWarpgroupBarrier + cw, 128);
+  if (threadIdx.x % 128 == 0) {
+#pragma unroll
+    for (int atom = 0; atom < T::kAtoms; ++atom) {
+      tma_store_4d(o_map, q_rows + atom * T::kM * kAtomRowBytes, atom * kAtomColumns, static_cast<int>(h),
+                   static_cast<int>(m0) + T::kConsumerRows * cw, static_cast<int>(b));
+    }
+    bulk_wait();
+  }
 }
 
 template <ElementType ET, int D>
@@ -328,7 +341,7 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads, 1) forward_kernel(c
     if (threadIdx.x < 32) produce<D>(args, base, control, b, h, m0);
   } else {
     registers_increase<T::kConsumerRegisters>();
-    consume<ET, D>(args.a, base, control, b, h, m0, warpgroup - 1);
+    consume<ET, D>(args.a, &args.o_map, base, control, b, h, m0, warpgroup - 1);
   }
 }
 

@@ -22,6 +22,7 @@ std::string forward(gpuStream_t stream, const FlashArgs& a) {
   std::string error = encode_tile_map(&args.q_map, a.q, p.batch, p.seqlen_q, p.heads, D, T::kM);
   if (error.empty()) error = encode_tile_map(&args.k_map, a.k, p.batch, p.seqlen_kv, p.kv_heads, D, T::kN);
   if (error.empty()) error = encode_tile_map(&args.v_map, a.v, p.batch, p.seqlen_kv, p.kv_heads, D, T::kN);
+  if (error.empty()) error = encode_tile_map(&args.o_map, a.o, p.batch, p.seqlen_q, p.heads, D, T::kConsumerRows);
   if (!error.empty()) return error;
   const int64_t blocks = (p.seqlen_q + T::kM - 1) / T::kM * p.heads * p.batch;
   if (blocks == 0) return "";

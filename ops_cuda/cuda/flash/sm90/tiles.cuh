@@ -13,7 +13,9 @@ namespace flash {
 namespace sm90 {
 
 constexpr int kConsumersBarrier = 1;  // named barrier of the two consumer warpgroups
-constexpr int kDqBarrier = 4;         // backward: 4 + cw, consumer warpgroup cw alone
+// Named barriers 4 + cw: consumer warpgroup cw alone (its staged output for a bulk copy:
+// the forward's O, the backward's dQ tile).
+constexpr int kWarpgroupBarrier = 4;
 
 // The producer warp's view of the tiles: the relations of the 32 tiles from `first` (one
 // lane each), as bit masks; refilled when the search leaves them.
@@ -78,6 +80,28 @@ __device__ __forceinline__ void zero_padding_rows(uint32_t tile, const int32_t* 
     const uint32_t address = tile + (first / 8) * kRows * kAtomRowBytes + row * kAtomRowBytes + (first % 8) * 16;
 #pragma unroll
     for (int k = 0; k < kChunks; ++k) store_zero_16(address + 16 * k);
+  }
+}
+
+// A warpgroup's float32 results (acc: 64 x D, warp w holding rows row0 + lane / 4 (+ 8) of
+// a tile of kTileRows rows), times each row's factor, into that tile in shared memory at
+// `tile`, swizzled as TMA reads it (row r of atom a at a x kTileRows x 128 + 128 r, 16-byte
+// chunk c at (c ^ r % 8) x 16): a TMA store of the rows follows (the tile's own operand is no
+// longer read there). The quarter-warp of a row writes one chunk; 8 rows, 8 chunks: no bank
+// conflicts.
+template <ElementType ET, int D, int kTileRows>
+__device__ __forceinline__ void stage_rows(const float (&acc)[D / 8][4], const float (&factor)[kLaneRows],
+                                           uint32_t tile, int row0, int lane) {
+#pragma unroll
+  for (int half = 0; half < kLaneRows; ++half) {
+    const int r = row0 + lane / 4 + 8 * half;
+#pragma unroll
+    for (int t = 0; t < D / 8; ++t) {
+      const uint32_t address = tile + (t / 8) * kTileRows * kAtomRowBytes + r * kAtomRowBytes +
+                               (((t % 8) ^ (r % 8)) << 4) + (lane % 4) * 4;
+      const uint32_t packed = pack2<ET>(acc[t][2 * half] * factor[half], acc[t][2 * half + 1] * factor[half]);
+      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(address), "r"(packed) : "memory");
+    }
   }
 }
 
