@@ -7,7 +7,11 @@
 // head chunks) and streams the sequence's visible keys in tiles of 64 through shared memory:
 // 16-byte cp.async copies of whole key rows (a row's chunks go to neighbouring threads, so
 // each warp reads 512 contiguous bytes at a time), kStages - 1 tiles in flight while one is
-// computed, so each K/V byte of a sequence is read once per head chunk. Each warp takes 16
+// computed, so each K/V byte of a sequence is read once per head chunk. Beyond the stages,
+// the rows of the next kPrefetchTiles tiles are requested into L2 (bulk prefetches, no
+// shared memory), so that each SM keeps well over 100 KB of DRAM reads in flight; the
+// CTAs of one (sequence, split) are adjacent in the grid, so the K/V heads of a pool row
+// (rows of h_kv * D elements) are read side by side. Each warp takes 16
 // keys of a tile: S = Q K^T and O += P V on tensor cores (mma.sync m16n8k16, float32
 // accumulators, P rounded to the input type as in the flash kernels; primitives of
 // ops_cuda/cuda/flash/mma.cuh) with its own online softmax; the four warps' (m, l, O) are
@@ -27,6 +31,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <string>
 
 #include "fusedattn/gpu_runtime.h"
@@ -56,8 +61,10 @@ constexpr int kMaxQueries = 8;       // queries of a sequence per pass (decode.p
 constexpr int kMinSplitKeys = 256;   // fewest keys a split is given
 constexpr int kCombineThreads = 128;
 
-// Shapes of head dim D: kRows query rows in kRows / 16 row tiles, kStages K/V tiles.
-// D = 256 keeps one row tile (its accumulators) and two stages (sm_80's 163 KB).
+// Shapes of head dim D: kRows query rows in kRows / 16 row tiles, kStages K/V tiles in
+// shared memory and kPrefetchTiles more requested into L2 (64 KB of K and V per CTA).
+// D = 256 keeps one row tile (its accumulators) and two stages (sm_80's 163 KB); D = 128
+// three stages (105 KB: two CTAs per SM).
 template <int D>
 struct Tiling {
   static constexpr int kRowTiles = D >= 256 ? 1 : 2;
@@ -65,6 +72,7 @@ struct Tiling {
   static constexpr int kStages = D >= 256 ? 2 : D >= 128 ? 3 : 4;
   static constexpr int kChunks = D / 8;                     // 16-byte chunks of a row
   static constexpr int kTileBytes = kKeys * D * 2;          // one K or V tile
+  static constexpr int kPrefetchTiles = 65536 / (2 * kTileBytes);
   static constexpr int kQBytes = kRows * D * 2;
   static constexpr int kMergeBytes = kWarps * kRows * D * 4;  // the warps' O, after the loop
   static constexpr int kStatBytes = 2 * kWarps * kRows * 4;   // the warps' m and l
@@ -87,7 +95,7 @@ struct DecodeArgs {
   int page_shift;     // log2(page_size) when a power of two, else -1
   int heads_per_cta;  // query heads of one CTA (a chunk of a K/V head's group)
   int head_chunks;    // chunks per group
-  int splits;         // CTAs per (sequence, head chunk) along the keys
+  int splits;         // CTAs per (sequence, K/V head, head chunk) along the keys
   // split > 1: the workspace's parts (see the top of this file)
   int32_t* ok;
   float* part_m;
@@ -120,6 +128,19 @@ __device__ void fill_rows(const DecodeArgs& a, int64_t b, int64_t first, int64_t
     const int64_t rest = e % per_row;
     a.o[o_offset(p, b, row, h0 + rest / p.head_dim_v) + rest % p.head_dim_v] = bits;
   }
+}
+
+// Asks L2 for the kBytes (a multiple of 128) at global address `gmem`, without waiting.
+template <int kBytes>
+__device__ __forceinline__ void prefetch_l2(const void* gmem) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(gmem), "n"(kBytes) : "memory");
+#else
+#pragma unroll
+  for (int i = 0; i < kBytes; i += 128) {
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(static_cast<const char*>(gmem) + i));
+  }
+#endif
 }
 
 __device__ __forceinline__ int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; }
@@ -191,10 +212,18 @@ struct Pass {
     }
   }
 
+  // Element offset of key `key`'s row (head g) in the K and V pools.
+  __device__ __forceinline__ int64_t key_offset(int32_t key) const {
+    const PagedParams& p = a.p;
+    const uint32_t u = static_cast<uint32_t>(key), ps = static_cast<uint32_t>(p.page_size);
+    const uint32_t page = a.page_shift >= 0 ? u >> a.page_shift : u / ps;
+    const uint32_t slot = a.page_shift >= 0 ? u & (ps - 1) : u % ps;
+    return ((static_cast<int64_t>(table[page]) * p.page_size + slot) * p.kv_heads + g) * D;
+  }
+
   // Issues the copies of the tile of keys [key0, key0 + kKeys) into `stage` (keys >= end
   // read as zeros).
   __device__ void load_tile(int32_t key0, int32_t end, int stage) const {
-    const PagedParams& p = a.p;
     const SwizzledTile<T::kChunks> k_tile = sh.tile(stage, 0), v_tile = sh.tile(stage, 1);
 #pragma unroll
     for (int i = 0; i < kKeys * T::kChunks / kThreads; ++i) {
@@ -202,16 +231,19 @@ struct Pass {
       const int j = e / T::kChunks, c = e % T::kChunks;
       const int32_t key = key0 + j;
       const bool valid = key < end;
-      int64_t at = 0;
-      if (valid) {
-        const uint32_t u = static_cast<uint32_t>(key), ps = static_cast<uint32_t>(p.page_size);
-        const uint32_t page = a.page_shift >= 0 ? u >> a.page_shift : u / ps;
-        const uint32_t slot = a.page_shift >= 0 ? u & (ps - 1) : u % ps;
-        at = ((static_cast<int64_t>(table[page]) * p.page_size + slot) * p.kv_heads + g) * D + c * 8;
-      }
+      const int64_t at = valid ? key_offset(key) + c * 8 : 0;
       const uint32_t offset = static_cast<uint32_t>((c ^ (j % 8)) * 16);
       copy_chunk(k_tile.row(j) + offset, a.k + at, valid);
       copy_chunk(v_tile.row(j) + offset, a.v + at, valid);
+    }
+  }
+
+  // Requests the K and V rows of the tile of keys [key0, key0 + kKeys) (keys < end) into
+  // L2, for load_tile to find there kPrefetchTiles iterations later.
+  __device__ void prefetch_tile(int32_t key0, int32_t end) const {
+    for (int e = threadIdx.x; e < 2 * kKeys; e += kThreads) {
+      const int32_t key = key0 + e / 2;
+      if (key < end) prefetch_l2<D * 2>((e % 2 ? a.v : a.k) + key_offset(key));
     }
   }
 
@@ -287,12 +319,19 @@ struct Pass {
       if (s < n_tiles) load_tile(begin + s * kKeys, end, s);
       tile_copies_commit();
     }
+#pragma unroll
+    for (int f = T::kStages - 1; f < T::kStages - 1 + T::kPrefetchTiles; ++f) {
+      if (f < n_tiles) prefetch_tile(begin + f * kKeys, end);
+    }
     for (int t = 0; t < n_tiles; ++t) {
       tile_copies_wait<T::kStages - 2>();
       __syncthreads();  // tile t has landed; every warp is done with the stage refilled next
       const int ahead = t + T::kStages - 1;
       if (ahead < n_tiles) load_tile(begin + ahead * kKeys, end, ahead % T::kStages);
       tile_copies_commit();
+      if (T::kPrefetchTiles > 0 && ahead + T::kPrefetchTiles < n_tiles) {
+        prefetch_tile(begin + (ahead + T::kPrefetchTiles) * kKeys, end);
+      }
       compute(t % T::kStages, begin + t * kKeys, end, m, l, o);
     }
     tile_copies_wait<0>();
@@ -365,7 +404,8 @@ __device__ bool sequence_ok(const PagedParams& p, const int32_t* table, int32_t 
   return !__syncthreads_or(bad);
 }
 
-// grid (S, Hkv * head_chunks, splits).
+// grid (S * splits * Hkv * head_chunks): CTA ((s * splits + split) * Hkv + g) * head_chunks
+// + chunk, so the CTAs reading one sequence's keys of one split run side by side.
 template <ElementType ET, int D>
 __global__ void __launch_bounds__(kThreads) paged_decode_kernel(DecodeArgs a) {
   using T = Tiling<D>;
@@ -373,9 +413,11 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(DecodeArgs a) {
   __shared__ float row_m[T::kRows], row_l[T::kRows];
   const Shared<D> sh(shared_raw);
   const PagedParams& p = a.p;
-  const int64_t s = blockIdx.x;
-  const int g = blockIdx.y / a.head_chunks, chunk = blockIdx.y % a.head_chunks;
-  const int split = blockIdx.z;
+  const int head_ctas = static_cast<int>(p.kv_heads) * a.head_chunks;
+  const int head_cta = static_cast<int>(blockIdx.x % head_ctas);
+  const int64_t s = blockIdx.x / head_ctas / a.splits;
+  const int split = static_cast<int>(blockIdx.x / head_ctas % a.splits);
+  const int g = head_cta / a.head_chunks, chunk = head_cta % a.head_chunks;
   const int group = static_cast<int>(p.heads / p.kv_heads);
   const int h0 = g * group + chunk * a.heads_per_cta;
   const int nh = std::min(a.heads_per_cta, group - chunk * a.heads_per_cta);
@@ -393,7 +435,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(DecodeArgs a) {
   }
   if (q_len <= 0) return;
   const bool ok = sequence_ok(p, table, q_start, q_len, kv_len);
-  if (a.splits > 1 && threadIdx.x == 0 && blockIdx.y == 0 && split == 0) a.ok[s] = ok;
+  if (a.splits > 1 && threadIdx.x == 0 && head_cta == 0 && split == 0) a.ok[s] = ok;
   if (!ok) {
     if (split == 0) fill_rows<ET>(a, b, first, last, h0, nh, NAN);
     return;
@@ -517,8 +559,12 @@ ffi::Error launch(const char* op, gpuStream_t stream, DecodeArgs a, ffi::Result<
   using T = Tiling<D>;
   const PagedParams& p = a.p;
   auto* kernel = paged_decode_kernel<ET, D>;
+  // The largest shared-memory carveout, so that as many CTAs fit per SM as the occupancy
+  // query below counts.
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(T::kSharedBytes)) != cudaSuccess) {
+                           static_cast<int>(T::kSharedBytes)) != cudaSuccess ||
+      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                           cudaSharedmemCarveoutMaxShared) != cudaSuccess) {
     return launch_status(op);
   }
   int resident_per_sm = 1;
@@ -546,9 +592,12 @@ ffi::Error launch(const char* op, gpuStream_t stream, DecodeArgs a, ffi::Result<
           gpuSuccess) {
     return launch_status(op);
   }
-  const dim3 grid(static_cast<unsigned>(p.sequences), static_cast<unsigned>(p.kv_heads * a.head_chunks),
-                  static_cast<unsigned>(a.splits));
-  kernel<<<grid, kThreads, T::kSharedBytes, stream>>>(a);
+  const int64_t grid = ctas * a.splits;
+  if (grid > std::numeric_limits<int32_t>::max()) {
+    return invalid(op, "the CUDA paged decode kernel launches at most 2^31 - 1 CTAs (sequences x K/V heads x "
+                       "head chunks x splits), got " + std::to_string(grid) + "; decode fewer sequences per call");
+  }
+  kernel<<<static_cast<unsigned>(grid), kThreads, T::kSharedBytes, stream>>>(a);
   if (a.splits > 1) {
     combine_kernel<ET><<<dim3(static_cast<unsigned>(p.sequences), static_cast<unsigned>(p.heads)),
                          kCombineThreads, 0, stream>>>(a);
