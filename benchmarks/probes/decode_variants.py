@@ -10,6 +10,9 @@ interleaved (common.interleaved_ms). Each variant's output is compared with as_i
 
     python benchmarks/probes/decode_variants.py --out $OUT/decode_variants.json [VARIANT ...]
 
+With --profile DIR, as_is's call of each case is also traced (benchmarks/kernel_profile.py):
+its device time by kernel (the decode kernel, the combine kernel when it splits).
+
 (scripts/device.sh decode_variants runs it with every variant.)
 """
 
@@ -28,7 +31,8 @@ import numpy as np
 
 import _benchmarks_on_path  # noqa: F401  (benchmarks/ on sys.path)
 from common import H200_HBM_BYTES_PER_S, interleaved_ms, parse_args, random_normal, write_results
-from decode import HEAD_DIM, HEADS, KV_HEADS, floor_bytes, paged_cache
+from decode import PROFILE_KEPT, PROFILE_STEPS, PROFILE_TOP, HEAD_DIM, HEADS, KV_HEADS, floor_bytes, paged_cache
+from kernel_profile import profile_call
 from fusedattn.ops.backends import decode as decode_backend
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,6 +61,10 @@ VARIANTS: dict[str, dict[str, str]] = {
     # Splits for two waves of resident CTAs instead of one.
     "two_waves": {_RESIDENT: "const int64_t resident = 2 * static_cast<int64_t>(sms) * "
                              "std::max(resident_per_sm, 1);"},
+    # The driver's own shared-memory carveout (the first kernel set none).
+    "no_carveout": {"      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,\n"
+                    "                           cudaSharedmemCarveoutMaxShared) != cudaSuccess":
+                    "      false"},
     # Four stages at d=128 (137 KB: one CTA per SM) instead of three (two CTAs).
     "d128_stages4": {_STAGES: "kStages = D >= 256 ? 2 : 4;"},
 }
@@ -130,6 +138,10 @@ def time_case(targets: dict[str, str], case, args) -> list[dict]:
             got = np.asarray(fns[name](*operands), np.float32)
             row.update(ms=round(times[name], 4), fraction_of_floor=round(floor_ms / times[name], 3),
                        max_abs_diff_vs_as_is=float(np.nanmax(np.abs(got - want))))
+            if args.profile and name == "as_is":
+                profile = profile_call(fns[name], operands, Path(args.profile) / row["name"],
+                                       PROFILE_STEPS, top=PROFILE_TOP)
+                row["profile"] = {key: profile[key] for key in PROFILE_KEPT if key in profile}
         else:
             row.update(ms=None, error=errors[name])
         rows.append(row)
@@ -138,8 +150,15 @@ def time_case(targets: dict[str, str], case, args) -> list[dict]:
 
 
 def main():
-    args = parse_args("benchmarks/results/decode_variants.json", lambda parser: parser.add_argument(
-        "variants", nargs="*", choices=sorted(VARIANTS), help="default: all"))
+    def add_arguments(parser):
+        parser.add_argument("variants", nargs="*", help=f"of {', '.join(VARIANTS)} (default: all)")
+        parser.add_argument("--profile", metavar="DIR", default=None,
+                            help="also trace as_is's calls of each case into DIR")
+
+    args = parse_args("benchmarks/results/decode_variants.json", add_arguments)
+    unknown = sorted(set(args.variants) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     names = ["as_is"] + [v for v in (args.variants or VARIANTS) if v != "as_is"]
     work = Path(tempfile.mkdtemp(prefix="decode_variants_"))
     with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
