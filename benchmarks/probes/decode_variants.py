@@ -65,6 +65,8 @@ VARIANTS: dict[str, dict[str, str]] = {
     "no_carveout": {"      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,\n"
                     "                           cudaSharedmemCarveoutMaxShared) != cudaSuccess":
                     "      false"},
+    # CTAs of 8 warps and 128-key tiles (d=128: 192 KB, one CTA per SM; d=256 no longer fits).
+    "threads256": {"constexpr int kThreads = 128;": "constexpr int kThreads = 256;"},
     # Four stages at d=128 (137 KB: one CTA per SM) instead of three (two CTAs).
     "d128_stages4": {_STAGES: "kStages = D >= 256 ? 2 : 4;"},
 }
