@@ -248,10 +248,14 @@ def _broken_cases(case):
             ("page out of range", case.q_len, kv_table, jnp.asarray(table))]
 
 
+@pytest.mark.parametrize("check_bounds", [True, False], ids=["checked", "unchecked"])
 @pytest.mark.parametrize("backend", ["xla", pytest.param("decode", marks=needs_host)])
-def test_broken_sequences_raise_eagerly_and_are_nan_under_jit(rng, backend):
+def test_broken_sequences_raise_eagerly_and_are_nan_under_jit(rng, backend, check_bounds):
+    """Unchecked (no guard under jit), the decode backend leaves the page check to its
+    kernel; the NaN marks must be the same."""
     case = Case(rng, sq=3)
-    config = case.config(backend=backend, mask="padding_causal_bottom_right")
+    config = case.config(backend=backend, mask="padding_causal_bottom_right",
+                         sequence={"check_bounds": check_bounds})
     for name, q_len, kv_len, table in _broken_cases(case):
         sequence = SequenceDescriptor.from_seqlens(q_len, kv_len)
         with pytest.raises(ValueError, match="breaks the call's bounds"):
@@ -266,6 +270,24 @@ def test_broken_sequences_raise_eagerly_and_are_nan_under_jit(rng, backend):
         expected = fused_attn((case.q[rows], case.k, case.v), config=config, sequence=good,
                               page_table=case.table[rows])
         assert_close(out[rows], expected, tolerance(jnp.float32), name)
+
+
+@pytest.mark.parametrize("backend", ["xla", pytest.param("decode", marks=needs_host)])
+def test_page_check_before_the_kernel_only_where_read(rng, backend):
+    """The [S, pages] page check runs before a decode kernel only while a guard reads it
+    (check_bounds on); the xla backend always needs it (its NaN marks come from it)."""
+    case = Case(rng, sq=2)
+    page_check = f"bool[{case.table.shape[0]},{case.table.shape[1]}]"
+
+    def page_checks(check_bounds):
+        config = case.config(backend=backend, mask="padding_causal_bottom_right",
+                             sequence={"check_bounds": check_bounds})
+        jaxpr = jax.make_jaxpr(lambda t: fused_attn((case.q, case.k, case.v), config=config,
+                                                    sequence=case.sequence, page_table=t))
+        return str(jaxpr(case.table)).count(page_check)
+
+    assert page_checks(True) >= 1
+    assert (page_checks(False) == 0) == (backend == "decode")
 
 
 def test_xla_gradients_equal_contiguous_attention_over_gathered_pages(rng):

@@ -104,10 +104,13 @@ def test_softmax_variants(rng, softmax):
     assert_close(outs[1], outs[0], tolerance(jnp.bfloat16), "out")
 
 
-def test_broken_sequences_are_nan_and_other_rows_exact(rng):
+@pytest.mark.parametrize("check_bounds", [True, False], ids=["checked", "unchecked"])
+def test_broken_sequences_are_nan_and_other_rows_exact(rng, check_bounds):
+    """Unchecked, the page check is the kernel's alone (paged.canonical leaves it out)."""
     case = Case(rng, b=3, sq=3, h=8, h_kv=2, d=64, dv=64, page_size=16, pages=30,
                 dtype=jnp.bfloat16)
-    config = case.config(backend="decode", mask="padding_causal_bottom_right")
+    config = case.config(backend="decode", mask="padding_causal_bottom_right",
+                         sequence={"check_bounds": check_bounds})
     for name, q_len, kv_len, table in _broken_cases(case):
         sequence = SequenceDescriptor.from_seqlens(q_len, kv_len)
         out = np.asarray(jax.jit(lambda s, t: fused_attn(

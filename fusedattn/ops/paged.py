@@ -166,8 +166,14 @@ def call_shapes(spec: AttentionSpec, q, k, v, bias, sequence, page_table,
 
 
 def canonical(spec: AttentionSpec, q, k_pages, v_pages, sequence: SequenceDescriptor,
-              page_table, softmax_offset) -> PagedArgs:
-    """The call's PagedArgs, with broken sequences marked (kv_len -1) and guarded."""
+              page_table, softmax_offset, kernel_checks_pages: bool = False) -> PagedArgs:
+    """The call's PagedArgs, with broken sequences marked (kv_len -1) and guarded.
+
+    kernel_checks_pages: the backend's kernel marks sequences with a page outside the pool
+    broken by itself (the decode kernels: paged_sequence_ok); then, where no guard reads
+    it (traced, config.sequence.check_bounds off), the [S, pages] page check is left out
+    here, one device op less before the kernel.
+    """
     b, sq = q.shape[:2]
     if spec.qkv_layout.is_thd:
         q_start = sequence.q_offsets[:, :-1].reshape(-1)
@@ -181,9 +187,11 @@ def canonical(spec: AttentionSpec, q, k_pages, v_pages, sequence: SequenceDescri
     kv_len = jnp.maximum(kv_len, 0)
     num_pages, page_size = k_pages.shape[:2]
     pages = page_table.shape[1]
-    page_in_use = jnp.arange(pages)[None, :] * page_size < kv_len[:, None]
-    bad_page = jnp.any(page_in_use & ((page_table < 0) | (page_table >= num_pages)), axis=1)
-    broken = ((kv_len > pages * page_size) | (q_start < 0) | (q_start + q_len > sq) | bad_page)
+    broken = (kv_len > pages * page_size) | (q_start < 0) | (q_start + q_len > sq)
+    traced = any(isinstance(x, jax.core.Tracer) for x in (q_start, q_len, kv_len, page_table))
+    if not (kernel_checks_pages and traced and not spec.check_bounds):
+        page_in_use = jnp.arange(pages)[None, :] * page_size < kv_len[:, None]
+        broken |= jnp.any(page_in_use & ((page_table < 0) | (page_table >= num_pages)), axis=1)
     if spec.max_seqlen_q is not None:
         broken |= q_len > spec.max_seqlen_q
     if spec.max_seqlen_kv is not None:

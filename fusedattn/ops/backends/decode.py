@@ -149,6 +149,7 @@ class DecodeBackend:
 
     name = "decode"
     serves_paged = True
+    checks_pages = True  # both builds mark a sequence with a page outside the pool broken
 
     def supports(self, spec: AttentionSpec, shapes: CallShapes, platform: str) -> str | None:
         if not spec.qkv_layout.is_paged:
