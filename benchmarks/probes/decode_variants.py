@@ -67,6 +67,8 @@ VARIANTS: dict[str, dict[str, str]] = {
                     "      false"},
     # CTAs of 8 warps and 128-key tiles (d=128: 192 KB, one CTA per SM; d=256 no longer fits).
     "threads256": {"constexpr int kThreads = 128;": "constexpr int kThreads = 256;"},
+    # The combine kernel launched in stream order, not as a programmatic dependent launch.
+    "no_pdl": {"major >= 9;": "major >= 9 && false;"},
     # Four stages at d=128 (137 KB: one CTA per SM) instead of three (two CTAs).
     "d128_stages4": {_STAGES: "kStages = D >= 256 ? 2 : 4;"},
 }

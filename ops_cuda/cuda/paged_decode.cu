@@ -21,6 +21,9 @@
 // kernel's resident CTAs per SM), each (sequence, head) range of keys is split over up to
 // `splits` CTAs whose unnormalised partials (max m, sum l, accumulators) go to the
 // workspace; a second kernel combines them by log-sum-exp and folds the softmax sink in.
+// On sm_90 the combine kernel is a programmatic dependent launch: its CTAs are placed
+// while the split CTAs run and start as soon as they finish (griddepcontrol), without
+// a launch gap between the two kernels.
 //
 // Workspace (a uint8 result XLA allocates; decode.py sizes it, this file reads how many
 // splits it holds from its size): int32 ok[S], float32 m[splits, rows], l[splits, rows] and
@@ -409,6 +412,9 @@ __device__ bool sequence_ok(const PagedParams& p, const int32_t* table, int32_t 
 template <ElementType ET, int D>
 __global__ void __launch_bounds__(kThreads) paged_decode_kernel(DecodeArgs a) {
   using T = Tiling<D>;
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the combine kernel may be placed
+#endif
   extern __shared__ __align__(128) unsigned char shared_raw[];
   __shared__ float row_m[T::kRows], row_l[T::kRows];
   const Shared<D> sh(shared_raw);
@@ -480,6 +486,9 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(DecodeArgs a) {
 // grid (S, H): the output rows of sequence s, head h, from the splits' partials.
 template <ElementType ET>
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(DecodeArgs a) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the split kernel has finished, its writes visible
+#endif
   const PagedParams& p = a.p;
   const int64_t s = blockIdx.x, h = blockIdx.y;
   const int32_t q_len = a.q_len[s];
@@ -554,6 +563,27 @@ int choose_splits(const PagedParams& p, int64_t ctas, int resident_per_sm, int64
   return static_cast<int>(std::max<int64_t>(splits, 1));
 }
 
+// Launches combine_kernel after the split kernel on `stream`: on sm_90 and newer as a
+// programmatic dependent launch (it waits in griddepcontrol.wait), else in stream order.
+template <ElementType ET>
+cudaError_t launch_combine(gpuStream_t stream, const DecodeArgs& a) {
+  int device = 0, major = 0;
+  const bool dependent = cudaGetDevice(&device) == cudaSuccess &&
+                         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+                         major >= 9;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(a.p.sequences), static_cast<unsigned>(a.p.heads));
+  config.blockDim = dim3(kCombineThreads);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  config.attrs = dependent ? &attribute : nullptr;
+  config.numAttrs = dependent ? 1 : 0;
+  return cudaLaunchKernelEx(&config, combine_kernel<ET>, a);
+}
+
 template <ElementType ET, int D>
 ffi::Error launch(const char* op, gpuStream_t stream, DecodeArgs a, ffi::Result<ffi::AnyBuffer>& workspace) {
   using T = Tiling<D>;
@@ -598,10 +628,7 @@ ffi::Error launch(const char* op, gpuStream_t stream, DecodeArgs a, ffi::Result<
                        "head chunks x splits), got " + std::to_string(grid) + "; decode fewer sequences per call");
   }
   kernel<<<static_cast<unsigned>(grid), kThreads, T::kSharedBytes, stream>>>(a);
-  if (a.splits > 1) {
-    combine_kernel<ET><<<dim3(static_cast<unsigned>(p.sequences), static_cast<unsigned>(p.heads)),
-                         kCombineThreads, 0, stream>>>(a);
-  }
+  if (a.splits > 1 && launch_combine<ET>(stream, a) != cudaSuccess) return launch_status(op);
   return launch_status(op);
 }
 
