@@ -212,6 +212,29 @@ def test_auto_picks_decode_for_decoding_and_xla_for_prefill(rng):
     assert "exists for cpu (host build) and CUDA GPUs" in on_rocm.verdicts["decode"]
 
 
+@needs_host
+@pytest.mark.parametrize("softmax", ["vanilla", "off_by_one"])
+def test_decode_call_has_one_op_before_the_kernel(rng, softmax):
+    """Unchecked BSHD decode compiles to the kernel and one fusion before it (the key
+    lengths' broken marks): zero q_start and offsets go as empty operands, not as device
+    fills (paged_decode_ffi.h), and q_len as given."""
+    case = Case(rng, b=2, sq=1, h=4, h_kv=2, page_size=4, pages=3)
+    config = case.config(backend="decode", mask="padding_causal_bottom_right", softmax=softmax,
+                         sequence={"check_bounds": False})
+
+    def attend(q_len, kv_len, table):
+        return fused_attn((case.q, case.k, case.v), config=config, page_table=table,
+                          sequence=SequenceDescriptor.from_seqlens(q_len, kv_len))
+
+    args = (jnp.asarray(case.q_len), jnp.asarray(case.kv_len), case.table)
+    hlo = jax.jit(attend).lower(*args).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY"):]
+    assert entry.count(" fusion(") == 1, entry
+    assert entry.count("s32[0]{0} constant({})") == 1 and entry.count("f32[0]{0} constant({})") == 1
+    expected = case.reference("padding_causal_bottom_right", softmax=softmax)
+    assert_close(jax.jit(attend)(*args), expected, tolerance(jnp.float32), "out")
+
+
 def test_decode_refuses_contiguous_layouts(rng):
     q = jnp.asarray(rng.standard_normal((1, 2, 2, 8)), jnp.float32)
     verdicts = explain((q, q, q), config=make_config(), platform="cpu").verdicts

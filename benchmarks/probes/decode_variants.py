@@ -108,7 +108,7 @@ def register(name: str, library: Path, keep: list) -> str:
 def raw_decode(target: str, q_shape, pages_per_seq: int, page: int):
     """jit fn(q, k_pages, v_pages, table, q_len, kv_len) -> o through `target`, with the
     attributes and workspace the decode backend passes for mask padding_causal_bottom_right."""
-    b, _, h, d = q_shape
+    b, _, _, d = q_shape
     workspace = decode_backend._cuda_workspace_bytes(q_shape, KV_HEADS, d, b, pages_per_seq * page)
     static = decode_backend._Static(scale=1.0 / math.sqrt(d), causal=True, bottom_right=True,
                                     window_left=-1, window_right=-1, softmax_type=0)
@@ -117,8 +117,8 @@ def raw_decode(target: str, q_shape, pages_per_seq: int, page: int):
     @jax.jit
     def attend(q, k_pages, v_pages, table, q_len, kv_len):
         return jax.ffi.ffi_call(target, results)(
-            q, k_pages, v_pages, table, jnp.zeros((b,), jnp.int32), q_len, kv_len,
-            jnp.zeros((h,), jnp.float32), **static.attributes())[0]
+            q, k_pages, v_pages, table, np.zeros((0,), np.int32), q_len, kv_len,  # q_start 0
+            np.zeros((0,), np.float32), **static.attributes())[0]  # offsets 0: no op before the kernel
     return attend
 
 

@@ -50,7 +50,7 @@ class PagedArgs(NamedTuple):
     v_pages: [num_pages, page_size, h_kv, dv]; page_table: int32 [S, pages_per_seq]
     with S = b * m (m sequences per row); sequence s lives in q row s // m.
     q_start: int32 [S], the row offset of the sequence's first query (0 for BSHD).
-    q_len: int32 [S], its query count (0 for an unused slot).
+    q_len: int32 [S], its query count (<= 0 for an unused slot).
     kv_len: int32 [S], its key count; -1 marks a broken sequence (NaN outputs).
     softmax_offset: None or float32 [h] (off_by_one passes zeros).
     """
@@ -182,8 +182,7 @@ def canonical(spec: AttentionSpec, q, k_pages, v_pages, sequence: SequenceDescri
         q_start = jnp.zeros((b,), jnp.int32)
         q_len, kv_len = sequence.q_seqlens, sequence.kv_seqlens
     page_table = jnp.asarray(page_table, jnp.int32)
-    used = q_len > 0
-    q_len = jnp.maximum(q_len, 0)
+    used = q_len > 0  # q_len stays as given: every reader takes q_len <= 0 as an unused slot
     kv_len = jnp.maximum(kv_len, 0)
     num_pages, page_size = k_pages.shape[:2]
     pages = page_table.shape[1]

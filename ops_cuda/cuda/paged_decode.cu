@@ -90,10 +90,10 @@ struct DecodeArgs {
   const uint16_t* k;
   const uint16_t* v;
   const int32_t* page_table;
-  const int32_t* q_start;
+  const int32_t* q_start;  // nullptr: every q_start 0
   const int32_t* q_len;
   const int32_t* kv_len;
-  const float* offset;
+  const float* offset;  // nullptr: every offset 0
   uint16_t* o;
   int page_shift;     // log2(page_size) when a power of two, else -1
   int heads_per_cta;  // query heads of one CTA (a chunk of a K/V head's group)
@@ -428,7 +428,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(DecodeArgs a) {
   const int h0 = g * group + chunk * a.heads_per_cta;
   const int nh = std::min(a.heads_per_cta, group - chunk * a.heads_per_cta);
   const int64_t b = paged_row_of(p, s);
-  const int32_t q_start = a.q_start[s], q_len = a.q_len[s], kv_len = a.kv_len[s];
+  const int32_t q_start = paged_q_start(a.q_start, s), q_len = a.q_len[s], kv_len = a.kv_len[s];
   const int32_t* table = a.page_table + s * p.pages_per_seq;
 
   // The sequence's rows that lie in its q row; with one sequence per row (S = B) the
@@ -474,7 +474,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(DecodeArgs a) {
       } else {
         SoftmaxState st{row_m[r], row_l[r], row_m[r] != -INFINITY};
         float inv = 0.0f;
-        st.finalize(p.softmax_type, softmax_sink_logit(p.softmax_type, a.offset[h]), &inv);
+        st.finalize(p.softmax_type, softmax_sink_logit(p.softmax_type, paged_softmax_offset(a.offset, h)), &inv);
         *reinterpret_cast<uint2*>(a.o + o_offset(p, b, row, h) + 4 * c) =
             make_uint2(flash::pack2<ET>(x.x * inv, x.y * inv), flash::pack2<ET>(x.z * inv, x.w * inv));
       }
@@ -495,9 +495,9 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(DecodeArgs a) 
   if (q_len <= 0 || !a.ok[s]) return;
   const int64_t b = paged_row_of(p, s);
   const int64_t rows = p.batch * p.seqlen_q * p.heads;
-  const float sink = softmax_sink_logit(p.softmax_type, a.offset[h]);
+  const float sink = softmax_sink_logit(p.softmax_type, paged_softmax_offset(a.offset, h));
   for (int32_t i = 0; i < q_len; ++i) {
-    const int64_t row = (b * p.seqlen_q + a.q_start[s] + i) * p.heads + h;
+    const int64_t row = (b * p.seqlen_q + paged_q_start(a.q_start, s) + i) * p.heads + h;
     float m = -INFINITY;
     for (int z = 0; z < a.splits; ++z) m = fmaxf(m, a.part_m[z * rows + row]);
     float l = 0.0f;
@@ -658,10 +658,10 @@ ffi::Error PagedDecodeFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
   a.k = static_cast<const uint16_t*>(k.untyped_data());
   a.v = static_cast<const uint16_t*>(v.untyped_data());
   a.page_table = page_table.typed_data<int32_t>();
-  a.q_start = q_start.typed_data<int32_t>();
+  a.q_start = optional_operand<int32_t>(q_start);
   a.q_len = q_len.typed_data<int32_t>();
   a.kv_len = kv_len.typed_data<int32_t>();
-  a.offset = softmax_offset.typed_data<float>();
+  a.offset = optional_operand<float>(softmax_offset);
   a.o = static_cast<uint16_t*>(o->untyped_data());
   const ElementType et = element_type_of(q.element_type());
   auto by_dim = [&](auto et_constant) -> ffi::Error {
