@@ -17,6 +17,11 @@
 // ops_cuda/cuda/flash/mma.cuh) with its own online softmax; the four warps' (m, l, O) are
 // merged through shared memory at the end.
 //
+// A CTA's start: the key lengths are checked first (no read depends on them failing), then
+// the query rows and the first tiles are issued together (cp.async), and the sequence's
+// page-table entries are checked while they are in flight; a tile never reads through an
+// entry outside the pool (zero-filled instead), and a broken sequence's rows become NaN.
+//
 // Flash-decoding: when the CTAs of the call would not fill the GPU (its SM count times the
 // kernel's resident CTAs per SM), each (sequence, head) range of keys is split over up to
 // `splits` CTAs whose unnormalised partials (max m, sum l, accumulators) go to the
@@ -200,28 +205,27 @@ struct Pass {
   int g, h0, nh, q0, rows, q_len, kv_len;
   int64_t b, q_row0;
 
+  // Issues the copies of the pass's query rows into sh.q (rows past `rows` zero-filled);
+  // they complete with the first tile's group (start()).
   __device__ void load_q() const {
     const PagedParams& p = a.p;
     for (int e = threadIdx.x; e < T::kRows * T::kChunks; e += kThreads) {
       const int r = e / T::kChunks, c = e % T::kChunks;
-      uint4 chunk = make_uint4(0, 0, 0, 0);
-      if (r < rows) {
-        const int64_t at = ((b * p.seqlen_q + q_row0 + r / nh) * p.heads + h0 + r % nh) * D + c * 8;
-        chunk = *reinterpret_cast<const uint4*>(a.q + at);
-      }
-      const uint32_t slot = sh.q.row(r) + static_cast<uint32_t>((c ^ (r % 8)) * 16);
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot), "r"(chunk.x), "r"(chunk.y),
-                   "r"(chunk.z), "r"(chunk.w));
+      const int64_t at = r < rows ? ((b * p.seqlen_q + q_row0 + r / nh) * p.heads + h0 + r % nh) * D + c * 8 : 0;
+      copy_chunk(sh.q.row(r) + static_cast<uint32_t>((c ^ (r % 8)) * 16), a.q + at, r < rows);
     }
   }
 
-  // Element offset of key `key`'s row (head g) in the K and V pools.
+  // Element offset of key `key`'s row (head g) in the K and V pools, or -1 where its page
+  // lies outside the pool: nothing is read there, and pages_ok marks the sequence broken.
   __device__ __forceinline__ int64_t key_offset(int32_t key) const {
     const PagedParams& p = a.p;
     const uint32_t u = static_cast<uint32_t>(key), ps = static_cast<uint32_t>(p.page_size);
     const uint32_t page = a.page_shift >= 0 ? u >> a.page_shift : u / ps;
     const uint32_t slot = a.page_shift >= 0 ? u & (ps - 1) : u % ps;
-    return ((static_cast<int64_t>(table[page]) * p.page_size + slot) * p.kv_heads + g) * D;
+    const int32_t entry = table[page];
+    if (!paged_page_ok(p, entry)) return -1;
+    return ((static_cast<int64_t>(entry) * p.page_size + slot) * p.kv_heads + g) * D;
   }
 
   // Issues the copies of the tile of keys [key0, key0 + kKeys) into `stage` (keys >= end
@@ -233,8 +237,9 @@ struct Pass {
       const int e = static_cast<int>(threadIdx.x) + i * kThreads;
       const int j = e / T::kChunks, c = e % T::kChunks;
       const int32_t key = key0 + j;
-      const bool valid = key < end;
-      const int64_t at = valid ? key_offset(key) + c * 8 : 0;
+      const int64_t row = key < end ? key_offset(key) : -1;
+      const bool valid = row >= 0;
+      const int64_t at = valid ? row + c * 8 : 0;
       const uint32_t offset = static_cast<uint32_t>((c ^ (j % 8)) * 16);
       copy_chunk(k_tile.row(j) + offset, a.k + at, valid);
       copy_chunk(v_tile.row(j) + offset, a.v + at, valid);
@@ -246,7 +251,8 @@ struct Pass {
   __device__ void prefetch_tile(int32_t key0, int32_t end) const {
     for (int e = threadIdx.x; e < 2 * kKeys; e += kThreads) {
       const int32_t key = key0 + e / 2;
-      if (key < end) prefetch_l2<D * 2>((e % 2 ? a.v : a.k) + key_offset(key));
+      const int64_t row = key < end ? key_offset(key) : -1;
+      if (row >= 0) prefetch_l2<D * 2>((e % 2 ? a.v : a.k) + row);
     }
   }
 
@@ -306,17 +312,10 @@ struct Pass {
     }
   }
 
-  // Streams keys [begin, end) through the stages and merges the warps' results into
-  // out_m, out_l [kRows] and out_o [kRows][D] (the merge area; sh.merge()).
-  __device__ void run(int32_t begin, int32_t end, float* out_m, float* out_l) const {
+  // Issues the first kStages - 1 tiles of keys [begin, end) (the first one's group also
+  // closes load_q's copies) and the L2 prefetches of the kPrefetchTiles after them.
+  __device__ void start(int32_t begin, int32_t end) const {
     const int n_tiles = end > begin ? (end - begin + kKeys - 1) / kKeys : 0;
-    float m[T::kRowTiles][2], l[T::kRowTiles][2], o[T::kRowTiles][D / 8][4];
-#pragma unroll
-    for (int rt = 0; rt < T::kRowTiles; ++rt) {
-      m[rt][0] = m[rt][1] = -INFINITY;
-      l[rt][0] = l[rt][1] = 0.0f;
-      flash::zero(o[rt]);
-    }
 #pragma unroll
     for (int s = 0; s < T::kStages - 1; ++s) {
       if (s < n_tiles) load_tile(begin + s * kKeys, end, s);
@@ -325,6 +324,19 @@ struct Pass {
 #pragma unroll
     for (int f = T::kStages - 1; f < T::kStages - 1 + T::kPrefetchTiles; ++f) {
       if (f < n_tiles) prefetch_tile(begin + f * kKeys, end);
+    }
+  }
+
+  // After start(begin, end): streams keys [begin, end) through the stages and merges the
+  // warps' results into out_m, out_l [kRows] and out_o [kRows][D] (the merge area; sh.merge()).
+  __device__ void run(int32_t begin, int32_t end, float* out_m, float* out_l) const {
+    const int n_tiles = end > begin ? (end - begin + kKeys - 1) / kKeys : 0;
+    float m[T::kRowTiles][2], l[T::kRowTiles][2], o[T::kRowTiles][D / 8][4];
+#pragma unroll
+    for (int rt = 0; rt < T::kRowTiles; ++rt) {
+      m[rt][0] = m[rt][1] = -INFINITY;
+      l[rt][0] = l[rt][1] = 0.0f;
+      flash::zero(o[rt]);
     }
     for (int t = 0; t < n_tiles; ++t) {
       tile_copies_wait<T::kStages - 2>();
@@ -397,11 +409,9 @@ struct Pass {
   }
 };
 
-// Whether the sequence's data can be served (paged_sequence_ok), the pages checked by all
-// threads at once. Block-wide.
-__device__ bool sequence_ok(const PagedParams& p, const int32_t* table, int32_t q_start, int32_t q_len,
-                            int32_t kv_len) {
-  if (!paged_lengths_ok(p, q_start, q_len, kv_len)) return false;  // uniform over the block
+// Whether every page of a sequence of kv_len keys lies in the pool (with paged_lengths_ok:
+// paged_sequence_ok), checked by all threads at once. Block-wide.
+__device__ bool pages_ok(const PagedParams& p, const int32_t* table, int32_t kv_len) {
   bool bad = false;
   for (int64_t i = threadIdx.x; i * p.page_size < kv_len; i += kThreads) bad |= !paged_page_ok(p, table[i]);
   return !__syncthreads_or(bad);
@@ -440,17 +450,13 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(DecodeArgs a) {
     fill_rows<ET>(a, b, last, p.seqlen_q, h0, nh, 0.0f);
   }
   if (q_len <= 0) return;
-  const bool ok = sequence_ok(p, table, q_start, q_len, kv_len);
-  if (a.splits > 1 && threadIdx.x == 0 && head_cta == 0 && split == 0) a.ok[s] = ok;
-  if (!ok) {
-    if (split == 0) fill_rows<ET>(a, b, first, last, h0, nh, NAN);
-    return;
-  }
-  for (int q0 = 0; q0 < q_len; q0 += kMaxQueries) {
+  // Broken data (paged.h): lengths are checked before any read, the pages while the first
+  // tiles are in flight (key_offset reads nothing through a page outside the pool).
+  bool ok = paged_lengths_ok(p, q_start, q_len, kv_len);  // uniform over the block
+  for (int q0 = 0; ok && q0 < q_len; q0 += kMaxQueries) {
     const int nq = std::min(q_len - q0, int{kMaxQueries});
     const Pass<ET, D> pass{a, sh, table, g, h0, nh, q0, nh * nq, q_len, kv_len, b,
                            static_cast<int64_t>(q_start) + q0};
-    pass.load_q();
     const KeyRange range = visible_range(p, q0, nq, q_len, kv_len);
     int32_t begin = range.lo, end = range.hi;
     if (a.splits > 1) {
@@ -458,7 +464,16 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(DecodeArgs a) {
       begin = std::min(end, begin + split * per);
       end = std::min(end, begin + per);
     }
-    pass.run(begin, end, row_m, row_l);  // its first barrier orders load_q's stores
+    pass.load_q();
+    pass.start(begin, end);
+    if (q0 == 0) {
+      ok = pages_ok(p, table, kv_len);
+      if (!ok) {
+        tile_copies_wait<0>();  // nothing lands in shared memory after the CTA exits
+        break;
+      }
+    }
+    pass.run(begin, end, row_m, row_l);
     const float* merged = sh.merge();
     for (int e = threadIdx.x; e < pass.rows * (D / 4); e += kThreads) {
       const int r = e / (D / 4), c = e % (D / 4);
@@ -481,6 +496,8 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(DecodeArgs a) {
     }
     __syncthreads();  // before the next pass overwrites q, the merge area and the statistics
   }
+  if (a.splits > 1 && threadIdx.x == 0 && head_cta == 0 && split == 0) a.ok[s] = ok;
+  if (!ok && split == 0) fill_rows<ET>(a, b, first, last, h0, nh, NAN);
 }
 
 // grid (S, H): the output rows of sequence s, head h, from the splits' partials.
