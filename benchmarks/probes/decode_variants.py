@@ -41,7 +41,6 @@ SYMBOL = "FusedattnPagedDecodeFwdCuda"
 CASES = tuple((b, s_kv, s_q, page) for b, s_kv in ((16, 8192), (64, 2048), (4, 32768), (128, 1024))
               for s_q, page in ((1, 16), (1, 64), (4, 64)))
 
-_PREFETCH = "static constexpr int kPrefetchTiles = 65536 / (2 * kTileBytes);"
 _ORDER = ("  const int64_t s = blockIdx.x / head_ctas / a.splits;\n"
           "  const int split = static_cast<int>(blockIdx.x / head_ctas % a.splits);\n")
 _RESIDENT = "const int64_t resident = static_cast<int64_t>(sms) * std::max(resident_per_sm, 1);"
@@ -49,9 +48,9 @@ _STAGES = "kStages = D >= 256 ? 2 : D >= 128 ? 3 : 4;"
 
 VARIANTS: dict[str, dict[str, str]] = {
     "as_is": {},
-    # No L2 prefetch beyond the shared-memory stages; twice as much (128 KB per CTA).
-    "no_prefetch": {_PREFETCH: "static constexpr int kPrefetchTiles = 0;"},
-    "prefetch_128k": {_PREFETCH: "static constexpr int kPrefetchTiles = 131072 / (2 * kTileBytes);"},
+    # Each tile's page-table entries read from global memory as its copies are issued (the
+    # second kernel's way), not from the shared-memory window.
+    "global_table": {"const int32_t entry = sh.pages[page - window];": "const int32_t entry = table[page];"},
     # The first kernel's grid order: the sequences side by side, each K/V head in turn.
     "sequences_adjacent": {
         "  const int head_cta = static_cast<int>(blockIdx.x % head_ctas);\n" + _ORDER:
@@ -61,15 +60,11 @@ VARIANTS: dict[str, dict[str, str]] = {
     # Splits for two waves of resident CTAs instead of one.
     "two_waves": {_RESIDENT: "const int64_t resident = 2 * static_cast<int64_t>(sms) * "
                              "std::max(resident_per_sm, 1);"},
-    # The driver's own shared-memory carveout (the first kernel set none).
-    "no_carveout": {"      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,\n"
-                    "                           cudaSharedmemCarveoutMaxShared) != cudaSuccess":
-                    "      false"},
-    # CTAs of 8 warps and 128-key tiles (d=128: 192 KB, one CTA per SM; d=256 no longer fits).
+    # CTAs of 8 warps and 128-key tiles (d=128: 204 KB, one CTA per SM; d=256 no longer fits).
     "threads256": {"constexpr int kThreads = 128;": "constexpr int kThreads = 256;"},
     # The combine kernel launched in stream order, not as a programmatic dependent launch.
     "no_pdl": {"major >= 9;": "major >= 9 && false;"},
-    # Four stages at d=128 (137 KB: one CTA per SM) instead of three (two CTAs).
+    # Four stages at d=128 (139 KB: one CTA per SM) instead of three (two CTAs).
     "d128_stages4": {_STAGES: "kStages = D >= 256 ? 2 : 4;"},
 }
 

@@ -7,11 +7,11 @@
 // head chunks) and streams the sequence's visible keys in tiles of 64 through shared memory:
 // 16-byte cp.async copies of whole key rows (a row's chunks go to neighbouring threads, so
 // each warp reads 512 contiguous bytes at a time), kStages - 1 tiles in flight while one is
-// computed, so each K/V byte of a sequence is read once per head chunk. Beyond the stages,
-// the rows of the next kPrefetchTiles tiles are requested into L2 (bulk prefetches, no
-// shared memory), so that each SM keeps well over 100 KB of DRAM reads in flight; the
-// CTAs of one (sequence, split) are adjacent in the grid, so the K/V heads of a pool row
-// (rows of h_kv * D elements) are read side by side. Each warp takes 16
+// computed, so each K/V byte of a sequence is read once per head chunk. The page-table
+// entries of the keys streamed next sit in shared memory (a window of kTablePages
+// entries, refilled by the block as the keys move past it), so issuing a tile's copies
+// waits on no global load. The CTAs of one (sequence, split) are adjacent in the grid.
+// Each warp takes 16
 // keys of a tile: S = Q K^T and O += P V on tensor cores (mma.sync m16n8k16, float32
 // accumulators, P rounded to the input type as in the flash kernels; primitives of
 // ops_cuda/cuda/flash/mma.cuh) with its own online softmax; the four warps' (m, l, O) are
@@ -68,11 +68,11 @@ constexpr int kKeys = 16 * kWarps;   // keys per tile, 16 per warp
 constexpr int kMaxQueries = 8;       // queries of a sequence per pass (decode.py's MAX_QUERIES)
 constexpr int kMinSplitKeys = 256;   // fewest keys a split is given
 constexpr int kCombineThreads = 128;
+constexpr int kTablePages = 512;     // page-table entries a CTA holds in shared memory
 
 // Shapes of head dim D: kRows query rows in kRows / 16 row tiles, kStages K/V tiles in
-// shared memory and kPrefetchTiles more requested into L2 (64 KB of K and V per CTA).
-// D = 256 keeps one row tile (its accumulators) and two stages (sm_80's 163 KB); D = 128
-// three stages (105 KB: two CTAs per SM).
+// shared memory. D = 256 keeps one row tile (its accumulators) and two stages (sm_80's
+// 163 KB); D = 128 three stages (108 KB: two CTAs per SM).
 template <int D>
 struct Tiling {
   static constexpr int kRowTiles = D >= 256 ? 1 : 2;
@@ -80,11 +80,11 @@ struct Tiling {
   static constexpr int kStages = D >= 256 ? 2 : D >= 128 ? 3 : 4;
   static constexpr int kChunks = D / 8;                     // 16-byte chunks of a row
   static constexpr int kTileBytes = kKeys * D * 2;          // one K or V tile
-  static constexpr int kPrefetchTiles = 65536 / (2 * kTileBytes);
   static constexpr int kQBytes = kRows * D * 2;
   static constexpr int kMergeBytes = kWarps * kRows * D * 4;  // the warps' O, after the loop
   static constexpr int kStatBytes = 2 * kWarps * kRows * 4;   // the warps' m and l
-  static constexpr size_t kSharedBytes = kStages * 2 * kTileBytes + kQBytes + kStatBytes;
+  static constexpr int kPageBytes = kTablePages * 4;             // the page-table window
+  static constexpr size_t kSharedBytes = kStages * 2 * kTileBytes + kQBytes + kStatBytes + kPageBytes;
   static_assert(kMergeBytes <= kStages * 2 * kTileBytes, "the merge reuses the stages");
   static_assert(kKeys * kChunks % kThreads == 0, "whole load passes");
 };
@@ -138,19 +138,6 @@ __device__ void fill_rows(const DecodeArgs& a, int64_t b, int64_t first, int64_t
   }
 }
 
-// Asks L2 for the kBytes (a multiple of 128) at global address `gmem`, without waiting.
-template <int kBytes>
-__device__ __forceinline__ void prefetch_l2(const void* gmem) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(gmem), "n"(kBytes) : "memory");
-#else
-#pragma unroll
-  for (int i = 0; i < kBytes; i += 128) {
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(static_cast<const char*>(gmem) + i));
-  }
-#endif
-}
-
 __device__ __forceinline__ int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; }
 
 // The query rows' key range [lo, hi) that any mask leaves visible, clipped to [0, kv_len).
@@ -178,11 +165,13 @@ struct Shared {
   SwizzledTile<T::kChunks> q;  // kRows rows
   float* stat_m;               // [kWarps][kRows]
   float* stat_l;               // [kWarps][kRows]
+  int32_t* pages;              // [kTablePages]: page-table entries window .. window + kTablePages - 1
 
   __device__ explicit Shared(unsigned char* raw) : base(raw) {
     q.base = smem_address(raw + T::kStages * 2 * T::kTileBytes);
     stat_m = reinterpret_cast<float*>(raw + T::kStages * 2 * T::kTileBytes + T::kQBytes);
     stat_l = stat_m + kWarps * T::kRows;
+    pages = reinterpret_cast<int32_t*>(stat_l + kWarps * T::kRows);
   }
   // K (which = 0) or V (1) of `stage`, from key row `row0` on.
   __device__ SwizzledTile<T::kChunks> tile(int stage, int which, int row0 = 0) const {
@@ -216,43 +205,59 @@ struct Pass {
     }
   }
 
-  // Element offset of key `key`'s row (head g) in the K and V pools, or -1 where its page
-  // lies outside the pool: nothing is read there, and pages_ok marks the sequence broken.
-  __device__ __forceinline__ int64_t key_offset(int32_t key) const {
+  // The page of key `key`.
+  __device__ __forceinline__ int32_t page_of(int32_t key) const {
+    const uint32_t u = static_cast<uint32_t>(key);
+    return static_cast<int32_t>(a.page_shift >= 0 ? u >> a.page_shift : u / static_cast<uint32_t>(a.p.page_size));
+  }
+
+  // Loads the page-table entries window .. window + kTablePages - 1 into sh.pages. Block-wide.
+  __device__ void fill_pages(int32_t window) const {
+    __syncthreads();  // every thread has issued its copies through the old window
+    for (int i = threadIdx.x; i < kTablePages; i += kThreads) {
+      sh.pages[i] = window + i < a.p.pages_per_seq ? table[window + i] : -1;
+    }
+    __syncthreads();
+  }
+
+  // Moves the window (a block-uniform value) so that it holds the pages of the tile of
+  // keys [key0, min(key0 + kKeys, end)), end > key0. Block-wide.
+  __device__ void cover(int32_t key0, int32_t end, int32_t& window) const {
+    if (page_of(std::min(key0 + kKeys, end) - 1) >= window + kTablePages) {
+      window = page_of(key0);
+      fill_pages(window);
+    }
+  }
+
+  // Element offset of key `key`'s row (head g) in the K and V pools (its page in the
+  // window), or -1 where its page lies outside the pool: nothing is read there, and
+  // pages_ok marks the sequence broken.
+  __device__ __forceinline__ int64_t key_offset(int32_t key, int32_t window) const {
     const PagedParams& p = a.p;
     const uint32_t u = static_cast<uint32_t>(key), ps = static_cast<uint32_t>(p.page_size);
-    const uint32_t page = a.page_shift >= 0 ? u >> a.page_shift : u / ps;
+    const int32_t page = page_of(key);
     const uint32_t slot = a.page_shift >= 0 ? u & (ps - 1) : u % ps;
-    const int32_t entry = table[page];
+    const int32_t entry = sh.pages[page - window];
     if (!paged_page_ok(p, entry)) return -1;
     return ((static_cast<int64_t>(entry) * p.page_size + slot) * p.kv_heads + g) * D;
   }
 
   // Issues the copies of the tile of keys [key0, key0 + kKeys) into `stage` (keys >= end
-  // read as zeros).
-  __device__ void load_tile(int32_t key0, int32_t end, int stage) const {
+  // read as zeros), moving the page window first where needed. Block-wide.
+  __device__ void load_tile(int32_t key0, int32_t end, int stage, int32_t& window) const {
+    cover(key0, end, window);
     const SwizzledTile<T::kChunks> k_tile = sh.tile(stage, 0), v_tile = sh.tile(stage, 1);
 #pragma unroll
     for (int i = 0; i < kKeys * T::kChunks / kThreads; ++i) {
       const int e = static_cast<int>(threadIdx.x) + i * kThreads;
       const int j = e / T::kChunks, c = e % T::kChunks;
       const int32_t key = key0 + j;
-      const int64_t row = key < end ? key_offset(key) : -1;
+      const int64_t row = key < end ? key_offset(key, window) : -1;
       const bool valid = row >= 0;
       const int64_t at = valid ? row + c * 8 : 0;
       const uint32_t offset = static_cast<uint32_t>((c ^ (j % 8)) * 16);
       copy_chunk(k_tile.row(j) + offset, a.k + at, valid);
       copy_chunk(v_tile.row(j) + offset, a.v + at, valid);
-    }
-  }
-
-  // Requests the K and V rows of the tile of keys [key0, key0 + kKeys) (keys < end) into
-  // L2, for load_tile to find there kPrefetchTiles iterations later.
-  __device__ void prefetch_tile(int32_t key0, int32_t end) const {
-    for (int e = threadIdx.x; e < 2 * kKeys; e += kThreads) {
-      const int32_t key = key0 + e / 2;
-      const int64_t row = key < end ? key_offset(key) : -1;
-      if (row >= 0) prefetch_l2<D * 2>((e % 2 ? a.v : a.k) + row);
     }
   }
 
@@ -313,23 +318,22 @@ struct Pass {
   }
 
   // Issues the first kStages - 1 tiles of keys [begin, end) (the first one's group also
-  // closes load_q's copies) and the L2 prefetches of the kPrefetchTiles after them.
-  __device__ void start(int32_t begin, int32_t end) const {
+  // closes load_q's copies), the page window filled from begin's page on. Block-wide.
+  __device__ void start(int32_t begin, int32_t end, int32_t& window) const {
     const int n_tiles = end > begin ? (end - begin + kKeys - 1) / kKeys : 0;
+    window = n_tiles > 0 ? page_of(begin) : 0;
+    if (n_tiles > 0) fill_pages(window);
 #pragma unroll
     for (int s = 0; s < T::kStages - 1; ++s) {
-      if (s < n_tiles) load_tile(begin + s * kKeys, end, s);
+      if (s < n_tiles) load_tile(begin + s * kKeys, end, s, window);
       tile_copies_commit();
-    }
-#pragma unroll
-    for (int f = T::kStages - 1; f < T::kStages - 1 + T::kPrefetchTiles; ++f) {
-      if (f < n_tiles) prefetch_tile(begin + f * kKeys, end);
     }
   }
 
-  // After start(begin, end): streams keys [begin, end) through the stages and merges the
-  // warps' results into out_m, out_l [kRows] and out_o [kRows][D] (the merge area; sh.merge()).
-  __device__ void run(int32_t begin, int32_t end, float* out_m, float* out_l) const {
+  // After start(begin, end, window): streams keys [begin, end) through the stages and
+  // merges the warps' results into out_m, out_l [kRows] and out_o [kRows][D] (the merge
+  // area; sh.merge()).
+  __device__ void run(int32_t begin, int32_t end, int32_t window, float* out_m, float* out_l) const {
     const int n_tiles = end > begin ? (end - begin + kKeys - 1) / kKeys : 0;
     float m[T::kRowTiles][2], l[T::kRowTiles][2], o[T::kRowTiles][D / 8][4];
 #pragma unroll
@@ -342,11 +346,8 @@ struct Pass {
       tile_copies_wait<T::kStages - 2>();
       __syncthreads();  // tile t has landed; every warp is done with the stage refilled next
       const int ahead = t + T::kStages - 1;
-      if (ahead < n_tiles) load_tile(begin + ahead * kKeys, end, ahead % T::kStages);
+      if (ahead < n_tiles) load_tile(begin + ahead * kKeys, end, ahead % T::kStages, window);
       tile_copies_commit();
-      if (T::kPrefetchTiles > 0 && ahead + T::kPrefetchTiles < n_tiles) {
-        prefetch_tile(begin + (ahead + T::kPrefetchTiles) * kKeys, end);
-      }
       compute(t % T::kStages, begin + t * kKeys, end, m, l, o);
     }
     tile_copies_wait<0>();
@@ -465,7 +466,8 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(DecodeArgs a) {
       end = std::min(end, begin + per);
     }
     pass.load_q();
-    pass.start(begin, end);
+    int32_t window = 0;  // the page-table window's first page
+    pass.start(begin, end, window);
     if (q0 == 0) {
       ok = pages_ok(p, table, kv_len);
       if (!ok) {
@@ -473,7 +475,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(DecodeArgs a) {
         break;
       }
     }
-    pass.run(begin, end, row_m, row_l);
+    pass.run(begin, end, window, row_m, row_l);
     const float* merged = sh.merge();
     for (int e = threadIdx.x; e < pass.rows * (D / 4); e += kThreads) {
       const int r = e / (D / 4), c = e % (D / 4);
