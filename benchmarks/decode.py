@@ -27,6 +27,11 @@ The byte floor of a call is the bytes it must move: the K/V it reads (b * s_kv *
 d * 2 for each of K and V), q and the output, over --peak bytes/s (the H200's 4.8 TB/s);
 "fraction_of_floor" is floor time over measured time.
 
+With --profile DIR the "paged" and "fa3_paged" rows are also traced (PROFILE_STEPS
+back-to-back calls into DIR/<name>_<impl>; benchmarks/kernel_profile.py) and get
+"profile": device ms per call by kernel (ours: the decode kernel, its combine kernel
+when it splits, and the XLA fusions before the call), and the GPU's idle time.
+
     python benchmarks/decode.py --out benchmarks/results/decode.json
     python benchmarks/decode.py --quick   # one small shape on any device, seconds on a CPU
 """
@@ -34,6 +39,7 @@ d * 2 for each of K and V), q and the output, over --peak bytes/s (the H200's 4.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +49,7 @@ import fusedattn
 from fusedattn.ops import SequenceDescriptor, explain, fused_attn
 
 from common import H200_HBM_BYTES_PER_S, interleaved_ms, parse_args, random_normal, write_results
+from kernel_profile import profile_call
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 SHAPES = ((16, 8192), (64, 2048), (4, 32768), (128, 1024))
@@ -50,6 +57,12 @@ QUICK_SHAPES = ((2, 256),)
 QUERIES = (1, 4)
 PAGE_SIZES = (16, 64, 256)
 IMPL_NAMES = ("contiguous", "paged", "jax_xla", "fa3", "fa3_paged")
+PROFILED = ("paged", "fa3_paged")  # impls traced with --profile
+PROFILE_STEPS = 10  # calls traced per row
+PROFILE_TOP = 5  # longest kernels kept per row
+# Of kernel_profile.summarize's keys, those kept in the results.
+PROFILE_KEPT = ("error", "device_ms_per_step", "idle_ms_per_step", "kernels_per_step",
+                "top_kernels_ms_per_step")
 
 
 def add_arguments(parser):
@@ -57,6 +70,9 @@ def add_arguments(parser):
                         help="HBM bytes/s of the byte floor (default: the H200's 4.8e12)")
     parser.add_argument("--impls", default=",".join(IMPL_NAMES),
                         help=f"comma-separated subset of {','.join(IMPL_NAMES)}")
+    parser.add_argument("--profile", metavar="DIR", default=None,
+                        help=f"also trace {PROFILE_STEPS} calls of each {'/'.join(PROFILED)} row "
+                             "into DIR and add its device time by kernel")
 
 
 def floor_bytes(b: int, s_kv: int, s_q: int, itemsize: int = 2) -> int:
@@ -201,6 +217,10 @@ def rows_of_case(b: int, s_kv: int, s_q: int, args) -> list[dict]:
             if impl in times:
                 row.update(ms=significant(times[impl]),
                            fraction_of_floor=significant(floor_ms / times[impl]))
+                if args.profile and impl in PROFILED:
+                    profile = profile_call(calls[impl], (), Path(args.profile) / f"{row['name']}_{impl}",
+                                           PROFILE_STEPS, top=PROFILE_TOP)
+                    row["profile"] = {key: profile[key] for key in PROFILE_KEPT if key in profile}
             else:
                 row.update(ms=None, unsupported=errors[impl])
             rows.append(row)
@@ -228,6 +248,16 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
+def print_profile(rows: list[dict]) -> None:
+    """Per traced row: timed ms, then device ms per call, idle ms and its longest kernels."""
+    for r in (r for r in rows if "profile" in r):
+        p = r["profile"]
+        kernels = "; ".join(f"{name[:48]} {ms:.4f}" for name, ms in p.get("top_kernels_ms_per_step", ()))
+        detail = (f"error: {p['error'][:80]}" if "error" in p else
+                  f"device {p['device_ms_per_step']:.4f} idle {p['idle_ms_per_step']:.4f}  {kernels}")
+        print(f"{r['name']:<26}{r['impl']:<11}{r['ms']:>8.4f} ms  {detail}")
+
+
 def main():
     args = parse_args("benchmarks/results/decode.json", add_arguments)
     unknown = sorted(set(args.impls.split(",")) - set(IMPL_NAMES))
@@ -246,6 +276,8 @@ def main():
                   quick=bool(args.quick))
     for entry in summary:
         print(entry)
+    if args.profile:
+        print_profile(rows)
     if args.quick:
         print("quick mode: a smoke run, not a measurement")
 

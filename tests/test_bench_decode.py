@@ -81,3 +81,34 @@ def test_quick_mode_writes_the_rows(tmp_path, monkeypatch):
 def test_floor_counts_kv_once_and_q_and_out():
     # b=2, s_kv=8, s_q=1: K and V 2*8*8*128 each, q and out 2*1*32*128 each, 2 bytes apiece
     assert bench.floor_bytes(2, 8, 1) == (2 * 2 * 8 * 8 * 128 + 2 * 2 * 32 * 128) * 2
+
+
+@pytest.mark.skipif(_library.available("cpu") is not None, reason="no host op library")
+def test_profile_traces_the_paged_rows(tmp_path, monkeypatch):
+    out = tmp_path / "decode.json"
+    monkeypatch.setattr(sys, "argv", ["decode.py", "--quick", "--repeats", "1", "--iters", "1",
+                                      "--min-window-ms", "0", "--impls", "paged,jax_xla",
+                                      "--out", str(out), "--profile", str(tmp_path / "traces")])
+    bench.main()
+    rows = json.loads(out.read_text())["rows"]
+    for r in rows:
+        assert ("profile" in r) == (r["impl"] == "paged"), r["name"]
+    for r in rows:
+        if r["impl"] == "paged":
+            # A CPU trace has no GPU stream: the row says so instead of device times.
+            profile = r["profile"]
+            assert "error" in profile or profile["device_ms_per_step"] > 0
+            assert (tmp_path / "traces" / f"{r['name']}_paged").is_dir()
+
+
+def test_kernel_variants_edit_the_current_source():
+    """benchmarks/probes/decode_variants.py: each variant's literal edits still find their
+    text, once, in ops_cuda/cuda/paged_decode.cu (else the probe stops on the GPU machine)."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "probes"))
+    import decode_variants  # noqa: E402
+
+    source = decode_variants.SOURCE.read_text()
+    assert "as_is" in decode_variants.VARIANTS
+    for name, edits in decode_variants.VARIANTS.items():
+        for old, new in edits.items():
+            assert source.count(old) == 1 and old != new, (name, old)

@@ -212,6 +212,29 @@ def test_auto_picks_decode_for_decoding_and_xla_for_prefill(rng):
     assert "exists for cpu (host build) and CUDA GPUs" in on_rocm.verdicts["decode"]
 
 
+@needs_host
+@pytest.mark.parametrize("softmax", ["vanilla", "off_by_one"])
+def test_decode_call_has_one_op_before_the_kernel(rng, softmax):
+    """Unchecked BSHD decode compiles to the kernel and one fusion before it (the key
+    lengths' broken marks): zero q_start and offsets go as empty operands, not as device
+    fills (paged_decode_ffi.h), and q_len as given."""
+    case = Case(rng, b=2, sq=1, h=4, h_kv=2, page_size=4, pages=3)
+    config = case.config(backend="decode", mask="padding_causal_bottom_right", softmax=softmax,
+                         sequence={"check_bounds": False})
+
+    def attend(q_len, kv_len, table):
+        return fused_attn((case.q, case.k, case.v), config=config, page_table=table,
+                          sequence=SequenceDescriptor.from_seqlens(q_len, kv_len))
+
+    args = (jnp.asarray(case.q_len), jnp.asarray(case.kv_len), case.table)
+    hlo = jax.jit(attend).lower(*args).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY"):]
+    assert entry.count(" fusion(") == 1, entry
+    assert entry.count("s32[0]{0} constant({})") == 1 and entry.count("f32[0]{0} constant({})") == 1
+    expected = case.reference("padding_causal_bottom_right", softmax=softmax)
+    assert_close(jax.jit(attend)(*args), expected, tolerance(jnp.float32), "out")
+
+
 def test_decode_refuses_contiguous_layouts(rng):
     q = jnp.asarray(rng.standard_normal((1, 2, 2, 8)), jnp.float32)
     verdicts = explain((q, q, q), config=make_config(), platform="cpu").verdicts
@@ -248,10 +271,14 @@ def _broken_cases(case):
             ("page out of range", case.q_len, kv_table, jnp.asarray(table))]
 
 
+@pytest.mark.parametrize("check_bounds", [True, False], ids=["checked", "unchecked"])
 @pytest.mark.parametrize("backend", ["xla", pytest.param("decode", marks=needs_host)])
-def test_broken_sequences_raise_eagerly_and_are_nan_under_jit(rng, backend):
+def test_broken_sequences_raise_eagerly_and_are_nan_under_jit(rng, backend, check_bounds):
+    """Unchecked (no guard under jit), the decode backend leaves the page check to its
+    kernel; the NaN marks must be the same."""
     case = Case(rng, sq=3)
-    config = case.config(backend=backend, mask="padding_causal_bottom_right")
+    config = case.config(backend=backend, mask="padding_causal_bottom_right",
+                         sequence={"check_bounds": check_bounds})
     for name, q_len, kv_len, table in _broken_cases(case):
         sequence = SequenceDescriptor.from_seqlens(q_len, kv_len)
         with pytest.raises(ValueError, match="breaks the call's bounds"):
@@ -266,6 +293,24 @@ def test_broken_sequences_raise_eagerly_and_are_nan_under_jit(rng, backend):
         expected = fused_attn((case.q[rows], case.k, case.v), config=config, sequence=good,
                               page_table=case.table[rows])
         assert_close(out[rows], expected, tolerance(jnp.float32), name)
+
+
+@pytest.mark.parametrize("backend", ["xla", pytest.param("decode", marks=needs_host)])
+def test_page_check_before_the_kernel_only_where_read(rng, backend):
+    """The [S, pages] page check runs before a decode kernel only while a guard reads it
+    (check_bounds on); the xla backend always needs it (its NaN marks come from it)."""
+    case = Case(rng, sq=2)
+    page_check = f"bool[{case.table.shape[0]},{case.table.shape[1]}]"
+
+    def page_checks(check_bounds):
+        config = case.config(backend=backend, mask="padding_causal_bottom_right",
+                             sequence={"check_bounds": check_bounds})
+        jaxpr = jax.make_jaxpr(lambda t: fused_attn((case.q, case.k, case.v), config=config,
+                                                    sequence=case.sequence, page_table=t))
+        return str(jaxpr(case.table)).count(page_check)
+
+    assert page_checks(True) >= 1
+    assert (page_checks(False) == 0) == (backend == "decode")
 
 
 def test_xla_gradients_equal_contiguous_attention_over_gathered_pages(rng):

@@ -47,6 +47,16 @@ def test_page_sizes_query_counts_heads(rng, page_size, sq, heads):
     check(case, mask="padding_causal_bottom_right")
 
 
+@pytest.mark.parametrize("sq", [1, 3, 8])
+def test_page_size_not_a_power_of_two_and_head_chunks(rng, sq):
+    """Pages of 48 keys (the division path of the page index) and MQA 32/1, whose group
+    of 32 heads times sq queries exceeds a CTA's 32 rows from sq 2 on (several head
+    chunks per K/V head), split over many CTAs at b=2."""
+    case = Case(rng, b=2, sq=sq, h=32, h_kv=1, d=128, dv=128, page_size=48, pages=20,
+                dtype=jnp.bfloat16)
+    check(case, mask="padding_causal_bottom_right")
+
+
 @pytest.mark.parametrize("layout", [BSHD, THD])
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("window", [(-1, -1), (37, 0), (100, 3)])
@@ -94,10 +104,13 @@ def test_softmax_variants(rng, softmax):
     assert_close(outs[1], outs[0], tolerance(jnp.bfloat16), "out")
 
 
-def test_broken_sequences_are_nan_and_other_rows_exact(rng):
+@pytest.mark.parametrize("check_bounds", [True, False], ids=["checked", "unchecked"])
+def test_broken_sequences_are_nan_and_other_rows_exact(rng, check_bounds):
+    """Unchecked, the page check is the kernel's alone (paged.canonical leaves it out)."""
     case = Case(rng, b=3, sq=3, h=8, h_kv=2, d=64, dv=64, page_size=16, pages=30,
                 dtype=jnp.bfloat16)
-    config = case.config(backend="decode", mask="padding_causal_bottom_right")
+    config = case.config(backend="decode", mask="padding_causal_bottom_right",
+                         sequence={"check_bounds": check_bounds})
     for name, q_len, kv_len, table in _broken_cases(case):
         sequence = SequenceDescriptor.from_seqlens(q_len, kv_len)
         out = np.asarray(jax.jit(lambda s, t: fused_attn(

@@ -50,7 +50,7 @@ class PagedArgs(NamedTuple):
     v_pages: [num_pages, page_size, h_kv, dv]; page_table: int32 [S, pages_per_seq]
     with S = b * m (m sequences per row); sequence s lives in q row s // m.
     q_start: int32 [S], the row offset of the sequence's first query (0 for BSHD).
-    q_len: int32 [S], its query count (0 for an unused slot).
+    q_len: int32 [S], its query count (<= 0 for an unused slot).
     kv_len: int32 [S], its key count; -1 marks a broken sequence (NaN outputs).
     softmax_offset: None or float32 [h] (off_by_one passes zeros).
     """
@@ -166,8 +166,14 @@ def call_shapes(spec: AttentionSpec, q, k, v, bias, sequence, page_table,
 
 
 def canonical(spec: AttentionSpec, q, k_pages, v_pages, sequence: SequenceDescriptor,
-              page_table, softmax_offset) -> PagedArgs:
-    """The call's PagedArgs, with broken sequences marked (kv_len -1) and guarded."""
+              page_table, softmax_offset, kernel_checks_pages: bool = False) -> PagedArgs:
+    """The call's PagedArgs, with broken sequences marked (kv_len -1) and guarded.
+
+    kernel_checks_pages: the backend's kernel marks sequences with a page outside the pool
+    broken by itself (the decode kernels: paged_sequence_ok); then, where no guard reads
+    it (traced, config.sequence.check_bounds off), the [S, pages] page check is left out
+    here, one device op less before the kernel.
+    """
     b, sq = q.shape[:2]
     if spec.qkv_layout.is_thd:
         q_start = sequence.q_offsets[:, :-1].reshape(-1)
@@ -176,14 +182,15 @@ def canonical(spec: AttentionSpec, q, k_pages, v_pages, sequence: SequenceDescri
         q_start = jnp.zeros((b,), jnp.int32)
         q_len, kv_len = sequence.q_seqlens, sequence.kv_seqlens
     page_table = jnp.asarray(page_table, jnp.int32)
-    used = q_len > 0
-    q_len = jnp.maximum(q_len, 0)
+    used = q_len > 0  # q_len stays as given: every reader takes q_len <= 0 as an unused slot
     kv_len = jnp.maximum(kv_len, 0)
     num_pages, page_size = k_pages.shape[:2]
     pages = page_table.shape[1]
-    page_in_use = jnp.arange(pages)[None, :] * page_size < kv_len[:, None]
-    bad_page = jnp.any(page_in_use & ((page_table < 0) | (page_table >= num_pages)), axis=1)
-    broken = ((kv_len > pages * page_size) | (q_start < 0) | (q_start + q_len > sq) | bad_page)
+    broken = (kv_len > pages * page_size) | (q_start < 0) | (q_start + q_len > sq)
+    traced = any(isinstance(x, jax.core.Tracer) for x in (q_start, q_len, kv_len, page_table))
+    if not (kernel_checks_pages and traced and not spec.check_bounds):
+        page_in_use = jnp.arange(pages)[None, :] * page_size < kv_len[:, None]
+        broken |= jnp.any(page_in_use & ((page_table < 0) | (page_table >= num_pages)), axis=1)
     if spec.max_seqlen_q is not None:
         broken |= q_len > spec.max_seqlen_q
     if spec.max_seqlen_kv is not None:

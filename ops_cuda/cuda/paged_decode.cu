@@ -7,16 +7,28 @@
 // head chunks) and streams the sequence's visible keys in tiles of 64 through shared memory:
 // 16-byte cp.async copies of whole key rows (a row's chunks go to neighbouring threads, so
 // each warp reads 512 contiguous bytes at a time), kStages - 1 tiles in flight while one is
-// computed, so each K/V byte of a sequence is read once per head chunk. Each warp takes 16
+// computed, so each K/V byte of a sequence is read once per head chunk. The page-table
+// entries of the keys streamed next sit in shared memory (a window of kTablePages
+// entries, refilled by the block as the keys move past it), so issuing a tile's copies
+// waits on no global load. The CTAs of one (sequence, split) are adjacent in the grid.
+// Each warp takes 16
 // keys of a tile: S = Q K^T and O += P V on tensor cores (mma.sync m16n8k16, float32
 // accumulators, P rounded to the input type as in the flash kernels; primitives of
 // ops_cuda/cuda/flash/mma.cuh) with its own online softmax; the four warps' (m, l, O) are
 // merged through shared memory at the end.
 //
+// A CTA's start: the key lengths are checked first (no read depends on them failing), then
+// the query rows and the first tiles are issued together (cp.async), and the sequence's
+// page-table entries are checked while they are in flight; a tile never reads through an
+// entry outside the pool (zero-filled instead), and a broken sequence's rows become NaN.
+//
 // Flash-decoding: when the CTAs of the call would not fill the GPU (its SM count times the
 // kernel's resident CTAs per SM), each (sequence, head) range of keys is split over up to
 // `splits` CTAs whose unnormalised partials (max m, sum l, accumulators) go to the
 // workspace; a second kernel combines them by log-sum-exp and folds the softmax sink in.
+// On sm_90 the combine kernel is a programmatic dependent launch: its CTAs are placed
+// while the split CTAs run and start as soon as they finish (griddepcontrol), without
+// a launch gap between the two kernels.
 //
 // Workspace (a uint8 result XLA allocates; decode.py sizes it, this file reads how many
 // splits it holds from its size): int32 ok[S], float32 m[splits, rows], l[splits, rows] and
@@ -27,6 +39,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <string>
 
 #include "fusedattn/gpu_runtime.h"
@@ -55,9 +68,11 @@ constexpr int kKeys = 16 * kWarps;   // keys per tile, 16 per warp
 constexpr int kMaxQueries = 8;       // queries of a sequence per pass (decode.py's MAX_QUERIES)
 constexpr int kMinSplitKeys = 256;   // fewest keys a split is given
 constexpr int kCombineThreads = 128;
+constexpr int kTablePages = 512;     // page-table entries a CTA holds in shared memory
 
-// Shapes of head dim D: kRows query rows in kRows / 16 row tiles, kStages K/V tiles.
-// D = 256 keeps one row tile (its accumulators) and two stages (sm_80's 163 KB).
+// Shapes of head dim D: kRows query rows in kRows / 16 row tiles, kStages K/V tiles in
+// shared memory. D = 256 keeps one row tile (its accumulators) and two stages (sm_80's
+// 163 KB); D = 128 three stages (108 KB: two CTAs per SM).
 template <int D>
 struct Tiling {
   static constexpr int kRowTiles = D >= 256 ? 1 : 2;
@@ -68,7 +83,8 @@ struct Tiling {
   static constexpr int kQBytes = kRows * D * 2;
   static constexpr int kMergeBytes = kWarps * kRows * D * 4;  // the warps' O, after the loop
   static constexpr int kStatBytes = 2 * kWarps * kRows * 4;   // the warps' m and l
-  static constexpr size_t kSharedBytes = kStages * 2 * kTileBytes + kQBytes + kStatBytes;
+  static constexpr int kPageBytes = kTablePages * 4;             // the page-table window
+  static constexpr size_t kSharedBytes = kStages * 2 * kTileBytes + kQBytes + kStatBytes + kPageBytes;
   static_assert(kMergeBytes <= kStages * 2 * kTileBytes, "the merge reuses the stages");
   static_assert(kKeys * kChunks % kThreads == 0, "whole load passes");
 };
@@ -79,15 +95,15 @@ struct DecodeArgs {
   const uint16_t* k;
   const uint16_t* v;
   const int32_t* page_table;
-  const int32_t* q_start;
+  const int32_t* q_start;  // nullptr: every q_start 0
   const int32_t* q_len;
   const int32_t* kv_len;
-  const float* offset;
+  const float* offset;  // nullptr: every offset 0
   uint16_t* o;
   int page_shift;     // log2(page_size) when a power of two, else -1
   int heads_per_cta;  // query heads of one CTA (a chunk of a K/V head's group)
   int head_chunks;    // chunks per group
-  int splits;         // CTAs per (sequence, head chunk) along the keys
+  int splits;         // CTAs per (sequence, K/V head, head chunk) along the keys
   // split > 1: the workspace's parts (see the top of this file)
   int32_t* ok;
   float* part_m;
@@ -149,11 +165,13 @@ struct Shared {
   SwizzledTile<T::kChunks> q;  // kRows rows
   float* stat_m;               // [kWarps][kRows]
   float* stat_l;               // [kWarps][kRows]
+  int32_t* pages;              // [kTablePages]: page-table entries window .. window + kTablePages - 1
 
   __device__ explicit Shared(unsigned char* raw) : base(raw) {
     q.base = smem_address(raw + T::kStages * 2 * T::kTileBytes);
     stat_m = reinterpret_cast<float*>(raw + T::kStages * 2 * T::kTileBytes + T::kQBytes);
     stat_l = stat_m + kWarps * T::kRows;
+    pages = reinterpret_cast<int32_t*>(stat_l + kWarps * T::kRows);
   }
   // K (which = 0) or V (1) of `stage`, from key row `row0` on.
   __device__ SwizzledTile<T::kChunks> tile(int stage, int which, int row0 = 0) const {
@@ -176,39 +194,67 @@ struct Pass {
   int g, h0, nh, q0, rows, q_len, kv_len;
   int64_t b, q_row0;
 
+  // Issues the copies of the pass's query rows into sh.q (rows past `rows` zero-filled);
+  // they complete with the first tile's group (start()).
   __device__ void load_q() const {
     const PagedParams& p = a.p;
     for (int e = threadIdx.x; e < T::kRows * T::kChunks; e += kThreads) {
       const int r = e / T::kChunks, c = e % T::kChunks;
-      uint4 chunk = make_uint4(0, 0, 0, 0);
-      if (r < rows) {
-        const int64_t at = ((b * p.seqlen_q + q_row0 + r / nh) * p.heads + h0 + r % nh) * D + c * 8;
-        chunk = *reinterpret_cast<const uint4*>(a.q + at);
-      }
-      const uint32_t slot = sh.q.row(r) + static_cast<uint32_t>((c ^ (r % 8)) * 16);
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot), "r"(chunk.x), "r"(chunk.y),
-                   "r"(chunk.z), "r"(chunk.w));
+      const int64_t at = r < rows ? ((b * p.seqlen_q + q_row0 + r / nh) * p.heads + h0 + r % nh) * D + c * 8 : 0;
+      copy_chunk(sh.q.row(r) + static_cast<uint32_t>((c ^ (r % 8)) * 16), a.q + at, r < rows);
     }
   }
 
-  // Issues the copies of the tile of keys [key0, key0 + kKeys) into `stage` (keys >= end
-  // read as zeros).
-  __device__ void load_tile(int32_t key0, int32_t end, int stage) const {
+  // The page of key `key`.
+  __device__ __forceinline__ int32_t page_of(int32_t key) const {
+    const uint32_t u = static_cast<uint32_t>(key);
+    return static_cast<int32_t>(a.page_shift >= 0 ? u >> a.page_shift : u / static_cast<uint32_t>(a.p.page_size));
+  }
+
+  // Loads the page-table entries window .. window + kTablePages - 1 into sh.pages. Block-wide.
+  __device__ void fill_pages(int32_t window) const {
+    __syncthreads();  // every thread has issued its copies through the old window
+    for (int i = threadIdx.x; i < kTablePages; i += kThreads) {
+      sh.pages[i] = window + i < a.p.pages_per_seq ? table[window + i] : -1;
+    }
+    __syncthreads();
+  }
+
+  // Moves the window (a block-uniform value) so that it holds the pages of the tile of
+  // keys [key0, min(key0 + kKeys, end)), end > key0. Block-wide.
+  __device__ void cover(int32_t key0, int32_t end, int32_t& window) const {
+    if (page_of(std::min(key0 + kKeys, end) - 1) >= window + kTablePages) {
+      window = page_of(key0);
+      fill_pages(window);
+    }
+  }
+
+  // Element offset of key `key`'s row (head g) in the K and V pools (its page in the
+  // window), or -1 where its page lies outside the pool: nothing is read there, and
+  // pages_ok marks the sequence broken.
+  __device__ __forceinline__ int64_t key_offset(int32_t key, int32_t window) const {
     const PagedParams& p = a.p;
+    const uint32_t u = static_cast<uint32_t>(key), ps = static_cast<uint32_t>(p.page_size);
+    const int32_t page = page_of(key);
+    const uint32_t slot = a.page_shift >= 0 ? u & (ps - 1) : u % ps;
+    const int32_t entry = sh.pages[page - window];
+    if (!paged_page_ok(p, entry)) return -1;
+    return ((static_cast<int64_t>(entry) * p.page_size + slot) * p.kv_heads + g) * D;
+  }
+
+  // Issues the copies of the tile of keys [key0, key0 + kKeys) into `stage` (keys >= end
+  // read as zeros), moving the page window first where needed. Block-wide.
+  __device__ void load_tile(int32_t key0, int32_t end, int stage, int32_t& window) const {
+    cover(key0, end, window);
     const SwizzledTile<T::kChunks> k_tile = sh.tile(stage, 0), v_tile = sh.tile(stage, 1);
 #pragma unroll
     for (int i = 0; i < kKeys * T::kChunks / kThreads; ++i) {
       const int e = static_cast<int>(threadIdx.x) + i * kThreads;
       const int j = e / T::kChunks, c = e % T::kChunks;
       const int32_t key = key0 + j;
-      const bool valid = key < end;
-      int64_t at = 0;
-      if (valid) {
-        const uint32_t u = static_cast<uint32_t>(key), ps = static_cast<uint32_t>(p.page_size);
-        const uint32_t page = a.page_shift >= 0 ? u >> a.page_shift : u / ps;
-        const uint32_t slot = a.page_shift >= 0 ? u & (ps - 1) : u % ps;
-        at = ((static_cast<int64_t>(table[page]) * p.page_size + slot) * p.kv_heads + g) * D + c * 8;
-      }
+      const int64_t row = key < end ? key_offset(key, window) : -1;
+      const bool valid = row >= 0;
+      const int64_t at = valid ? row + c * 8 : 0;
       const uint32_t offset = static_cast<uint32_t>((c ^ (j % 8)) * 16);
       copy_chunk(k_tile.row(j) + offset, a.k + at, valid);
       copy_chunk(v_tile.row(j) + offset, a.v + at, valid);
@@ -271,9 +317,23 @@ struct Pass {
     }
   }
 
-  // Streams keys [begin, end) through the stages and merges the warps' results into
-  // out_m, out_l [kRows] and out_o [kRows][D] (the merge area; sh.merge()).
-  __device__ void run(int32_t begin, int32_t end, float* out_m, float* out_l) const {
+  // Issues the first kStages - 1 tiles of keys [begin, end) (the first one's group also
+  // closes load_q's copies), the page window filled from begin's page on. Block-wide.
+  __device__ void start(int32_t begin, int32_t end, int32_t& window) const {
+    const int n_tiles = end > begin ? (end - begin + kKeys - 1) / kKeys : 0;
+    window = n_tiles > 0 ? page_of(begin) : 0;
+    if (n_tiles > 0) fill_pages(window);
+#pragma unroll
+    for (int s = 0; s < T::kStages - 1; ++s) {
+      if (s < n_tiles) load_tile(begin + s * kKeys, end, s, window);
+      tile_copies_commit();
+    }
+  }
+
+  // After start(begin, end, window): streams keys [begin, end) through the stages and
+  // merges the warps' results into out_m, out_l [kRows] and out_o [kRows][D] (the merge
+  // area; sh.merge()).
+  __device__ void run(int32_t begin, int32_t end, int32_t window, float* out_m, float* out_l) const {
     const int n_tiles = end > begin ? (end - begin + kKeys - 1) / kKeys : 0;
     float m[T::kRowTiles][2], l[T::kRowTiles][2], o[T::kRowTiles][D / 8][4];
 #pragma unroll
@@ -282,16 +342,11 @@ struct Pass {
       l[rt][0] = l[rt][1] = 0.0f;
       flash::zero(o[rt]);
     }
-#pragma unroll
-    for (int s = 0; s < T::kStages - 1; ++s) {
-      if (s < n_tiles) load_tile(begin + s * kKeys, end, s);
-      tile_copies_commit();
-    }
     for (int t = 0; t < n_tiles; ++t) {
       tile_copies_wait<T::kStages - 2>();
       __syncthreads();  // tile t has landed; every warp is done with the stage refilled next
       const int ahead = t + T::kStages - 1;
-      if (ahead < n_tiles) load_tile(begin + ahead * kKeys, end, ahead % T::kStages);
+      if (ahead < n_tiles) load_tile(begin + ahead * kKeys, end, ahead % T::kStages, window);
       tile_copies_commit();
       compute(t % T::kStages, begin + t * kKeys, end, m, l, o);
     }
@@ -355,32 +410,36 @@ struct Pass {
   }
 };
 
-// Whether the sequence's data can be served (paged_sequence_ok), the pages checked by all
-// threads at once. Block-wide.
-__device__ bool sequence_ok(const PagedParams& p, const int32_t* table, int32_t q_start, int32_t q_len,
-                            int32_t kv_len) {
-  if (!paged_lengths_ok(p, q_start, q_len, kv_len)) return false;  // uniform over the block
+// Whether every page of a sequence of kv_len keys lies in the pool (with paged_lengths_ok:
+// paged_sequence_ok), checked by all threads at once. Block-wide.
+__device__ bool pages_ok(const PagedParams& p, const int32_t* table, int32_t kv_len) {
   bool bad = false;
   for (int64_t i = threadIdx.x; i * p.page_size < kv_len; i += kThreads) bad |= !paged_page_ok(p, table[i]);
   return !__syncthreads_or(bad);
 }
 
-// grid (S, Hkv * head_chunks, splits).
+// grid (S * splits * Hkv * head_chunks): CTA ((s * splits + split) * Hkv + g) * head_chunks
+// + chunk, so the CTAs reading one sequence's keys of one split run side by side.
 template <ElementType ET, int D>
 __global__ void __launch_bounds__(kThreads) paged_decode_kernel(DecodeArgs a) {
   using T = Tiling<D>;
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the combine kernel may be placed
+#endif
   extern __shared__ __align__(128) unsigned char shared_raw[];
   __shared__ float row_m[T::kRows], row_l[T::kRows];
   const Shared<D> sh(shared_raw);
   const PagedParams& p = a.p;
-  const int64_t s = blockIdx.x;
-  const int g = blockIdx.y / a.head_chunks, chunk = blockIdx.y % a.head_chunks;
-  const int split = blockIdx.z;
+  const int head_ctas = static_cast<int>(p.kv_heads) * a.head_chunks;
+  const int head_cta = static_cast<int>(blockIdx.x % head_ctas);
+  const int64_t s = blockIdx.x / head_ctas / a.splits;
+  const int split = static_cast<int>(blockIdx.x / head_ctas % a.splits);
+  const int g = head_cta / a.head_chunks, chunk = head_cta % a.head_chunks;
   const int group = static_cast<int>(p.heads / p.kv_heads);
   const int h0 = g * group + chunk * a.heads_per_cta;
   const int nh = std::min(a.heads_per_cta, group - chunk * a.heads_per_cta);
   const int64_t b = paged_row_of(p, s);
-  const int32_t q_start = a.q_start[s], q_len = a.q_len[s], kv_len = a.kv_len[s];
+  const int32_t q_start = paged_q_start(a.q_start, s), q_len = a.q_len[s], kv_len = a.kv_len[s];
   const int32_t* table = a.page_table + s * p.pages_per_seq;
 
   // The sequence's rows that lie in its q row; with one sequence per row (S = B) the
@@ -392,17 +451,13 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(DecodeArgs a) {
     fill_rows<ET>(a, b, last, p.seqlen_q, h0, nh, 0.0f);
   }
   if (q_len <= 0) return;
-  const bool ok = sequence_ok(p, table, q_start, q_len, kv_len);
-  if (a.splits > 1 && threadIdx.x == 0 && blockIdx.y == 0 && split == 0) a.ok[s] = ok;
-  if (!ok) {
-    if (split == 0) fill_rows<ET>(a, b, first, last, h0, nh, NAN);
-    return;
-  }
-  for (int q0 = 0; q0 < q_len; q0 += kMaxQueries) {
+  // Broken data (paged.h): lengths are checked before any read, the pages while the first
+  // tiles are in flight (key_offset reads nothing through a page outside the pool).
+  bool ok = paged_lengths_ok(p, q_start, q_len, kv_len);  // uniform over the block
+  for (int q0 = 0; ok && q0 < q_len; q0 += kMaxQueries) {
     const int nq = std::min(q_len - q0, int{kMaxQueries});
     const Pass<ET, D> pass{a, sh, table, g, h0, nh, q0, nh * nq, q_len, kv_len, b,
                            static_cast<int64_t>(q_start) + q0};
-    pass.load_q();
     const KeyRange range = visible_range(p, q0, nq, q_len, kv_len);
     int32_t begin = range.lo, end = range.hi;
     if (a.splits > 1) {
@@ -410,7 +465,17 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(DecodeArgs a) {
       begin = std::min(end, begin + split * per);
       end = std::min(end, begin + per);
     }
-    pass.run(begin, end, row_m, row_l);  // its first barrier orders load_q's stores
+    pass.load_q();
+    int32_t window = 0;  // the page-table window's first page
+    pass.start(begin, end, window);
+    if (q0 == 0) {
+      ok = pages_ok(p, table, kv_len);
+      if (!ok) {
+        tile_copies_wait<0>();  // nothing lands in shared memory after the CTA exits
+        break;
+      }
+    }
+    pass.run(begin, end, window, row_m, row_l);
     const float* merged = sh.merge();
     for (int e = threadIdx.x; e < pass.rows * (D / 4); e += kThreads) {
       const int r = e / (D / 4), c = e % (D / 4);
@@ -426,27 +491,32 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(DecodeArgs a) {
       } else {
         SoftmaxState st{row_m[r], row_l[r], row_m[r] != -INFINITY};
         float inv = 0.0f;
-        st.finalize(p.softmax_type, softmax_sink_logit(p.softmax_type, a.offset[h]), &inv);
+        st.finalize(p.softmax_type, softmax_sink_logit(p.softmax_type, paged_softmax_offset(a.offset, h)), &inv);
         *reinterpret_cast<uint2*>(a.o + o_offset(p, b, row, h) + 4 * c) =
             make_uint2(flash::pack2<ET>(x.x * inv, x.y * inv), flash::pack2<ET>(x.z * inv, x.w * inv));
       }
     }
     __syncthreads();  // before the next pass overwrites q, the merge area and the statistics
   }
+  if (a.splits > 1 && threadIdx.x == 0 && head_cta == 0 && split == 0) a.ok[s] = ok;
+  if (!ok && split == 0) fill_rows<ET>(a, b, first, last, h0, nh, NAN);
 }
 
 // grid (S, H): the output rows of sequence s, head h, from the splits' partials.
 template <ElementType ET>
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(DecodeArgs a) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the split kernel has finished, its writes visible
+#endif
   const PagedParams& p = a.p;
   const int64_t s = blockIdx.x, h = blockIdx.y;
   const int32_t q_len = a.q_len[s];
   if (q_len <= 0 || !a.ok[s]) return;
   const int64_t b = paged_row_of(p, s);
   const int64_t rows = p.batch * p.seqlen_q * p.heads;
-  const float sink = softmax_sink_logit(p.softmax_type, a.offset[h]);
+  const float sink = softmax_sink_logit(p.softmax_type, paged_softmax_offset(a.offset, h));
   for (int32_t i = 0; i < q_len; ++i) {
-    const int64_t row = (b * p.seqlen_q + a.q_start[s] + i) * p.heads + h;
+    const int64_t row = (b * p.seqlen_q + paged_q_start(a.q_start, s) + i) * p.heads + h;
     float m = -INFINITY;
     for (int z = 0; z < a.splits; ++z) m = fmaxf(m, a.part_m[z * rows + row]);
     float l = 0.0f;
@@ -512,13 +582,38 @@ int choose_splits(const PagedParams& p, int64_t ctas, int resident_per_sm, int64
   return static_cast<int>(std::max<int64_t>(splits, 1));
 }
 
+// Launches combine_kernel after the split kernel on `stream`: on sm_90 and newer as a
+// programmatic dependent launch (it waits in griddepcontrol.wait), else in stream order.
+template <ElementType ET>
+cudaError_t launch_combine(gpuStream_t stream, const DecodeArgs& a) {
+  int device = 0, major = 0;
+  const bool dependent = cudaGetDevice(&device) == cudaSuccess &&
+                         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+                         major >= 9;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(a.p.sequences), static_cast<unsigned>(a.p.heads));
+  config.blockDim = dim3(kCombineThreads);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  config.attrs = dependent ? &attribute : nullptr;
+  config.numAttrs = dependent ? 1 : 0;
+  return cudaLaunchKernelEx(&config, combine_kernel<ET>, a);
+}
+
 template <ElementType ET, int D>
 ffi::Error launch(const char* op, gpuStream_t stream, DecodeArgs a, ffi::Result<ffi::AnyBuffer>& workspace) {
   using T = Tiling<D>;
   const PagedParams& p = a.p;
   auto* kernel = paged_decode_kernel<ET, D>;
+  // The largest shared-memory carveout, so that as many CTAs fit per SM as the occupancy
+  // query below counts.
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(T::kSharedBytes)) != cudaSuccess) {
+                           static_cast<int>(T::kSharedBytes)) != cudaSuccess ||
+      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                           cudaSharedmemCarveoutMaxShared) != cudaSuccess) {
     return launch_status(op);
   }
   int resident_per_sm = 1;
@@ -546,13 +641,13 @@ ffi::Error launch(const char* op, gpuStream_t stream, DecodeArgs a, ffi::Result<
           gpuSuccess) {
     return launch_status(op);
   }
-  const dim3 grid(static_cast<unsigned>(p.sequences), static_cast<unsigned>(p.kv_heads * a.head_chunks),
-                  static_cast<unsigned>(a.splits));
-  kernel<<<grid, kThreads, T::kSharedBytes, stream>>>(a);
-  if (a.splits > 1) {
-    combine_kernel<ET><<<dim3(static_cast<unsigned>(p.sequences), static_cast<unsigned>(p.heads)),
-                         kCombineThreads, 0, stream>>>(a);
+  const int64_t grid = ctas * a.splits;
+  if (grid > std::numeric_limits<int32_t>::max()) {
+    return invalid(op, "the CUDA paged decode kernel launches at most 2^31 - 1 CTAs (sequences x K/V heads x "
+                       "head chunks x splits), got " + std::to_string(grid) + "; decode fewer sequences per call");
   }
+  kernel<<<static_cast<unsigned>(grid), kThreads, T::kSharedBytes, stream>>>(a);
+  if (a.splits > 1 && launch_combine<ET>(stream, a) != cudaSuccess) return launch_status(op);
   return launch_status(op);
 }
 
@@ -582,10 +677,10 @@ ffi::Error PagedDecodeFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
   a.k = static_cast<const uint16_t*>(k.untyped_data());
   a.v = static_cast<const uint16_t*>(v.untyped_data());
   a.page_table = page_table.typed_data<int32_t>();
-  a.q_start = q_start.typed_data<int32_t>();
+  a.q_start = optional_operand<int32_t>(q_start);
   a.q_len = q_len.typed_data<int32_t>();
   a.kv_len = kv_len.typed_data<int32_t>();
-  a.offset = softmax_offset.typed_data<float>();
+  a.offset = optional_operand<float>(softmax_offset);
   a.o = static_cast<uint16_t*>(o->untyped_data());
   const ElementType et = element_type_of(q.element_type());
   auto by_dim = [&](auto et_constant) -> ffi::Error {

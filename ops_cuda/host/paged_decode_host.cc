@@ -32,10 +32,10 @@ struct PagedOperands {
   const Store<ET>* k;
   const Store<ET>* v;
   const int32_t* page_table;
-  const int32_t* q_start;
+  const int32_t* q_start;  // nullptr: every q_start 0
   const int32_t* q_len;
   const int32_t* kv_len;
-  const float* offset;
+  const float* offset;  // nullptr: every offset 0
   Store<ET>* o;
 };
 
@@ -51,7 +51,7 @@ template <ElementType ET>
 void attend_query(const PagedParams& p, const PagedOperands<ET>& a, int64_t s, int32_t i, int64_t h,
                   std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& acc) {
   const int64_t b = paged_row_of(p, s);
-  const int64_t row = a.q_start[s] + i;
+  const int64_t row = paged_q_start(a.q_start, s) + i;
   const int32_t kv_len = a.kv_len[s];
   const int32_t* table = a.page_table + s * p.pages_per_seq;
   const int64_t g = kv_head_of(h, p.heads, p.kv_heads);
@@ -81,7 +81,7 @@ void attend_query(const PagedParams& p, const PagedOperands<ET>& a, int64_t s, i
     }
   }
   float inv = 0.0f;
-  st.finalize(p.softmax_type, softmax_sink_logit(p.softmax_type, a.offset[h]), &inv);
+  st.finalize(p.softmax_type, softmax_sink_logit(p.softmax_type, paged_softmax_offset(a.offset, h)), &inv);
   Store<ET>* orow = a.o + bshd_offset(b, row, h, 0, p.seqlen_q, p.heads, p.head_dim_v);
   for (int64_t d = 0; d < p.head_dim_v; ++d) orow[d] = Element<ET>::store(acc[d] * inv);
 }
@@ -95,10 +95,11 @@ void paged_forward(const PagedParams& p, const PagedOperands<ET>& a) {
     const int32_t q_len = a.q_len[s];
     if (q_len <= 0) continue;
     const int64_t b = paged_row_of(p, s);
-    if (!paged_sequence_ok(p, a.page_table + s * p.pages_per_seq, a.q_start[s], q_len, a.kv_len[s])) {
+    const int32_t q_start = paged_q_start(a.q_start, s);
+    if (!paged_sequence_ok(p, a.page_table + s * p.pages_per_seq, q_start, q_len, a.kv_len[s])) {
       // Mark the queries that lie in the row (the rest of a bad range does not exist).
-      const int64_t first = std::max<int64_t>(a.q_start[s], 0);
-      const int64_t last = std::min<int64_t>(static_cast<int64_t>(a.q_start[s]) + q_len, p.seqlen_q);
+      const int64_t first = std::max<int64_t>(q_start, 0);
+      const int64_t last = std::min<int64_t>(static_cast<int64_t>(q_start) + q_len, p.seqlen_q);
       for (int64_t row = first; row < last; ++row) {
         for (int64_t h = 0; h < p.heads; ++h) {
           fill_row<ET>(p, a.o, b, row, h, std::numeric_limits<float>::quiet_NaN());
@@ -127,8 +128,8 @@ ffi::Error PagedDecodeFwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer
   with_element_type(q.element_type(), [&](auto et) {
     constexpr ElementType kET = decltype(et)::value;
     paged_forward<kET>(p, {elements<kET>(q), elements<kET>(k), elements<kET>(v), page_table.typed_data<int32_t>(),
-                           q_start.typed_data<int32_t>(), q_len.typed_data<int32_t>(), kv_len.typed_data<int32_t>(),
-                           softmax_offset.typed_data<float>(), elements<kET>(o)});
+                           optional_operand<int32_t>(q_start), q_len.typed_data<int32_t>(),
+                           kv_len.typed_data<int32_t>(), optional_operand<float>(softmax_offset), elements<kET>(o)});
   });
   return ffi::Error::Success();
 }

@@ -12,6 +12,7 @@ would not fill the GPU and then takes a uint8 workspace result (sized here).
 
     fusedattn_paged_decode_fwd(q, k_pages, v_pages, page_table, q_start, q_len, kv_len,
                                softmax_offset) -> o  (CUDA: -> o, workspace)
+    (q_start and softmax_offset empty where all zero: BSHD, vanilla and off_by_one)
     attributes: scale f32, causal bool, bottom_right bool, window_left i64,
                 window_right i64, softmax_type i32
 
@@ -149,6 +150,7 @@ class DecodeBackend:
 
     name = "decode"
     serves_paged = True
+    checks_pages = True  # both builds mark a sequence with a page outside the pool broken
 
     def supports(self, spec: AttentionSpec, shapes: CallShapes, platform: str) -> str | None:
         if not spec.qkv_layout.is_paged:
@@ -180,16 +182,18 @@ class DecodeBackend:
         if platform == "cuda":
             sequences, pages = args.page_table.shape
             workspace = _cuda_workspace_bytes(q.shape, h_kv, dv, sequences, pages * page_size)
-        h = args.q.shape[2]
-        offset = (jnp.zeros((h,), jnp.float32) if args.softmax_offset is None
-                  else jnp.asarray(args.softmax_offset, jnp.float32))
+        # Zero q_start (BSHD) and zero offsets go as empty operands (paged_decode_ffi.h): a
+        # zero-filled one would cost a device op of its own before each call.
+        q_start = args.q_start if spec.qkv_layout.is_thd else np.zeros((0,), np.int32)
+        offset = (jnp.asarray(args.softmax_offset, jnp.float32)
+                  if spec.softmax == SoftmaxType.LEARNABLE else np.zeros((0,), np.float32))
         static = _Static(scale=float(scale), causal=spec.mask.is_causal,
                          bottom_right=spec.mask.is_bottom_right,
                          window_left=int(spec.window_size[0]),
                          window_right=int(spec.window_size[1]),
                          softmax_type=_SOFTMAX_TYPES[spec.softmax])
         return _decode(static, workspace, args.q, args.k_pages, args.v_pages, args.page_table,
-                       args.q_start, args.q_len, args.kv_len, offset)
+                       q_start, args.q_len, args.kv_len, offset)
 
 
 BACKEND = DecodeBackend()

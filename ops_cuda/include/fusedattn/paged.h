@@ -39,6 +39,16 @@ struct PagedParams {
   int32_t softmax_type;
 };
 
+// Sequence s's first q row offset, from a q_start operand that may be absent (nullptr: 0).
+FA_HOST_DEVICE FA_INLINE int32_t paged_q_start(const int32_t* q_start, int64_t s) {
+  return q_start == nullptr ? 0 : q_start[s];
+}
+
+// Head h's softmax offset, from an offset operand that may be absent (nullptr: 0).
+FA_HOST_DEVICE FA_INLINE float paged_softmax_offset(const float* offset, int64_t h) {
+  return offset == nullptr ? 0.0f : offset[h];
+}
+
 // The q row (batch index) of sequence s.
 FA_HOST_DEVICE FA_INLINE int64_t paged_row_of(const PagedParams& p, int64_t s) {
   return s / (p.sequences / p.batch);

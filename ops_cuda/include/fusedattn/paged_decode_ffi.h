@@ -7,6 +7,8 @@
 //             (one dtype: F32, BF16 or F16)
 //             3 page_table S32 [S, P]   4 q_start 5 q_len 6 kv_len S32 [S]  (S = B * M)
 //             7 softmax_offset F32 [H]
+//             q_start and softmax_offset may be empty ([0]): every q_start 0, every offset 0
+//             (zero operands XLA would otherwise fill with a kernel of their own before each call)
 //   attributes: scale f32, causal bool, bottom_right bool, window_left i64,
 //               window_right i64, softmax_type i32
 //   result: o [B, Sq, H, Dv] in q's dtype (paged.h says which rows hold what)
@@ -65,15 +67,18 @@ inline ffi::Error parse_paged_decode_call(const char* op, const ffi::AnyBuffer& 
                            " sequences must be a multiple of q's B = " + std::to_string(p->batch));
   }
   const std::vector<int64_t> per_seq = {p->sequences};
+  const bool no_q_start = q_start.dimensions().size() == 1 && q_start.dimensions()[0] == 0;
+  const bool no_offset = softmax_offset.dimensions().size() == 1 && softmax_offset.dimensions()[0] == 0;
   if (auto e = check_all_exact(
           op, {{"k_pages", k.element_type(), kd, dt, {kd.begin(), kd.end()}},
                {"v_pages", v.element_type(), vd, dt, {vd.begin(), vd.end()}},
                {"page_table", page_table.element_type(), td, ffi::DataType::S32, {td.begin(), td.end()}},
-               {"q_start", q_start.element_type(), q_start.dimensions(), ffi::DataType::S32, per_seq},
+               {"q_start", q_start.element_type(), q_start.dimensions(), ffi::DataType::S32,
+                no_q_start ? std::vector<int64_t>{0} : per_seq},
                {"q_len", q_len.element_type(), q_len.dimensions(), ffi::DataType::S32, per_seq},
                {"kv_len", kv_len.element_type(), kv_len.dimensions(), ffi::DataType::S32, per_seq},
                {"softmax_offset", softmax_offset.element_type(), softmax_offset.dimensions(), ffi::DataType::F32,
-                {p->heads}},
+                {no_offset ? 0 : p->heads}},
                {"result o", o->element_type(), o->dimensions(), dt, {p->batch, p->seqlen_q, p->heads, p->head_dim_v}}});
       e.failure()) {
     return e;
@@ -90,6 +95,12 @@ inline ffi::Error parse_paged_decode_call(const char* op, const ffi::AnyBuffer& 
   p->bottom_right = bottom_right;
   p->softmax_type = softmax_type;
   return ffi::Error::Success();
+}
+
+// The data of an operand that may be empty (q_start, softmax_offset), or nullptr when it is.
+template <typename T>
+const T* optional_operand(const ffi::AnyBuffer& buffer) {
+  return buffer.element_count() == 0 ? nullptr : static_cast<const T*>(buffer.untyped_data());
 }
 
 // The op's FFI signature after the platform's own context: 8 operands, 1 result and
