@@ -10,6 +10,9 @@ python -m pip install -q --upgrade pip
 # Headers only, for compiling the cuDNN backend (libcudnn itself is loaded at run time) and
 # the sm_90 flash kernels (CUTLASS/CuTe).
 python -m pip install -q --no-deps nvidia-cudnn-frontend nvidia-cudnn-cu13 nvidia-cutlass
+# jax first: the build then reads jaxlib's FFI headers from .venv instead of installing jaxlib,
+# scipy and numpy into pip's isolated build environment too (docs/architecture.md#builds).
+python -m pip install -q jax
 python -m pip install -q -e ".[test]"
 # One test process per core, at most four (each holds its own JAX runtime); a test file
 # stays in one process, so the computations its tests share compile once.

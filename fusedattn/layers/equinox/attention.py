@@ -1,4 +1,6 @@
-"""Equinox MultiheadAttention over `fusedattn.ops.fused_attn`, driven by the attention config."""
+"""`MultiheadAttention`, the Equinox drop-in over `fusedattn.ops.fused_attn` (its constructor,
+call and paged step; one example's projections and the per-example adaptation live in
+`heads`)."""
 
 from __future__ import annotations
 
@@ -10,50 +12,13 @@ import jax
 import jax.numpy as jnp
 
 from fusedattn.layers import common, paged, stock
-from fusedattn.ops.enums import SequenceFormat, SoftmaxType
-from fusedattn.ops.sequence import SequenceDescriptor
+from fusedattn.layers.equinox import heads
+from fusedattn.ops.enums import SoftmaxType
 from fusedattn.ops.spec import AttentionSpec
 
 Array = jax.Array
 
 __all__ = ["MultiheadAttention"]
-
-# How many axes each descriptor form has with its batch axis (see SequenceDescriptor).
-_BATCHED_NDIM = {SequenceFormat.SEQLENS: 1, SequenceFormat.SEQLENS_OFFSETS: 2,
-                 SequenceFormat.SEGMENT_IDS: 2}
-
-
-def _linear(in_size: int, out_size: int, use_bias: bool, dtype, key) -> eqx.nn.Linear:
-    return eqx.nn.Linear(in_size, out_size, use_bias=use_bias, dtype=dtype, key=key)
-
-
-def _project(linear: eqx.nn.Linear, x: Array, heads: int, dtype) -> Array:
-    """[s, in] -> [s, heads, out / heads]: x @ W.T + b in `dtype` (one matmul, no vmap)."""
-    weight = linear.weight.astype(dtype)
-    y = jnp.matmul(x.astype(dtype), weight.T)
-    if linear.bias is not None:
-        y = y + linear.bias.astype(dtype)
-    return y.reshape(x.shape[0], heads, -1)
-
-
-def _per_head(layer):
-    """A LayerNorm over the last axis as a function of [..., d] arrays (QK norm per head)."""
-    return lambda x: jax.vmap(layer)(x.reshape(-1, x.shape[-1])).reshape(x.shape).astype(x.dtype)
-
-
-def _batch_descriptor(sequence):
-    """Adds the batch axis (of 1) to a per-example descriptor; batched ones pass unchanged."""
-    if sequence is None:
-        return None
-    if not isinstance(sequence, SequenceDescriptor):
-        raise TypeError(
-            f"sequence: expected a fusedattn.ops.SequenceDescriptor, got {type(sequence).__name__}."
-        )
-    leading = (sequence.q_segment_ids if sequence.format == SequenceFormat.SEGMENT_IDS
-               else sequence.q_seqlens)
-    if leading.ndim == _BATCHED_NDIM[sequence.format]:
-        return sequence
-    return jax.tree_util.tree_map(lambda x: x[None], sequence)
 
 
 class MultiheadAttention(eqx.Module):
@@ -160,15 +125,15 @@ class MultiheadAttention(eqx.Module):
             )
         qkey, kkey, vkey, okey = jax.random.split(key, 4)
         if fused_qkv:
-            self.qkv_proj = _linear(query_size, (h + 2 * h_kv) * qk_size, use_query_bias,
+            self.qkv_proj = heads.linear(query_size, (h + 2 * h_kv) * qk_size, use_query_bias,
                                     dtype, qkey)
             self.query_proj = self.key_proj = self.value_proj = None
         else:
             self.qkv_proj = None
-            self.query_proj = _linear(query_size, h * qk_size, use_query_bias, dtype, qkey)
-            self.key_proj = _linear(key_size, h_kv * qk_size, use_key_bias, dtype, kkey)
-            self.value_proj = _linear(value_size, h_kv * vo_size, use_value_bias, dtype, vkey)
-        self.output_proj = _linear(h * vo_size, output_size, use_output_bias, dtype, okey)
+            self.query_proj = heads.linear(query_size, h * qk_size, use_query_bias, dtype, qkey)
+            self.key_proj = heads.linear(key_size, h_kv * qk_size, use_key_bias, dtype, kkey)
+            self.value_proj = heads.linear(value_size, h_kv * vo_size, use_value_bias, dtype, vkey)
+        self.output_proj = heads.linear(h * vo_size, output_size, use_output_bias, dtype, okey)
         if normalize_qk:
             self.query_ln = eqx.nn.LayerNorm(qk_size, use_bias=False, dtype=dtype)
             self.key_ln = eqx.nn.LayerNorm(qk_size, use_bias=False, dtype=dtype)
@@ -233,52 +198,29 @@ class MultiheadAttention(eqx.Module):
                 f"{tuple(query.shape)}; use jax.vmap over a batch."
             )
         spec = self._spec()
-        h, h_kv = self.num_heads, self.num_kv_heads
-        params = [p for p in (self.qkv_proj, self.query_proj) if p is not None][0].weight
-        dtype = (self.compute_dtype if self.compute_dtype is not None
-                 else jnp.result_type(query.dtype, key_.dtype, value.dtype, params.dtype))
-        if self.qkv_proj is not None:
-            if not (key_ is query and value is query):
-                raise ValueError(
-                    "fused_qkv: the fused projection serves self-attention only; call with "
-                    "key_=None and value=None, or pass the same array as query (e.g. "
-                    "jax.vmap(lambda x: mha(x, x, x))), or build the layer with fused_qkv=False."
-                )
-            q, k, v = common.split_fused_qkv(
-                _project(self.qkv_proj, query, h + 2 * h_kv, dtype), h, h_kv)
-        else:
-            q = _project(self.query_proj, query, h, dtype)
-            k = _project(self.key_proj, key_, h_kv, dtype)
-            v = _project(self.value_proj, value, h_kv, dtype)
+        dtype = heads.compute_dtype(self, query, key_, value)
+        q, k, v = heads.project_qkv(self, query, key_, value, dtype)
 
         if process_heads is not None:
-            q, k, v = _processed_heads(process_heads, q, k, v)
+            q, k, v = heads.processed_heads(process_heads, q, k, v)
         inference = self.dropout.inference if inference is None else inference
         deterministic = bool(inference) or spec.dropout_rate == 0
         if not deterministic and key is None:
             raise common.missing_dropout_rng(
                 spec, "pass key=jax.random.key(...) to the call, or inference=True.")
-        norm = None if self.query_ln is None else _per_head
+        q_norm, k_norm = heads.qk_norms(self)
         if bias is not None and jnp.ndim(bias) > 1:  # [h|1, sq, skv]: add the batch axis
             bias = jnp.asarray(bias)[None]
         x, _, extras = common.core(
             spec, self.options, q[None], k[None], v[None],
-            q_norm=None if norm is None else norm(self.query_ln),
-            k_norm=None if norm is None else norm(self.key_ln),
+            q_norm=q_norm, k_norm=k_norm,
             mask=None if mask is None else jnp.asarray(mask)[None],
             bias=bias,
-            softmax_offset=self.softmax_offset, sequence=_batch_descriptor(sequence),
+            softmax_offset=self.softmax_offset, sequence=heads.batch_descriptor(sequence),
             dropout_rng=None if deterministic else key, deterministic=deterministic,
             return_max_logit=return_max_logit)
-        out = self._output(x[0].reshape(query.shape[0], -1), dtype)
+        out = heads.output(self, x[0].reshape(query.shape[0], -1), dtype)
         return (out, extras.max_logit) if return_max_logit else out
-
-    def _output(self, x: Array, dtype) -> Array:
-        """[..., h * vo_size] -> [..., output_size] through output_proj, in `dtype`."""
-        out = jnp.matmul(x, self.output_proj.weight.astype(dtype).T)
-        if self.output_proj.bias is not None:
-            out = out + self.output_proj.bias.astype(dtype)
-        return out
 
     def _spec(self) -> AttentionSpec:
         """The layer's spec; `dropout.p` (a leaf, as in the stock module) must still be the
@@ -291,7 +233,6 @@ class MultiheadAttention(eqx.Module):
                 f"config.dropout_rate, and static); build the layer with dropout_p={float(rate)}."
             )
         return self.spec
-
 
     def paged_step(self, query: Array, cache: paged.PagedKVCache,
                    pages: paged.PageTable) -> tuple[Array, paged.PagedKVCache]:
@@ -310,33 +251,12 @@ class MultiheadAttention(eqx.Module):
         paged.check_step(pages, tuple(query.shape), "query", mask=None, bias=None,
                          sequence=None)
         slots, n, _ = query.shape
-        h, h_kv = self.num_heads, self.num_kv_heads
-        params = [p for p in (self.qkv_proj, self.query_proj) if p is not None][0].weight
-        dtype = (self.compute_dtype if self.compute_dtype is not None
-                 else jnp.result_type(query.dtype, params.dtype))
+        dtype = heads.compute_dtype(self, query)
         flat = query.reshape(slots * n, -1)
-        if self.qkv_proj is not None:
-            q, k, v = common.split_fused_qkv(
-                _project(self.qkv_proj, flat, h + 2 * h_kv, dtype), h, h_kv)
-        else:
-            q, k, v = (_project(proj, flat, heads, dtype) for proj, heads in (
-                (self.query_proj, h), (self.key_proj, h_kv), (self.value_proj, h_kv)))
-        q, k, v = (x.reshape(slots, n, *x.shape[1:]) for x in (q, k, v))
-        norm = None if self.query_ln is None else _per_head
-        x, cache = paged.step(self.spec, self.options, q, k, v,
-                              q_norm=None if norm is None else norm(self.query_ln),
-                              k_norm=None if norm is None else norm(self.key_ln),
+        q, k, v = (x.reshape(slots, n, *x.shape[1:])
+                   for x in heads.project_qkv(self, flat, flat, flat, dtype))
+        q_norm, k_norm = heads.qk_norms(self)
+        x, cache = paged.step(self.spec, self.options, q, k, v, q_norm=q_norm, k_norm=k_norm,
                               cache=cache, pages=pages, softmax_offset=self.softmax_offset)
-        return self._output(x.reshape(slots, n, -1), dtype), cache
+        return heads.output(self, x.reshape(slots, n, -1), dtype), cache
 
-
-def _processed_heads(process_heads: Callable, q: Array, k: Array, v: Array):
-    """The stock `process_heads` hook on [s, heads, dim] q, k, v; shapes must not change."""
-    shapes = (q.shape, k.shape, v.shape)
-    q, k, v = process_heads(q, k, v)
-    if (q.shape, k.shape, v.shape) != shapes:
-        raise ValueError(
-            f"process_heads: must return q, k, v of the shapes it was given {shapes}, got "
-            f"{(q.shape, k.shape, v.shape)}."
-        )
-    return q, k, v

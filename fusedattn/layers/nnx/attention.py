@@ -1,4 +1,6 @@
-"""Flax NNX MultiHeadAttention over `fusedattn.ops.fused_attn`, driven by the attention config."""
+"""`MultiHeadAttention`, the Flax NNX drop-in over `fusedattn.ops.fused_attn` (its constructor
+and call; the parameter modules, caches, FP8 state and dropout key live in this package's
+other modules)."""
 
 from __future__ import annotations
 
@@ -12,22 +14,11 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 
 from fusedattn.layers import common, paged, stock
-from fusedattn.ops import Fp8State, fp8_state_init
-from fusedattn.ops.enums import SoftmaxType
+from fusedattn.layers.nnx import caches, dropout, fp8, parameters
 
 Array = jax.Array
 
-__all__ = ["Fp8Meta", "MultiHeadAttention", "apply_fp8_gradients"]
-
-
-class Fp8Meta(nnx.Variable):
-    """FP8 scales and amax histories of an attention layer (fusedattn.ops.fp8): their
-    gradient is their new value, not a direction to step in."""
-
-
-def apply_fp8_gradients(model: nnx.Module, grads: nnx.State) -> None:
-    """Writes the Fp8Meta entries of `grads` (the new FP8 states) into `model`."""
-    nnx.update(model, nnx.filter_state(grads, Fp8Meta))
+__all__ = ["MultiHeadAttention"]
 
 
 class MultiHeadAttention(nnx.Module):
@@ -145,37 +136,16 @@ class MultiHeadAttention(nnx.Module):
         self.decode = decode
         self.deterministic = deterministic
         h, h_kv, d = num_heads, self.num_kv_heads, self.head_dim
-
-        def linear(in_features: int, heads: int):
-            return nnx.LinearGeneral(in_features, (heads, d), dtype=dtype,
-                                     param_dtype=param_dtype, kernel_init=kernel_init,
-                                     bias_init=bias_init, use_bias=use_bias,
-                                     precision=precision, promote_dtype=qkv_promote_dtype,
-                                     dot_general=qkv_dot_general,
-                                     dot_general_cls=qkv_dot_general_cls,
-                                     kernel_metadata=kernel_metadata,
-                                     bias_metadata=bias_metadata, rngs=rngs)
-
-        def layer_norm(scale_metadata):
-            return nnx.LayerNorm(d, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-                                 promote_dtype=ln_promote_dtype, scale_metadata=scale_metadata,
-                                 rngs=rngs)
-
-        if fused_qkv:
-            self.qkv = linear(in_features, h + 2 * h_kv)
-            self.query = self.key = self.value = nnx.data(None)
-        else:
-            self.qkv = nnx.data(None)
-            self.query = linear(in_features, h)
-            self.key = linear(self.in_kv_features, h_kv)
-            self.value = linear(self.in_kv_features, h_kv)
-        if normalize_qk:
-            self.query_ln = layer_norm(query_ln_scale_metadata)
-            self.key_ln = layer_norm(key_ln_scale_metadata)
-        else:
-            self.query_ln = self.key_ln = nnx.data(None)
-        self.softmax_offset = (nnx.Param(jnp.zeros((h,), jnp.float32))
-                               if self.spec.softmax == SoftmaxType.LEARNABLE else nnx.data(None))
+        self.qkv, self.query, self.key, self.value = parameters.qkv_projections(
+            fused_qkv, in_features, self.in_kv_features, h, h_kv, d, dtype=dtype,
+            param_dtype=param_dtype, kernel_init=kernel_init, bias_init=bias_init,
+            use_bias=use_bias, precision=precision, promote_dtype=qkv_promote_dtype,
+            dot_general=qkv_dot_general, dot_general_cls=qkv_dot_general_cls,
+            kernel_metadata=kernel_metadata, bias_metadata=bias_metadata, rngs=rngs)
+        self.query_ln, self.key_ln = parameters.qk_norms(
+            normalize_qk, d, query_ln_scale_metadata, key_ln_scale_metadata, dtype=dtype,
+            param_dtype=param_dtype, promote_dtype=ln_promote_dtype, rngs=rngs)
+        self.softmax_offset = parameters.softmax_offset(self.spec, h)
         self.out = nnx.LinearGeneral((h, d), self.out_features, axis=(-2, -1),
                                      kernel_init=out_kernel_init or kernel_init,
                                      bias_init=out_bias_init or bias_init, use_bias=use_bias,
@@ -188,12 +158,7 @@ class MultiHeadAttention(nnx.Module):
                      else nnx.data(None))
         self.cached_key = self.cached_value = self.cache_index = nnx.data(None)
         self.key_pages = self.value_pages = nnx.data(None)
-        if self.spec.fp8_enabled:
-            initial = fp8_state_init(self.spec)
-            self.fp8_scale = Fp8Meta(initial.scale)
-            self.fp8_amax_history = Fp8Meta(initial.amax_history)
-        else:
-            self.fp8_scale = self.fp8_amax_history = nnx.data(None)
+        self.fp8_scale, self.fp8_amax_history = fp8.variables(self.spec)
         self.return_max_logit = return_max_logit
 
     def __call__(self, inputs_q: Array, inputs_k: Array | None = None,
@@ -238,100 +203,41 @@ class MultiHeadAttention(nnx.Module):
                 f"inputs_q: got {inputs_q.shape[-1]} features, the layer expects in_features="
                 f"{self.in_features}."
             )
-        h, h_kv = self.num_heads, self.num_kv_heads
-        if self.qkv is not None:
-            if not (inputs_k is inputs_q and inputs_v is inputs_q):
-                raise ValueError(
-                    "fused_qkv: the fused projection serves self-attention only; call with "
-                    "inputs_k=None and inputs_v=None (or build the layer with fused_qkv=False)."
-                )
-            query, key, value = common.split_fused_qkv(
-                self.qkv(inputs_q, out_sharding=qkv_sharding), h, h_kv)
-        else:
-            query, key, value = (self.query(inputs_q, out_sharding=qkv_sharding),
-                                 self.key(inputs_k, out_sharding=qkv_sharding),
-                                 self.value(inputs_v, out_sharding=qkv_sharding))
-
+        query, key, value = parameters.project(self, inputs_q, inputs_k, inputs_v, qkv_sharding)
+        softmax_offset = None if self.softmax_offset is None else self.softmax_offset[...]
         if pages is not None:
-            return self._paged_step(query, key, value, pages, inputs_q.shape, mask=mask,
-                                    bias=bias, sequence=sequence,
-                                    separate_kv=not (inputs_k is inputs_q and inputs_v is inputs_q))
+            x = caches.paged_step(
+                self.spec, self.options, query, key, value, (self.key_pages, self.value_pages),
+                pages, inputs_q.shape, q_norm=self.query_ln, k_norm=self.key_ln,
+                softmax_offset=softmax_offset, mask=mask, bias=bias, sequence=sequence,
+                separate_kv=not (inputs_k is inputs_q and inputs_v is inputs_q))
+            return self.out(x)
         decode = self.decode if decode is None else decode
-        cache = None
-        if decode:
-            if self.cached_key is None:
-                raise ValueError(
-                    "decode: the autoregressive cache is not initialised; call "
-                    "layer.init_cache(input_shape) first."
-                )
-            cache = common.KVCache(self.cached_key[...], self.cached_value[...],
-                                   self.cache_index[...])
-
-        dropout_rng = None
-        if spec.dropout_rate > 0:
-            deterministic = self.deterministic if deterministic is None else deterministic
-            if deterministic is None:
-                raise ValueError(
-                    f"deterministic: config.dropout_rate is {spec.dropout_rate}, so pass "
-                    "deterministic=True/False to the call or the constructor."
-                )
-            if not deterministic:
-                stream = self.rngs if rngs is None else rngs
-                if isinstance(stream, nnx.Rngs):
-                    stream = getattr(stream, "dropout", None)   # None: no "dropout" stream
-                if stream is None:
-                    raise common.missing_dropout_rng(
-                        spec, "pass rngs=nnx.Rngs(dropout=...) to the call (the layer keeps "
-                        "none when built with keep_rngs=False; an Rngs without a 'dropout' "
-                        "stream does not count), or deterministic=True.")
-                dropout_rng = stream()
-        else:
-            deterministic = True
-
-        fp8_state = (None if self.fp8_scale is None else
-                     Fp8State(self.fp8_scale[...], self.fp8_amax_history[...]))
+        cache = (caches.read(self.cached_key, self.cached_value, self.cache_index) if decode
+                 else None)
+        dropout_rng, deterministic = dropout.dropout_key(spec, deterministic, self.deterministic,
+                                                         rngs, self.rngs)
+        fp8_state = fp8.read(self.fp8_scale, self.fp8_amax_history)
         x, new_cache, extras = common.core(
             spec, self.options, query, key, value,
             q_norm=self.query_ln, k_norm=self.key_ln, cache=cache, mask=mask, bias=bias,
-            softmax_offset=None if self.softmax_offset is None else self.softmax_offset[...],
-            sequence=sequence, dropout_rng=dropout_rng, deterministic=deterministic,
-            fp8_state=fp8_state, return_max_logit=self.return_max_logit)
+            softmax_offset=softmax_offset, sequence=sequence, dropout_rng=dropout_rng,
+            deterministic=deterministic, fp8_state=fp8_state,
+            return_max_logit=self.return_max_logit)
         if new_cache is not None:
-            self.cached_key[...] = new_cache.key
-            self.cached_value[...] = new_cache.value
-            self.cache_index[...] = new_cache.index
+            caches.write((self.cached_key, self.cached_value, self.cache_index), new_cache)
         if fp8_state is not None:
-            self.fp8_scale[...], self.fp8_amax_history[...] = extras.fp8_state
+            fp8.write(self.fp8_scale, self.fp8_amax_history, extras.fp8_state)
         if self.return_max_logit:
             self.sow(nnx.Intermediate, "max_logit", extras.max_logit)
         return self.out(x, out_sharding=out_sharding)
 
-    def _paged_step(self, query, key, value, pages, input_shape, *, mask, bias, sequence,
-                    separate_kv: bool) -> Array:
-        paged.check_step(pages, input_shape, "inputs_q", mask=mask, bias=bias,
-                         sequence=sequence)
-        if separate_kv:
-            raise ValueError("inputs_k, inputs_v: a paged step is self-attention over the "
-                             "cached sequence; pass neither.")
-        if self.key_pages is None:
-            raise ValueError("pages: the paged cache is not initialised; call "
-                             "layer.init_paged_cache(num_pages, page_size) first.")
-        x, cache = paged.step(
-            self.spec, self.options, query, key, value, q_norm=self.query_ln,
-            k_norm=self.key_ln, cache=paged.PagedKVCache(self.key_pages[...],
-                                                         self.value_pages[...]),
-            pages=pages,
-            softmax_offset=None if self.softmax_offset is None else self.softmax_offset[...])
-        self.key_pages[...], self.value_pages[...] = cache
-        return self.out(x)
-
     def init_paged_cache(self, num_pages: int, page_size: int, dtype: Any = None) -> None:
         """Creates the paged cache: nnx.Cache key_pages / value_pages, zeros
         [num_pages, page_size, h_kv, d] in `dtype` (default: the layer's dtype, else float32)."""
-        cache = paged.kv_cache(num_pages, page_size, self.num_kv_heads, self.head_dim,
-                               dtype or self.dtype or jnp.float32)
-        self.key_pages = nnx.Cache(cache.key_pages)
-        self.value_pages = nnx.Cache(cache.value_pages)
+        self.key_pages, self.value_pages = caches.paged_cache(
+            num_pages, page_size, self.num_kv_heads, self.head_dim,
+            dtype or self.dtype or jnp.float32)
 
     def init_cache(self, input_shape: tuple[int, ...], dtype: Any = jnp.float32) -> None:
         """Creates the decode cache for inputs of shape [batch..., max_len, features].
@@ -339,10 +245,8 @@ class MultiHeadAttention(nnx.Module):
         cached_key / cached_value: nnx.Cache zeros [batch..., max_len, h_kv, d] in
         `dtype`; cache_index: nnx.Cache int32 0.
         """
-        shape = (*input_shape[:-1], self.num_kv_heads, self.head_dim)
-        self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
-        self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
-        self.cache_index = nnx.Cache(jnp.array(0, dtype=jnp.int32))
+        self.cached_key, self.cached_value, self.cache_index = caches.decode_cache(
+            input_shape, self.num_kv_heads, self.head_dim, dtype)
 
     def set_view(self, deterministic: bool | None = None, decode: bool | None = None,
                  batch_size: int | tuple[int, ...] | None = None,
@@ -357,11 +261,6 @@ class MultiHeadAttention(nnx.Module):
         if decode is not None:
             self.decode = decode
             if decode and self.cached_key is None:
-                if batch_size is None or max_length is None:
-                    raise TypeError(
-                        "batch_size, max_length: both must be given to nnx.view(..., decode=True) "
-                        "when the cache is not initialised (or call layer.init_cache first)."
-                    )
-                batch = (batch_size,) if isinstance(batch_size, int) else tuple(batch_size)
-                self.init_cache((*batch, max_length, self.in_features),
+                self.init_cache(caches.decode_cache_shape(batch_size, max_length,
+                                                          self.in_features),
                                 self.dtype or jnp.float32)
