@@ -40,7 +40,7 @@ from fusedattn.ops.backends.cudnn import fp8_calls
 from fusedattn.ops.backends.cudnn import library as cudnn_library
 from fusedattn.ops.backends.cudnn.graph_key import FP8_E4M3, _static
 
-from common import interleaved_ms, parse_args, random_normal, write_results
+from common import interleaved_ms, parse_args, passes, random_normal, write_results
 
 # (b, s, h, d, causal): the cases.
 CASES = [(4, 2048, 16, 128, False), (1, 8192, 16, 128, False), (1, 8192, 16, 128, True),
@@ -118,18 +118,7 @@ def ours_fp8_graph(causal: bool, q, k, v, do):
 
 def ours_bf16(causal: bool):
     config = _config(causal, fp8=False)
-
-    def attend(q, k, v):
-        return fused_attn((q, k, v), config=config)
-
-    forward = jax.jit(attend)
-
-    @jax.jit
-    def forward_backward(q, k, v, do):
-        out, pullback = jax.vjp(attend, q, k, v)
-        return out, pullback(do)
-
-    return {"fwd": lambda q, k, v, do: forward(q, k, v), "fwd+bwd": forward_backward}
+    return passes(lambda q, k, v: fused_attn((q, k, v), config=config))
 
 
 def jax_fp8(causal: bool, q, k, v, do):
