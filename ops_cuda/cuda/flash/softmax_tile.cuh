@@ -15,6 +15,21 @@
 namespace fusedattn {
 namespace flash {
 
+// parts[0] op parts[1] op ... as a tree (kParts a power of two).
+template <int kParts, typename Op>
+__device__ __forceinline__ float combine_parts(const float (&parts)[kParts], Op op) {
+  static_assert((kParts & (kParts - 1)) == 0, "a power of two");
+  float x[kParts];
+#pragma unroll
+  for (int k = 0; k < kParts; ++k) x[k] = parts[k];
+#pragma unroll
+  for (int width = kParts / 2; width >= 1; width /= 2) {
+#pragma unroll
+    for (int k = 0; k < width; ++k) x[k] = op(x[k], x[k + width]);
+  }
+  return x[0];
+}
+
 // One key tile of a warp's kWarpRows rows: unscaled scores [kWarpRows x kN] (fragments), masked
 // elements -inf (set by selection, never arithmetic, so that anything K holds there
 // contributes nothing), become the weights exp(scale s - m) (dropout applied) that O += P V
@@ -26,19 +41,40 @@ __device__ __forceinline__ void softmax_weights(float (&scores)[kN / 8][4], Soft
                                                 const FlashArgs& a, const HeadContext& c, int64_t h,
                                                 FragmentCoords kv, float (&factor)[kLaneRows]) {
   const AttentionParams& p = a.p;
-  float block_max[kLaneRows];
+  // Maxima and sums in kParts independent partials per row, so that the dependent chains
+  // are kN / 8 / 2 long instead of kN / 4 (both rows' chains in flight together).
+  constexpr int kParts = 2 * kRowElems;
+  const auto part = [](int n, int e) { return (n % 2) * kRowElems + e % kRowElems; };
+  float partial[kLaneRows][kParts];
 #pragma unroll
-  for (int r = 0; r < kLaneRows; ++r) block_max[r] = -INFINITY;
+  for (int r = 0; r < kLaneRows; ++r) {
+#pragma unroll
+    for (int k = 0; k < kParts; ++k) partial[r][k] = -INFINITY;
+  }
 #pragma unroll
   for (int n = 0; n < kN / 8; ++n) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) block_max[e / kRowElems] = fmaxf(block_max[e / kRowElems], scores[n][e]);
+    for (int e = 0; e < 4; ++e) {
+      float& x = partial[e / kRowElems][part(n, e)];
+      x = fmaxf(x, scores[n][e]);
+    }
   }
+  float block_max[kLaneRows];
+#pragma unroll
+  for (int r = 0; r < kLaneRows; ++r) block_max[r] = combine_parts(partial[r], [](float x, float y) { return fmaxf(x, y); });
 #pragma unroll
   for (int r = 0; r < kLaneRows; ++r) {
     // The scale is positive (the op checks it), so the scaled scores' maximum is this one scaled.
     block_max[r] = row_reduce(block_max[r], [](float x, float y) { return fmaxf(x, y); }) * p.scale;
-    factor[r] = state[r].rescale(block_max[r]);
+  }
+#pragma unroll
+  for (int r = 0; r < kLaneRows; ++r) {
+    // Branch-free: exp2 of 0 is exactly 1 where the max stays; a row without a visible key
+    // so far has l = 0 and o = 0, whatever the factor.
+    const float m = fmaxf(state[r].m, block_max[r]);
+    factor[r] = state[r].any ? fast_exp2((state[r].m - m) * kLog2e) : 0.0f;
+    state[r].l *= factor[r];
+    state[r].m = m;
     state[r].any |= block_max[r] > -INFINITY;
   }
   // exp(scale x - m) as exp2(x scale log2(e) - m log2(e)), one multiply-add per element;
@@ -47,16 +83,22 @@ __device__ __forceinline__ void softmax_weights(float (&scores)[kN / 8][4], Soft
   const float scale_log2 = p.scale * kLog2e;
   float m_log2[kLaneRows];
 #pragma unroll
-  for (int r = 0; r < kLaneRows; ++r) m_log2[r] = state[r].any ? state[r].m * kLog2e : 0.0f;
+  for (int r = 0; r < kLaneRows; ++r) {
+    m_log2[r] = state[r].any ? state[r].m * kLog2e : 0.0f;
+#pragma unroll
+    for (int k = 0; k < kParts; ++k) partial[r][k] = 0.0f;
+  }
 #pragma unroll
   for (int n = 0; n < kN / 8; ++n) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float w = fast_exp2(fmaf(scores[n][e], scale_log2, -m_log2[e / kRowElems]));
-      state[e / kRowElems].l += w;
+      partial[e / kRowElems][part(n, e)] += w;
       scores[n][e] = w;
     }
   }
+#pragma unroll
+  for (int r = 0; r < kLaneRows; ++r) state[r].l += combine_parts(partial[r], [](float x, float y) { return x + y; });
   if (p.dropout) {
 #pragma unroll
     for (int n = 0; n < kN / 8; ++n) {
