@@ -104,7 +104,7 @@ class _Static(NamedTuple):
 # checks its size): per token row, one 32-byte summary of every 32 queries and of every
 # 32 keys; the backward adds float32 [b, h, sq] for rowsum(dO * O) and, where the sm_90a
 # backward runs (flash_gpu.cuda_backward_kernel), its float32 dQ accumulator [b, h, sq', d] with
-# sq' = sq rounded up to whole query tiles of 64 (sm90/launch.h: dq_accum_bytes). Each part is
+# sq' = sq rounded up to whole query tiles of 64 (sm90/launch.h: dq_accum_floats). Each part is
 # 256-byte aligned.
 _SPAN_TOKENS = 32
 _SM90_QUERY_TILE = 64

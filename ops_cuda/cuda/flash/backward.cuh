@@ -23,29 +23,39 @@
 namespace fusedattn {
 namespace flash {
 
-// The block size of softmax_delta_kernel, and the rows (one per warp) each block takes per pass.
-constexpr int kDeltaThreads = 128;
-constexpr int kDeltaRowsPerBlock = kDeltaThreads / kWarpSize;
+// The block size of softmax_delta_kernel, and its most blocks (each strides over the rows:
+// a block per few rows made the launch of blocks, not the bytes, its limit).
+constexpr int kDeltaThreads = 256;
+constexpr int64_t kDeltaMaxBlocks = 1024;
 
-// rows of 16-bit elements: one warp per row of D elements.
+// rows of 16-bit elements: kLanes = D / 8 lanes per row, each one 16-byte load of O and
+// of dO, summed over the lanes of the row by shuffles.
 template <ElementType ET, int D>
 __global__ void __launch_bounds__(kDeltaThreads) softmax_delta_kernel(const FlashArgs a) {
+  constexpr int kLanes = D / 8, kRowsPerPass = kDeltaThreads / kLanes;
+  static_assert(kLanes <= kWarpSize && kWarpSize % kLanes == 0, "a row within one warp");
   const AttentionParams& p = a.p;
   const int64_t rows = p.batch * p.seqlen_q * p.heads;  // (b, i, h) in memory order
-  const int lane = threadIdx.x % kWarpSize;
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kDeltaRowsPerBlock + threadIdx.x / kWarpSize; row < rows;
-       row += static_cast<int64_t>(gridDim.x) * kDeltaRowsPerBlock) {
+  const int lane = threadIdx.x % kLanes;
+  // The loop runs while the warp's first row is in range, so that its lanes shuffle together.
+  const int warp_row = static_cast<int>(threadIdx.x % kWarpSize) / kLanes;
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * kRowsPerPass + (threadIdx.x - threadIdx.x % kWarpSize) / kLanes;
+       first < rows; first += static_cast<int64_t>(gridDim.x) * kRowsPerPass) {
+    const int64_t row = first + warp_row;
     float sum = 0.0f;
+    if (row < rows) {
+      const uint4 o8 = *reinterpret_cast<const uint4*>(a.o + row * D + 8 * lane);
+      const uint4 g8 = *reinterpret_cast<const uint4*>(a.dout + row * D + 8 * lane);
+      const uint32_t o[4] = {o8.x, o8.y, o8.z, o8.w}, g[4] = {g8.x, g8.y, g8.z, g8.w};
 #pragma unroll
-    for (int d = 2 * lane; d < D; d += 2 * kWarpSize) {
-      const uint32_t o2 = *reinterpret_cast<const uint32_t*>(a.o + row * D + d);
-      const uint32_t g2 = *reinterpret_cast<const uint32_t*>(a.dout + row * D + d);
-      sum += Element<ET>::load(static_cast<uint16_t>(o2)) * Element<ET>::load(static_cast<uint16_t>(g2));
-      sum += Element<ET>::load(static_cast<uint16_t>(o2 >> 16)) * Element<ET>::load(static_cast<uint16_t>(g2 >> 16));
+      for (int k = 0; k < 4; ++k) {
+        sum += Element<ET>::load(static_cast<uint16_t>(o[k])) * Element<ET>::load(static_cast<uint16_t>(g[k]));
+        sum += Element<ET>::load(static_cast<uint16_t>(o[k] >> 16)) * Element<ET>::load(static_cast<uint16_t>(g[k] >> 16));
+      }
     }
 #pragma unroll
-    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) sum += warp_shfl_xor(sum, offset);
-    if (lane == 0) {
+    for (int offset = kLanes / 2; offset > 0; offset /= 2) sum += warp_shfl_xor(sum, offset);
+    if (lane == 0 && row < rows) {
       const int64_t h = row % p.heads, bi = row / p.heads;
       const int64_t i = bi % p.seqlen_q, b = bi / p.seqlen_q;
       a.delta[(b * p.heads + h) * p.seqlen_q + i] = sum;

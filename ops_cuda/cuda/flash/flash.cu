@@ -209,7 +209,7 @@ int64_t delta_bytes(const AttentionParams& p) {
 
 int64_t dq_accum_bytes(const AttentionParams& p) {
 #ifdef FUSEDATTN_FLASH_SM90
-  return align256(sm90::dq_accum_bytes(p.batch, p.heads, p.seqlen_q, p.head_dim));
+  return align256(sm90::dq_accum_floats(p.batch, p.heads, p.seqlen_q, p.head_dim) * static_cast<int64_t>(sizeof(float)));
 #else
   return 0;  // no sm_90a backward in this build
 #endif

@@ -34,7 +34,8 @@ template <ElementType ET, int D>
 void backward_prologue(gpuStream_t stream, const FlashArgs& a) {
   const AttentionParams& p = a.p;
   const int64_t rows = p.batch * p.seqlen_q * p.heads;
-  launch(softmax_delta_kernel<ET, D>, std::min<int64_t>((rows + kDeltaRowsPerBlock - 1) / kDeltaRowsPerBlock, 65536),
+  const int64_t rows_per_block = kDeltaThreads / (D / 8);
+  launch(softmax_delta_kernel<ET, D>, std::min((rows + rows_per_block - 1) / rows_per_block, kDeltaMaxBlocks),
          kDeltaThreads, 0, stream, a);
   if (p.softmax_type == kSoftmaxLearnable) {
     launch_sink_gradient(stream, a);

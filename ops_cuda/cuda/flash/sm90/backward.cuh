@@ -100,10 +100,6 @@ template <int D>
 struct DqAccumulator {
   static constexpr int kM = BackwardTiles<D>::kM, kColumns = D / 2;
   static constexpr int kBlockFloats = kM * kColumns;
-  // Floats of the accumulator for the call (every query tile whole).
-  __host__ __device__ static int64_t floats(int64_t batch, int64_t heads, int64_t seqlen_q) {
-    return batch * heads * ((seqlen_q + kM - 1) / kM) * kM * D;
-  }
   // The block of (batch row b, head h, the query tile at m0, half cw).
   __device__ static float* block(float* accum, int64_t b, int64_t h, int64_t m0, int cw, int64_t heads,
                                  int64_t seqlen_q) {
@@ -441,25 +437,44 @@ __global__ void __launch_bounds__(BackwardTiles<D>::kThreads, 1)
   }
 }
 
-// dq [B, Sq, H, D] = scale * the dQ accumulator (DqAccumulator's order), in the element
-// type: a float4 per thread, two of its rows' column pairs.
+// dq [B, Sq, H, D] = scale * the dQ accumulator, in the element type. A block converts one
+// accumulator block at a time (kM queries x D / 2 columns, in DqAccumulator's register
+// order): coalesced float4 loads into shared memory in row order, then 16-byte stores of 8
+// columns of a row (a store per 4 bytes made the writes the limit).
 template <ElementType ET, int D>
 __global__ void __launch_bounds__(256) dq_convert_kernel(const float* dq_accum, uint16_t* dq, AttentionParams p) {
   using A = DqAccumulator<D>;
-  const int64_t n = A::floats(p.batch, p.heads, p.seqlen_q), tiles = (p.seqlen_q + A::kM - 1) / A::kM;
-  for (int64_t i = 4 * (static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x); i < n;
-       i += 4 * static_cast<int64_t>(gridDim.x) * 256) {
-    const float4 x = *reinterpret_cast<const float4*>(dq_accum + i);
-    const int64_t block = i / A::kBlockFloats;
-    const int within = static_cast<int>(i % A::kBlockFloats) / 4;  // t * 128 + consumer thread
-    const int thread = within % 128, t = within / 128, lane = thread % 32;
-    const int cw = static_cast<int>(block % 2);
-    const int64_t tile = block / 2 % tiles, bh = block / 2 / tiles;
-    const int64_t row = tile * A::kM + 16 * (thread / 32) + lane / 4;
-    const int64_t column = cw * A::kColumns + 8 * t + 2 * (lane % 4);
-    uint16_t* const out = dq + ((bh / p.heads * p.seqlen_q + row) * p.heads + bh % p.heads) * D + column;
-    if (row < p.seqlen_q) *reinterpret_cast<uint32_t*>(out) = pack2<ET>(x.x * p.scale, x.y * p.scale);
-    if (row + 8 < p.seqlen_q) *reinterpret_cast<uint32_t*>(out + 8 * p.heads * D) = pack2<ET>(x.z * p.scale, x.w * p.scale);
+  // Shared rows of kColumns + 8 floats: a half-warp's float2 stores (4 rows, 4 column pairs)
+  // then fall on 32 different banks.
+  __shared__ float rows[A::kM][A::kColumns + 8];
+  constexpr int kChunks = A::kColumns / 8;  // 16-byte stores per row
+  const int64_t tiles = (p.seqlen_q + A::kM - 1) / A::kM, blocks = p.batch * p.heads * tiles * 2;
+  for (int64_t block = blockIdx.x; block < blocks; block += gridDim.x) {
+    const float4* src = reinterpret_cast<const float4*>(dq_accum + block * A::kBlockFloats);
+    for (int i = threadIdx.x; i < A::kBlockFloats / 4; i += blockDim.x) {
+      const float4 x = src[i];  // float4 t of consumer thread c at 128 t + c
+      const int c = i % 128, t = i / 128, lane = c % 32;
+      const int row = 16 * (c / 32) + lane / 4, column = 8 * t + 2 * (lane % 4);
+      *reinterpret_cast<float2*>(&rows[row][column]) = make_float2(x.x, x.y);
+      *reinterpret_cast<float2*>(&rows[row + 8][column]) = make_float2(x.z, x.w);
+    }
+    __syncthreads();
+    const int64_t cw = block % 2, tile = block / 2 % tiles, bh = block / 2 / tiles;
+    for (int i = threadIdx.x; i < A::kM * kChunks; i += blockDim.x) {
+      const int row = i / kChunks, chunk = i % kChunks;
+      const int64_t query = tile * A::kM + row;
+      if (query < p.seqlen_q) {
+        const float* x = &rows[row][8 * chunk];
+        uint4 packed;
+        packed.x = pack2<ET>(x[0] * p.scale, x[1] * p.scale);
+        packed.y = pack2<ET>(x[2] * p.scale, x[3] * p.scale);
+        packed.z = pack2<ET>(x[4] * p.scale, x[5] * p.scale);
+        packed.w = pack2<ET>(x[6] * p.scale, x[7] * p.scale);
+        const int64_t element = ((bh / p.heads * p.seqlen_q + query) * p.heads + bh % p.heads) * D + cw * A::kColumns;
+        *reinterpret_cast<uint4*>(dq + element + 8 * chunk) = packed;
+      }
+    }
+    __syncthreads();  // before the next block's rows overwrite these
   }
 }
 

@@ -52,7 +52,7 @@ std::string backward(gpuStream_t stream, const FlashArgs& a, float* dq_accum) {
   if (error.empty()) error = encode_tile_map(&args.v_map, a.v, p.batch, p.seqlen_kv, p.kv_heads, D, T::kN);
   if (!error.empty()) return error;
   flash::backward_prologue<ET, D>(stream, a);
-  const int64_t floats = DqAccumulator<D>::floats(p.batch, p.heads, p.seqlen_q);
+  const int64_t floats = dq_accum_floats(p.batch, p.heads, p.seqlen_q, D);
   gpuMemsetAsync(dq_accum, 0, sizeof(float) * floats, stream);
   const int64_t blocks = (p.seqlen_kv + T::kN - 1) / T::kN * p.kv_heads * p.batch;
   if (blocks > 0) {
@@ -61,7 +61,7 @@ std::string backward(gpuStream_t stream, const FlashArgs& a, float* dq_accum) {
                         T::kSharedBytes);
     kernel<<<static_cast<unsigned>(blocks), T::kThreads, T::kSharedBytes, stream>>>(args);
   }
-  const int64_t convert_blocks = std::min<int64_t>((floats / 4 + 255) / 256, 65536);
+  const int64_t convert_blocks = std::min<int64_t>(floats / DqAccumulator<D>::kBlockFloats, 65536);
   if (convert_blocks > 0) {
     dq_convert_kernel<ET, D><<<static_cast<unsigned>(convert_blocks), 256, 0, stream>>>(dq_accum, a.dq, p);
   }

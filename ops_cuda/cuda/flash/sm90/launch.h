@@ -23,16 +23,15 @@ std::string launch_forward(gpuStream_t stream, const FlashArgs& a, ElementType t
 // Queries per tile of the backward: its float32 dQ accumulator holds whole tiles.
 constexpr int kBackwardQueryTile = 64;
 
-// Bytes of the backward's dQ accumulator: float32 [B, H, ceil(Sq / 64) * 64, D] (in the
-// kernel's order, backward.cuh: DqAccumulator).
-inline int64_t dq_accum_bytes(int64_t batch, int64_t heads, int64_t seqlen_q, int64_t head_dim) {
-  const int64_t rows = (seqlen_q + kBackwardQueryTile - 1) / kBackwardQueryTile * kBackwardQueryTile;
-  return batch * heads * rows * head_dim * static_cast<int64_t>(sizeof(float));
+// Floats of the backward's dQ accumulator: [B, H, ceil(Sq / 64) * 64, D] (in the kernel's
+// order, backward.cuh: DqAccumulator); the launcher and the workspace size both read it.
+FA_HOST_DEVICE inline int64_t dq_accum_floats(int64_t batch, int64_t heads, int64_t seqlen_q, int64_t head_dim) {
+  return batch * heads * ((seqlen_q + kBackwardQueryTile - 1) / kBackwardQueryTile * kBackwardQueryTile) * head_dim;
 }
 
 // Launches the backward of head dim D (64 or 128: BackwardTiles) on a device of compute
 // capability 9.0: the prologue of every backward (a.delta, a.d_offset), the sm_90a kernel,
-// whose dQ sums in dq_accum (dq_accum_bytes, zeroed here), and dq from that sum.
+// whose dQ sums in dq_accum (dq_accum_floats, zeroed here), and dq from that sum.
 // Needs a.spans summarised first and Sq, Skv > 0 (TMA describes no empty tensor). Returns ""
 // or why it could not launch; kernel errors surface through the stream's last error.
 template <int D>
