@@ -1,6 +1,8 @@
-"""benchmarks/kernel_profile.py's communication_overlap on small synthetic traces written as
-jax.profiler writes them, and benchmarks/context_parallel.py's rows, rates and its trace on
-a CPU (no GPU events: an error entry, not a crash)."""
+"""The pieces of the multi-GPU run (scripts/multi_gpu.sh): benchmarks/kernel_profile.py's
+communication_overlap on small synthetic traces written as jax.profiler writes them,
+benchmarks/context_parallel.py's rows, rates and its trace on a CPU (no GPU events: an error
+entry, not a crash), benchmarks/lm_train.py's steady rates and scripts/multi_gpu_summary.py's
+table."""
 
 from __future__ import annotations
 
@@ -17,8 +19,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+sys.path.insert(0, str(ROOT / "scripts"))
+
 import context_parallel  # noqa: E402
 import kernel_profile  # noqa: E402
+import lm_train  # noqa: E402
+import multi_gpu_summary  # noqa: E402
 
 HOST = 1
 
@@ -188,3 +194,44 @@ def test_benchmark_on_cpu_devices_records_the_trace_error_and_goes_on(tmp_path):
         ("ring", "on"), ("all_gather", "on")]
     assert all("error" in o for o in result["overlap"])
     assert "overlap ring s=64" in done.stdout
+
+
+def test_steady_rates_weigh_each_interval_by_its_time():
+    """Intervals after the step: total steps over total time (10 steps at 100/s and 10 at
+    300/s take 0.1 + 0.033 s: 150/s), not the mean of the rates; none after it: None."""
+    metrics = [{"step": 1, "loss": 5.0}, {"step": 10, "loss": 4.0, "tokens_per_s": 5.0, "mfu": 0.005},
+               {"step": 20, "loss": 3.0, "tokens_per_s": 100.0, "mfu": 0.1},
+               {"step": 30, "loss": 2.0, "tokens_per_s": 300.0, "mfu": 0.3}]
+    rates = lm_train.steady_rates(metrics, 10)
+    assert rates["after_step"] == 10
+    assert rates["tokens_per_s"] == pytest.approx(150.0) and rates["mfu"] == pytest.approx(0.15)
+    assert lm_train.steady_rates(metrics, 30) == {"after_step": 30, "tokens_per_s": None, "mfu": None}
+
+
+def test_summary_table_of_the_result_files(tmp_path, capsys, monkeypatch):
+    """One line per context-parallel row, the overlap per GPU, each LM run against one GPU's
+    rate; a file cut short is named, not a crash."""
+    row = dict(seqlen=131072, impl="ring", load_balance="on", median_ms=100.0,
+               tflops_per_device=250.0, scaling_efficiency=0.9, kernels="forward sm90, backward sm90",
+               **{"pass": "fwd+bwd"})
+    overlap = {"seqlen": 131072, "impl": "ring", "load_balance": "on", "overlap_fraction": 0.75,
+               "exposed_ms_per_call": 1.5,
+               "gpus": [{"gpu": "/device:GPU:0", "communication_ms_per_call": 6.0,
+                         "overlapped_ms_per_call": 4.5, "compute_ms_per_call": 90.0}]}
+    (tmp_path / "context_parallel.json").write_text(json.dumps(
+        {"device": "4 x H200", "rows": [row], "overlap": [overlap]}))
+    for name, overrides, rate in (("gpu1", [], 400000.0),
+                                  ("data2_context2", ["--config.mesh.data=2"], 1200000.0)):
+        (tmp_path / f"lm_{name}.json").write_text(json.dumps(
+            {"overrides": overrides, "rows": [{"backend": "auto", "summary": {
+                "tokens_per_s": rate, "mfu": 0.4, "after_step": 20, "final_loss": 2.0}}]}))
+    (tmp_path / "lm_data1_context4.json").write_text('{"rows": [')
+    monkeypatch.setattr(sys, "argv", ["multi_gpu_summary.py", str(tmp_path)])
+    multi_gpu_summary.main()
+    text = capsys.readouterr().out
+    assert "ring       on   fwd+bwd     100.00     250.0  0.900" in text
+    assert "flash kernels: forward sm90, backward sm90" in text
+    assert "overlap ring lb=on s=131072: fraction 0.75, exposed 1.5 ms" in text
+    assert "/device:GPU:0: communication 6.0 ms, overlapped 4.5 ms" in text
+    assert "1,200,000 tokens/s (x3.00 of one GPU), MFU per device 40.0%" in text
+    assert "lm_data1_context4.json: unreadable" in text
