@@ -9,7 +9,7 @@
 #      each), ring and all_gather, load-balanced and in natural order, and the trace of both
 #      strategies' load-balanced fwd+bwd at s = 131072 (communication overlapped by compute);
 #   3. the LM trainer (benchmarks/lm_train.py, configs/lm_nnx.py:gpu) on 1 GPU, and on a
-#      data 2 x context 2 mesh;
+#      data 2 x context 2 mesh (N = 4);
 #   4. where time is left: the LM trainer on a data 1 x context N mesh.
 # A step whose time is not left is skipped and says so. Logs stay under /tmp/multi_gpu; $OUT
 # gets the result files (context_parallel.json, lm_*.json) and multi_gpu.log (every log);
@@ -116,7 +116,9 @@ lm() {  # lm NAME MIN [env assignments] -- overrides...
     --backends auto "${LM_STEPS[@]}" --out "$OUT/lm_$name.json" -- "${LM_SIZES[@]}" "$@"
 }
 lm gpu1 60 CUDA_VISIBLE_DEVICES=0 --
-lm data2_context2 70 -- --config.mesh.data=2 --config.mesh.context=2
+if (( N >= 4 )); then
+  lm data2_context2 70 -- --config.mesh.data=2 --config.mesh.context=2
+fi
 
 # 4. where time is left
 lm "data1_context$N" 70 -- --config.mesh.data=1 "--config.mesh.context=$N"
