@@ -1,21 +1,34 @@
 """Context parallelism: the sharded attention against one unsharded call.
 
-For each sequence length and strategy ("ring", "all_gather"; load-balanced causal
-masks) the script times fused_attn with config.context_parallel.axis = "cp" over a
-1-D mesh of the first --devices devices, forward ("fwd") and forward + VJP
-("fwd+bwd"), next to the unsharded call on one device ("unsharded"). With
---devices 1 the ring runs over a one-device axis, which measures the per-block
-overhead of the context-parallel path (merges, skipped-block predicates, the
-shard_map) against one unsharded call. Every row also records each device's
-compiled memory (argument, output and temporary bytes from memory_analysis).
+For each sequence length, load balancing ("on": each device holds chunks i and 2N-1-i
+of the causal sequence, the inputs reordered so; "off": natural token order, contiguous
+shards) and strategy ("ring", "all_gather") the script times fused_attn with
+config.context_parallel.axis = "cp" over a 1-D mesh of the first --devices devices,
+forward ("fwd") and forward + VJP ("fwd+bwd"), next to the unsharded call on one device
+("unsharded"). With --devices 1 the ring runs over a one-device axis, which measures the
+per-block overhead of the context-parallel path (merges, skipped-block predicates, the
+shard_map) against one unsharded call. Every row also records each device's compiled
+memory (argument, output and temporary bytes from memory_analysis) and, for the flash
+backend on a GPU, which kernels (sm90 / sm80) ran forward and backward.
 
-    python benchmarks/context_parallel.py --devices 8 --out benchmarks/results/context_parallel.json
+With --trace-seqlen S, after timing length S each strategy's fwd+bwd is traced for
+--trace-calls calls with jax.profiler, and the result's "overlap" entries say per GPU how
+much of the communication (NCCL kernels) ran while compute kernels ran on another stream
+(kernel_profile.communication_overlap); where no GPU trace can be read (a CPU) an entry
+holds the error instead. The results file is rewritten after each length, so a run cut
+short keeps the lengths it finished.
+
+    python benchmarks/context_parallel.py --devices 4 --backend flash --seqlens 131072 \
+        --trace-seqlen 131072 --out benchmarks/results/context_parallel.json
     # CPU smoke run with fake devices (not a measurement):
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 python benchmarks/context_parallel.py \\
-        --devices 4 --quick --out /tmp/cp.json
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python benchmarks/context_parallel.py \
+        --devices 4 --quick --trace-seqlen 256 --out /tmp/cp.json
 """
 
 from __future__ import annotations
+
+import tempfile
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +38,7 @@ import fusedattn
 from fusedattn.ops import fused_attn, reorder_causal_load_balancing
 
 from common import median_ms, parse_args, random_normal, timing, write_results
+from kernel_profile import communication_overlap, profile_call, read_trace
 
 SEQLENS = (8192, 16384, 32768)
 QUICK_SEQLENS = (256,)
@@ -41,16 +55,24 @@ def add_arguments(parser):
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--seqlens", type=int, nargs="*", default=None)
     parser.add_argument("--strategies", nargs="*", default=["ring", "all_gather"])
+    parser.add_argument("--load-balance", nargs="*", choices=("on", "off"), default=["on", "off"],
+                        help="load-balanced token order, natural order, or both (rows of each)")
+    parser.add_argument("--trace-seqlen", type=int, default=None,
+                        help="after timing this length, trace each strategy's fwd+bwd and "
+                             "measure how much communication overlaps compute")
+    parser.add_argument("--trace-calls", type=int, default=3, help="calls per trace")
+    parser.add_argument("--trace-dir", default=None,
+                        help="where the traces go (default: a new temporary folder)")
 
 
-def config_for(args, strategy: str | None):
+def config_for(args, strategy: str | None, load_balance: bool = True):
     config = fusedattn.configs.attention_config()
     config.backend = args.backend
     config.mask = "causal"
     if strategy is not None:
         config.context_parallel.axis = "cp"
         config.context_parallel.strategy = strategy
-        config.context_parallel.load_balance = True
+        config.context_parallel.load_balance = load_balance
     return config
 
 
@@ -72,7 +94,9 @@ def memory(fn, *arrays) -> dict:
             for name in ("argument", "output", "temp")}
 
 
-def measure(args, s: int, mesh) -> list[dict]:
+def measure(args, s: int, mesh) -> tuple[list[dict], list[dict]]:
+    """The rows of length s (unsharded, then each load balancing x strategy x pass) and,
+    where s is --trace-seqlen, the overlap entries of the traced strategies."""
     dtype = jnp.dtype(args.dtype)
     keys = jax.random.split(jax.random.key(s), 4)
     q = random_normal(keys[0], (args.batch, s, args.heads, args.head_dim), dtype)
@@ -81,25 +105,62 @@ def measure(args, s: int, mesh) -> list[dict]:
     w = random_normal(keys[3], q.shape, dtype)
     n = mesh.shape["cp"]
     shape = dict(batch=args.batch, seqlen=s, heads=args.heads, kv_heads=args.kv_heads,
-                 head_dim=args.head_dim, dtype=dtype.name, devices=n, backend=args.backend)
-    rows = []
+                 head_dim=args.head_dim, dtype=dtype.name, devices=n, backend=args.backend,
+                 **kernel_note(args, s))
+    rows, overlaps = [], []
     for name, fn in passes(config_for(args, None), w).items():
-        rows.append({**shape, "impl": "unsharded", "pass": name,
+        rows.append({**shape, "impl": "unsharded", "load_balance": None, "pass": name,
                      "median_ms": median_ms(fn, q, k, v, **timing(args)),
                      "memory_per_device": memory(fn, q, k, v)})
     sharding = NamedSharding(mesh, P(None, "cp"))
-    q_cp, k_cp, v_cp, w_cp = (jax.device_put(reorder_causal_load_balancing(x, n), sharding)
-                              for x in (q, k, v, w))
-    with jax.set_mesh(mesh):
-        for strategy in args.strategies:
-            for name, fn in passes(config_for(args, strategy), w_cp).items():
-                rows.append({**shape, "impl": strategy, "pass": name,
-                             "median_ms": median_ms(fn, q_cp, k_cp, v_cp, **timing(args)),
-                             "memory_per_device": memory(fn, q_cp, k_cp, v_cp)})
+    for balance in args.load_balance:
+        balanced = balance == "on"
+        order = (lambda x: reorder_causal_load_balancing(x, n)) if balanced else (lambda x: x)
+        q_cp, k_cp, v_cp, w_cp = (jax.device_put(order(x), sharding) for x in (q, k, v, w))
+        with jax.set_mesh(mesh):
+            for strategy in args.strategies:
+                fns = passes(config_for(args, strategy, balanced), w_cp)
+                for name, fn in fns.items():
+                    rows.append({**shape, "impl": strategy, "load_balance": balance, "pass": name,
+                                 "median_ms": median_ms(fn, q_cp, k_cp, v_cp, **timing(args)),
+                                 "memory_per_device": memory(fn, q_cp, k_cp, v_cp)})
+                if s == args.trace_seqlen and balance == args.load_balance[0]:
+                    overlaps.append({"seqlen": s, "devices": n, "impl": strategy,
+                                     "load_balance": balance, "pass": "fwd+bwd",
+                                     **trace_overlap(args, fns["fwd+bwd"], (q_cp, k_cp, v_cp),
+                                                     f"{strategy}_{s}")})
     add_rates(rows)
-    for row in rows:
-        print(row)
-    return rows
+    for row in rows + overlaps:
+        print(row, flush=True)
+    return rows, overlaps
+
+
+def kernel_note(args, s: int) -> dict:
+    """{"kernels": "forward sm90, backward sm90"} for the flash backend on a CUDA GPU (the
+    kernels every block call gets), else {}."""
+    if args.backend != "flash" or jax.devices()[0].platform != "gpu":
+        return {}
+    from fusedattn.ops.backends import flash_gpu
+
+    forward = flash_gpu.cuda_forward_kernel(args.head_dim, s)
+    backward = flash_gpu.cuda_backward_kernel(args.head_dim, s, s, deterministic=False)
+    return {"kernels": f"forward {forward}, backward {backward}"}
+
+
+def trace_overlap(args, fn, arrays: tuple, name: str) -> dict:
+    """Traces --trace-calls calls of fn(*arrays) (compiled and timed already) and returns
+    kernel_profile.communication_overlap of the trace, or {"error": ...} where none was
+    taken or it holds no GPU events (a CPU); "trace_dir" names the trace either way."""
+    trace_dir = Path(args.trace_dir) / name
+    profile = profile_call(fn, arrays, trace_dir, args.trace_calls)
+    if "error" in profile:
+        return profile
+    try:
+        overlap = communication_overlap(read_trace(trace_dir), args.trace_calls)
+    except (OSError, ValueError) as error:
+        return {"error": f"{type(error).__name__}: {error}", "trace_dir": str(trace_dir)}
+    return {"trace_dir": str(trace_dir),
+            "device_ms_per_call_all_gpus": profile["device_ms_per_step"], **overlap}
 
 
 def causal_flops(row: dict) -> float:
@@ -110,24 +171,54 @@ def causal_flops(row: dict) -> float:
 
 def add_rates(rows: list[dict]) -> None:
     """TF/s per device, and for sharded rows the scaling efficiency: the unsharded call's time
-    over (this time x devices); 1.0 is perfect scaling, the issue's target 0.85."""
-    alone = {row["pass"]: row["median_ms"] for row in rows if row["impl"] == "unsharded"}
+    (same length and pass) over (this time x devices); 1.0 is perfect scaling, the issue's
+    target 0.85."""
+    alone = {(row["seqlen"], row["pass"]): row["median_ms"] for row in rows
+             if row["impl"] == "unsharded"}
     for row in rows:
         n = 1 if row["impl"] == "unsharded" else row["devices"]
         row["tflops_per_device"] = causal_flops(row) / (row["median_ms"] * 1e-3) / n / 1e12
         if row["impl"] != "unsharded":
-            row["scaling_efficiency"] = alone[row["pass"]] / (row["median_ms"] * n)
+            row["scaling_efficiency"] = alone[(row["seqlen"], row["pass"])] / (row["median_ms"] * n)
 
 
 def main():
     args = parse_args("benchmarks/results/context_parallel.json", add_arguments)
     if args.devices > jax.device_count():
         raise SystemExit(f"--devices {args.devices}: only {jax.device_count()} devices here")
+    if not args.load_balance:
+        raise SystemExit("--load-balance: name 'on', 'off' or both")
+    seqlens = args.seqlens or (QUICK_SEQLENS if args.quick else SEQLENS)
+    if args.trace_seqlen is not None and args.trace_seqlen not in seqlens:
+        raise SystemExit(f"--trace-seqlen {args.trace_seqlen}: not among the lengths {list(seqlens)}; "
+                         "name one of them")
+    args.trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="cp_trace_")
     mesh = jax.make_mesh((args.devices,), ("cp",), axis_types=(AxisType.Auto,),
                          devices=jax.devices()[:args.devices])
-    seqlens = args.seqlens or (QUICK_SEQLENS if args.quick else SEQLENS)
-    rows = [row for s in seqlens for row in measure(args, s, mesh)]
-    write_results(args.out, rows, mask="causal", load_balance=True)
+    rows, overlaps = [], []
+    for s in seqlens:
+        more_rows, more_overlaps = measure(args, s, mesh)
+        rows += more_rows
+        overlaps += more_overlaps
+        write_results(args.out, rows, mask="causal", load_balance=args.load_balance,
+                      overlap=overlaps)
+    print_table(rows, overlaps)
+
+
+def print_table(rows: list[dict], overlaps: list[dict]) -> None:
+    """One line per row (ms, TF/s per device, scaling efficiency), then the overlaps."""
+    print(f"{'s':>7} {'impl':<10} {'lb':<4} {'pass':<8} {'ms':>10} {'TF/s/dev':>9} {'eff':>6}")
+    for row in rows:
+        efficiency = row.get("scaling_efficiency")
+        print(f"{row['seqlen']:>7} {row['impl']:<10} {str(row['load_balance'] or '-'):<4} "
+              f"{row['pass']:<8} {row['median_ms']:>10.2f} {row['tflops_per_device']:>9.1f} "
+              f"{'-' if efficiency is None else format(efficiency, '.3f'):>6}")
+    for entry in overlaps:
+        if "error" in entry:
+            print(f"overlap {entry['impl']} s={entry['seqlen']}: {entry['error']}")
+        else:
+            print(f"overlap {entry['impl']} s={entry['seqlen']}: fraction {entry['overlap_fraction']}, "
+                  f"exposed {entry['exposed_ms_per_call']} ms per call per GPU")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ matmul, our own kernels, copies, other XLA fusions), lists the longest kernels
 with their calls per step, and where the GPU sits idle between kernels (the idle
 gaps by the kernel that ends before them and the one that starts after). On the
 host side it lists where the CPU threads spend their time per step (host_summary:
-each traced event's own time, without the events nested in it). Used by
+each traced event's own time, without the events nested in it). Over several GPUs
+it tells how much of each GPU's communication (NCCL kernels) runs while compute
+kernels run on its other streams (communication_overlap). Used by
 benchmarks/lm_train.py --profile, benchmarks/layers.py --profile DIR and
 benchmarks/small_seq.py --profile DIR (through profile_call); also on its own:
 
@@ -53,11 +55,13 @@ class Event(NamedTuple):
 
 class Trace(NamedTuple):
     """A jax.profiler trace: each line's complete ("X") events in start order, by
-    (pid, tid); the lines' thread names; the GPU processes' pids."""
+    (pid, tid); the lines' thread names; the GPU processes' pids; each process's name
+    by pid (e.g. "/device:GPU:0")."""
 
     lines: dict[tuple, list[Event]]
     threads: dict[tuple, str]
     gpu_pids: set
+    processes: dict
 
 
 def read_trace(trace_dir: Path) -> Trace:
@@ -66,8 +70,9 @@ def read_trace(trace_dir: Path) -> Trace:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
     meta = [e for e in events if e.get("ph") == "M"]
-    gpu_pids = {e["pid"] for e in meta if e.get("name") == "process_name"
-                and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
+    processes = {e["pid"]: str(e.get("args", {}).get("name", "")) for e in meta
+                 if e.get("name") == "process_name"}
+    gpu_pids = {pid for pid, name in processes.items() if "/device:GPU" in name}
     threads = {(e["pid"], e.get("tid")): str(e.get("args", {}).get("name", "")) for e in meta
                if e.get("name") == "thread_name"}
     lines: dict[tuple, list[Event]] = collections.defaultdict(list)
@@ -77,7 +82,7 @@ def read_trace(trace_dir: Path) -> Trace:
                 Event(e["name"], float(e.get("ts", 0.0)), float(e.get("dur", 0.0))))
     for line in lines.values():
         line.sort(key=lambda event: event.start_us)
-    return Trace(dict(lines), threads, gpu_pids)
+    return Trace(dict(lines), threads, gpu_pids, processes)
 
 
 def device_events(trace: Trace) -> list[Event]:
@@ -93,6 +98,92 @@ def device_events(trace: Trace) -> list[Event]:
                          f"{sorted({n for key, n in trace.threads.items() if key[0] in trace.gpu_pids})}")
     return sorted((event for key in streams for event in trace.lines.get(key, [])),
                   key=lambda event: event.start_us)
+
+
+# A device event moves data between GPUs when its name matches (case-insensitive): NCCL's
+# kernels (ncclDevKernel_SendRecv, ncclKernel_AllGather_RING_LL, ...), XLA's names of its
+# collectives, and peer-to-peer copies.
+COMMUNICATION = (r"nccl|send_?recv|all[-_]?gather|reduce[-_]?scatter|all[-_]?reduce|all[-_]?to[-_]?all"
+                 r"|collective[-_]?permute|memcpy ?p(2|to)p|peer")
+
+
+def is_communication(name: str) -> bool:
+    return re.search(COMMUNICATION, name, re.IGNORECASE) is not None
+
+
+def _union(intervals) -> list[tuple[float, float]]:
+    """The union of [start, end) intervals as disjoint intervals in start order."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def _intersection_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """The length of the intersection of two unions of disjoint intervals in start order."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def communication_overlap(trace: Trace, calls: int, top: int = 5) -> dict:
+    """How much of each GPU's communication runs alongside its compute, per traced call.
+
+    For each GPU process of the trace: communication is the union in time of the events on
+    its "Stream ..." lines whose names match COMMUNICATION (an NCCL kernel's time includes
+    its wait for the peer); compute is the union of its other events (kernels and copies).
+    A stream runs one event at a time, so only other streams' kernels can overlap a
+    communication kernel. Returns {"gpus": [per GPU: "gpu" (the process name),
+    "communication_ms_per_call", "overlapped_ms_per_call" (communication while compute
+    runs), "exposed_ms_per_call" (the rest), "overlap_fraction" (overlapped / communication,
+    None without communication), "compute_ms_per_call", "communication_kernels" (the `top`
+    names by time)], and over all GPUs together "overlap_fraction" and the mean
+    "exposed_ms_per_call"}. Raises ValueError when no GPU has a "Stream" line.
+    """
+    per_call = 1e-3 / calls
+    gpus, totals = [], [0.0, 0.0]  # totals: communication and overlapped microseconds
+    for pid in sorted(trace.gpu_pids, key=lambda p: trace.processes.get(p, str(p))):
+        streams = [key for key, name in trace.threads.items()
+                   if key[0] == pid and name.startswith("Stream")]
+        if not streams:
+            continue
+        events = [event for key in streams for event in trace.lines.get(key, [])]
+        talk = [e for e in events if is_communication(e.name)]
+        communication = _union((e.start_us, e.start_us + e.us) for e in talk)
+        compute = _union((e.start_us, e.start_us + e.us) for e in events
+                         if not is_communication(e.name))
+        talk_us, overlapped_us = _length(communication), _intersection_length(communication, compute)
+        totals[0] += talk_us
+        totals[1] += overlapped_us
+        by_name: dict[str, float] = collections.defaultdict(float)
+        for event in talk:
+            by_name[event.name] += event.us
+        gpus.append({"gpu": trace.processes.get(pid, str(pid)),
+                     "communication_ms_per_call": round(talk_us * per_call, 4),
+                     "overlapped_ms_per_call": round(overlapped_us * per_call, 4),
+                     "exposed_ms_per_call": round((talk_us - overlapped_us) * per_call, 4),
+                     "overlap_fraction": round(overlapped_us / talk_us, 4) if talk_us else None,
+                     "compute_ms_per_call": round(_length(compute) * per_call, 4),
+                     "communication_kernels": [name[:100] for name, _ in sorted(
+                         by_name.items(), key=lambda item: -item[1])[:top]]})
+    if not gpus:
+        raise ValueError("no GPU process of the trace has a 'Stream' line (no GPU events)")
+    return {"gpus": gpus,
+            "overlap_fraction": round(totals[1] / totals[0], 4) if totals[0] else None,
+            "exposed_ms_per_call": round((totals[0] - totals[1]) * per_call / len(gpus), 4)}
 
 
 def host_self_times(trace: Trace) -> dict[str, tuple[float, float, int]]:

@@ -4,7 +4,9 @@ Runs examples/lm/main.py --config=configs/lm_nnx.py:gpu (12 layers, d_model 1024
 sequence 2048, packed documents, bf16) for a short run per attention backend
 ("xla" and "auto"; more with --backends) and, with --framework equinox, the Equinox
 model. Steady-state rates come from the trainer's own summary (intervals after
-the first, which holds compilation). Writes the summaries and the runs' metrics.
+the first, which holds compilation), or with --steady-after N from the logged intervals
+after step N (on a device mesh the interval ending at step 10 holds a second
+compilation of the step). Writes the summaries and the runs' metrics.
 With --profile N, a further short run of the last backend traces N steps with
 jax.profiler and adds the device time per kernel kind (benchmarks/kernel_profile.py):
 where a step's time goes besides the matmuls.
@@ -25,6 +27,24 @@ from common import write_results
 from kernel_profile import print_summary, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def steady_rates(metrics: list[dict], after_step: int) -> dict:
+    """{"after_step", "tokens_per_s", "mfu"} over the logged intervals that end after
+    after_step: total steps over total time, each interval's time being its steps over its
+    rate (MFU is proportional to the rate, so it combines the same way); None where no such
+    interval has the rate."""
+    intervals, previous = [], 0
+    for record in metrics:
+        if record["step"] > after_step and "tokens_per_s" in record:
+            intervals.append((record["step"] - previous, record))
+        previous = record["step"]
+    rates = {"after_step": after_step}
+    for key in ("tokens_per_s", "mfu"):
+        known = [(steps, record[key]) for steps, record in intervals if record.get(key)]
+        rates[key] = (sum(steps for steps, _ in known) / sum(steps / rate for steps, rate in known)
+                      if known else None)
+    return rates
 
 
 def run(backend: str, framework: str, steps: int, extra: list[str], profile_steps: int = 0) -> dict:
@@ -63,9 +83,21 @@ def main():
     parser.add_argument("--framework", default="nnx", choices=("nnx", "equinox"))
     parser.add_argument("--profile", type=int, default=0,
                         help="trace this many steps of a further run of the last backend")
+    parser.add_argument("--steady-after", type=int, default=0,
+                        help="rates from the logged intervals after this step (0: the trainer's "
+                             "summary, every interval after the first)")
     parser.add_argument("overrides", nargs="*", help="extra --config.a.b=value flags")
     args = parser.parse_args()
+    if not 0 <= args.steady_after < args.steps:
+        raise SystemExit(f"--steady-after {args.steady_after}: choose a step from 0 to "
+                         f"--steps - 1 ({args.steps - 1}), so that some interval comes after it")
     runs = [run(b, args.framework, args.steps, args.overrides) for b in args.backends.split(",")]
+    if args.steady_after:  # the trainer's own rates stay as trainer_tokens_per_s, trainer_mfu
+        for r in runs:
+            if "summary" in r:
+                r["summary"].update(trainer_tokens_per_s=r["summary"].get("tokens_per_s"),
+                                    trainer_mfu=r["summary"].get("mfu"),
+                                    **steady_rates(r["metrics"], args.steady_after))
     if args.profile:
         backend = args.backends.split(",")[-1]
         profiled = run(backend, args.framework, args.profile + 20, args.overrides, args.profile)
