@@ -54,8 +54,8 @@ struct BackwardControl {
   int32_t padded[kStages];  // the query tile may hold padding queries (segment id 0)
   // Per stage and query of the tile: lse * log2(e) and delta (+inf and 0 past the end and
   // for padding queries: P = 0 and dS = 0 whatever dO holds there).
-  alignas(8) float lse_log2[kStages][kM];  // read as float2 pairs
-  alignas(8) float delta[kStages][kM];
+  float lse_log2[kStages][kM];
+  float delta[kStages][kM];
   // Of a tile that is not all visible: the keys each query sees (the consumers' mask).
   QueryRange sees[kStages][kM];
 };
@@ -236,14 +236,6 @@ __device__ __forceinline__ void store_scores_t(uint32_t ds, int row0, int lane, 
 
 // One consumer warpgroup (index cw, 0 or 1): keys n0 + 64 cw .. + 63. kDropout: p.dropout (a
 // template argument, so that the loop without dropout carries none of its registers).
-// The pairs of a per-query row of shared floats (a stage's lse or delta) at the query
-// columns of a lane's fragments: pair n holds queries 8 n + 2 (lane % 4) + 0..1.
-template <int kM>
-__device__ __forceinline__ void load_query_pairs(const float* row, int lane, float2 (&pairs)[kM / 8]) {
-#pragma unroll
-  for (int n = 0; n < kM / 8; ++n) pairs[n] = *reinterpret_cast<const float2*>(row + 8 * n + 2 * (lane % 4));
-}
-
 template <ElementType ET, int D, bool kDropout>
 __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint32_t base, typename BackwardTiles<D>::Control* control,
                                                  int64_t b, int64_t g, int64_t n0, int cw) {
@@ -307,20 +299,16 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
       mbarrier_arrive(smem_address(&control->empty[(i - 1) % T::kStages]));
     }
 
+    const float* lse_log2 = control->lse_log2[s] + 2 * (lane % 4);  // + 8 n + e: query column (n, e)
+    const float* delta = control->delta[s] + 2 * (lane % 4);
     const FragmentCoords qc{at.row0, m0, lane};  // columns: queries
-    // The lane's queries' lse (and below delta): query column (n, e) at 8 n + 2 (lane % 4) + e % 2,
-    // read while the products run (read after them, their latency held up the exponentials).
-    float2 row_lse[T::kM / 8];
-    load_query_pairs<T::kM>(control->lse_log2[s], lane, row_lse);
 
     cute::warpgroup_wait<1>();
     fence_accumulators(st);
 #pragma unroll
     for (int n = 0; n < T::kM / 8; ++n) {
-      st[n][0] = fast_exp2(fmaf(st[n][0], scale_log2, -row_lse[n].x));
-      st[n][1] = fast_exp2(fmaf(st[n][1], scale_log2, -row_lse[n].y));
-      st[n][2] = fast_exp2(fmaf(st[n][2], scale_log2, -row_lse[n].x));
-      st[n][3] = fast_exp2(fmaf(st[n][3], scale_log2, -row_lse[n].y));
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[n][e] = fast_exp2(fmaf(st[n][e], scale_log2, -lse_log2[8 * n + e % 2]));
     }
     if (!all_visible) {
       const KeyRows keys = key_rows(context(), at, p.seqlen_kv);
@@ -329,8 +317,6 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
       });
       mask_fragment(st, 0.0f, [&](int n, int e) { return ((seen >> (4 * n + e)) & 1u) != 0; });
     }
-    const float* row_delta = control->delta[s] + 2 * (lane % 4);
-    const auto delta = [&](int n, int e) { return row_delta[8 * n + e % 2]; };
     cute::warpgroup_wait<0>();
     fence_accumulators(dpt);
     // st: P^T; then dS^T = P^T o (drop o dP^T - delta) into dpt, and st: (P o drop)^T
@@ -344,7 +330,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float f = ((kept >> (4 * n + e)) & 1u) != 0 ? p.dropout_scale : 0.0f;
-          dpt[n][e] = st[n][e] * (f * dpt[n][e] - delta(n, e));
+          dpt[n][e] = st[n][e] * (f * dpt[n][e] - delta[8 * n + e % 2]);
           st[n][e] *= f;
         }
       }
@@ -352,7 +338,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
 #pragma unroll
       for (int n = 0; n < T::kM / 8; ++n) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dpt[n][e] = st[n][e] * (dpt[n][e] - delta(n, e));
+        for (int e = 0; e < 4; ++e) dpt[n][e] = st[n][e] * (dpt[n][e] - delta[8 * n + e % 2]);
       }
     }
     uint32_t weights[T::kM / 16][4], scores[T::kM / 16][4];  // (P o drop)^T and dS^T as A operands
