@@ -312,6 +312,46 @@ def test_ring_never_gathers_kv_and_all_gather_does(rng):
     assert "reduce-scatter" in gather
 
 
+def scan_bodies(jaxpr) -> list:
+    """The body jaxprs of every lax.scan in a jaxpr, at any depth."""
+    bodies = []
+    for eqn in jaxpr.eqns:
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    if eqn.primitive.name == "scan":
+                        bodies.append(inner)
+                    bodies += scan_bodies(inner)
+    return bodies
+
+
+@pytest.mark.parametrize("n", [4, 3])
+def test_ring_sends_only_what_a_step_starts_with(rng, n):
+    """In the ring's scanned steps, forward and backward, every ppermute reads the step's
+    loop-carried values, nothing the step computes: the K/V block and the dK/dV
+    accumulators of the block before can travel while the step's attention runs."""
+    overrides, inputs = build(rng, "xla", CASES["causal"])
+    config = make_config(**overrides)
+    config.context_parallel.axis, config.context_parallel.strategy = "cp", "ring"
+    mesh = make_mesh((n,))
+    spec = NamedSharding(mesh, P(None, "cp"))
+    q, k, v, w = (jax.device_put(inputs[name][:, :24], spec) for name in ("q", "k", "v", "w"))
+
+    def loss(q, k, v):
+        return jnp.sum(fused_attn((q, k, v), config=config) * w)
+
+    with jax.set_mesh(mesh):
+        jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    sent = [(eqn, body) for body in scan_bodies(jaxpr.jaxpr) for eqn in body.eqns
+            if eqn.primitive.name == "ppermute"]
+    floats = [eqn for eqn, _ in sent if jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating)]
+    assert len(floats) == 6, floats  # forward k, v; backward k, v and the dK, dV accumulators
+    for eqn, body in sent:
+        carried = set(map(id, body.invars))
+        assert all(id(x) in carried for x in eqn.invars), eqn
+
+
 def test_ring_memory_per_device_scales_down(rng):
     check_memory_scales_down(rng, make_mesh())
 

@@ -1,7 +1,7 @@
 """The per-device loops of context parallelism and the slicing they share.
 
 _over_blocks visits every device's K/V block (ring: blocks circulate with ppermute and
-accumulators travel with them; all_gather: blocks sliced from the gathered K/V,
+accumulators follow them one step behind; all_gather: blocks sliced from the gathered K/V,
 accumulators reduce-scattered); _over_pairs visits every (query piece, key piece) pair
 of a block as a canonical call, with its dropout mask drawn at global indices.
 """
@@ -36,47 +36,66 @@ def _over_blocks(plan: _Plan, operands: dict, travel, state, visit):
 
     kv = (k, v, kv_seg, kv_pos, kv_index) of the block of device `source` (traced).
     travel: accumulators shaped like a K/V block (the backward's dK/dV; () in the
-    forward). Under the ring the blocks circulate with jax.lax.ppermute (the next one is
-    sent before the current one is used) and each accumulator travels with its block,
-    arriving home after the last step; under all_gather the blocks are sliced from the
-    gathered K/V and the accumulators are reduce-scattered. Returns (travel, state), travel
-    for this device's own block.
+    forward), given as zeros: visit adds one block's contributions to the travel it gets.
+    Under the ring the blocks circulate with jax.lax.ppermute and the accumulators of each
+    block follow it one step behind (_ring); under all_gather the blocks are sliced from
+    the gathered K/V and the accumulators are reduce-scattered. Returns (travel, state),
+    travel for this device's own block.
     """
     kv = (operands["k"], operands["v"], *operands["kv_tok"])
     width = kv[0].shape[1]
-    if not plan.ring:
-        gathered = tuple(jax.lax.all_gather(x, plan.axis, axis=0 if x.ndim == 1 else 1,
-                                            tiled=True) for x in kv)
-        full = jax.tree.map(lambda x: jnp.zeros(x.shape[:1] + (width * plan.size,) + x.shape[2:],
-                                                x.dtype), travel)
+    if plan.ring:
+        return _ring(plan, kv, travel, state, visit)
+    gathered = tuple(jax.lax.all_gather(x, plan.axis, axis=0 if x.ndim == 1 else 1,
+                                        tiled=True) for x in kv)
+    full = jax.tree.map(lambda x: jnp.zeros(x.shape[:1] + (width * plan.size,) + x.shape[2:],
+                                            x.dtype), travel)
 
-        def gathered_step(carry, source):
-            full, state = carry
-            start = source * width
-            part, state = visit(source, tuple(_seq_slice(x, start, width) for x in gathered),
-                                jax.tree.map(lambda x: _seq_slice(x, start, width), full), state)
-            full = jax.tree.map(lambda x, p: _seq_update(x, p, start), full, part)
-            return (full, state), None
+    def gathered_step(carry, source):
+        full, state = carry
+        start = source * width
+        part, state = visit(source, tuple(_seq_slice(x, start, width) for x in gathered),
+                            jax.tree.map(lambda x: _seq_slice(x, start, width), full), state)
+        full = jax.tree.map(lambda x, p: _seq_update(x, p, start), full, part)
+        return (full, state), None
 
-        (full, state), _ = jax.lax.scan(gathered_step, (full, state), jnp.arange(plan.size))
-        travel = jax.tree.map(
-            lambda x: jax.lax.psum_scatter(x, plan.axis, scatter_dimension=1, tiled=True), full)
-        return travel, state
+    (full, state), _ = jax.lax.scan(gathered_step, (full, state), jnp.arange(plan.size))
+    travel = jax.tree.map(
+        lambda x: jax.lax.psum_scatter(x, plan.axis, scatter_dimension=1, tiled=True), full)
+    return travel, state
 
+
+def _ring(plan: _Plan, kv: tuple, zeros, state, visit):
+    """_over_blocks under the ring: at step t this device holds the block of device
+    me - t. Each step sends that block on (but the last), and sends on the accumulators of
+    the block it held the step before (but the first); both sends read only what the step
+    starts with, so they can run while the step's attention does. The step's own
+    contributions go into fresh accumulators (zeros), added to the ones that arrived from
+    the device before (which held this block one step earlier) at the end of the step.
+    After the last step the accumulators go home. The steps between are one lax.scan; the
+    last, which sends no block, is a copy of its own, and so is the first, which sends no
+    accumulators, where there are any (the forward has none: its first step is scanned)."""
     me = jax.lax.axis_index(plan.axis)
 
-    def ring_step(kv, travel, state, step, last: bool):
+    def ring_step(kv, held, state, step, first: bool, last: bool):
         following = None if last else _rotate(plan, kv)
-        travel, state = visit((me - step) % plan.size, kv, travel, state)
-        return following, _rotate(plan, travel), state
+        arrived = None if first else _rotate(plan, held)
+        mine, state = visit((me - step) % plan.size, kv, zeros, state)
+        held = mine if first else jax.tree.map(jnp.add, arrived, mine)
+        return following, held, state
 
     def scanned(carry, step):
-        return ring_step(*carry, step, last=False), None
+        return ring_step(*carry, step, first=False, last=False), None
 
-    (kv, travel, state), _ = jax.lax.scan(scanned, (kv, travel, state),
-                                          jnp.arange(plan.size - 1))
-    _, travel, state = ring_step(kv, travel, state, plan.size - 1, last=True)
-    return travel, state
+    carry, start = (kv, zeros, state), 0
+    if jax.tree.leaves(zeros):
+        carry, start = ring_step(kv, None, state, 0, first=True, last=plan.size == 1), 1
+    if plan.size - 1 > start:
+        carry, _ = jax.lax.scan(scanned, carry, jnp.arange(start, plan.size - 1))
+    if plan.size > start:
+        carry = ring_step(*carry, plan.size - 1, first=False, last=True)
+    _, held, state = carry
+    return _rotate(plan, held), state
 
 
 def _over_pairs(plan: _Plan, operands: dict, source, kv: tuple, carry, visit):
