@@ -8,15 +8,16 @@ forward ("fwd") and forward + VJP ("fwd+bwd"), next to the unsharded call on one
 ("unsharded"). With --devices 1 the ring runs over a one-device axis, which measures the
 per-block overhead of the context-parallel path (merges, skipped-block predicates, the
 shard_map) against one unsharded call. Every row also records each device's compiled
-memory (argument, output and temporary bytes from memory_analysis) and, for the flash
-backend on a GPU, which kernels (sm90 / sm80) ran forward and backward.
+memory (argument, output and temporary bytes from memory_analysis), the first call's
+seconds (compilation and one call) and, for the flash backend on a GPU, which kernels
+(sm90 / sm80) ran forward and backward.
 
 With --trace-seqlen S, after timing length S each strategy's fwd+bwd is traced for
 --trace-calls calls with jax.profiler, and the result's "overlap" entries say per GPU how
 much of the communication (NCCL kernels) ran while compute kernels ran on another stream
 (kernel_profile.communication_overlap); where no GPU trace can be read (a CPU) an entry
-holds the error instead. The results file is rewritten after each length, so a run cut
-short keeps the lengths it finished.
+holds the error instead; each entry has the seconds its trace took. The results file is
+rewritten after each length, so a run cut short keeps the lengths it finished.
 
     python benchmarks/context_parallel.py --devices 4 --backend flash --seqlens 131072 \
         --trace-seqlen 131072 --out benchmarks/results/context_parallel.json
@@ -28,6 +29,7 @@ short keeps the lengths it finished.
 from __future__ import annotations
 
 import tempfile
+import time
 from pathlib import Path
 
 import jax
@@ -110,8 +112,7 @@ def measure(args, s: int, mesh) -> tuple[list[dict], list[dict]]:
     rows, overlaps = [], []
     for name, fn in passes(config_for(args, None), w).items():
         rows.append({**shape, "impl": "unsharded", "load_balance": None, "pass": name,
-                     "median_ms": median_ms(fn, q, k, v, **timing(args)),
-                     "memory_per_device": memory(fn, q, k, v)})
+                     **timed(args, fn, (q, k, v))})
     sharding = NamedSharding(mesh, P(None, "cp"))
     for balance in args.load_balance:
         balanced = balance == "on"
@@ -122,8 +123,7 @@ def measure(args, s: int, mesh) -> tuple[list[dict], list[dict]]:
                 fns = passes(config_for(args, strategy, balanced), w_cp)
                 for name, fn in fns.items():
                     rows.append({**shape, "impl": strategy, "load_balance": balance, "pass": name,
-                                 "median_ms": median_ms(fn, q_cp, k_cp, v_cp, **timing(args)),
-                                 "memory_per_device": memory(fn, q_cp, k_cp, v_cp)})
+                                 **timed(args, fn, (q_cp, k_cp, v_cp))})
                 if s == args.trace_seqlen and balance == args.load_balance[0]:
                     overlaps.append({"seqlen": s, "devices": n, "impl": strategy,
                                      "load_balance": balance, "pass": "fwd+bwd",
@@ -133,6 +133,16 @@ def measure(args, s: int, mesh) -> tuple[list[dict], list[dict]]:
     for row in rows + overlaps:
         print(row, flush=True)
     return rows, overlaps
+
+
+def timed(args, fn, arrays: tuple) -> dict:
+    """first_call_s (the first call's wall seconds: compilation and one call), median_ms and
+    memory_per_device of fn(*arrays)."""
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*arrays))
+    first_call_s = round(time.perf_counter() - start, 2)
+    return {"median_ms": median_ms(fn, *arrays, **timing(args)), "first_call_s": first_call_s,
+            "memory_per_device": memory(fn, *arrays)}
 
 
 def kernel_note(args, s: int) -> dict:
@@ -152,15 +162,16 @@ def trace_overlap(args, fn, arrays: tuple, name: str) -> dict:
     kernel_profile.communication_overlap of the trace, or {"error": ...} where none was
     taken or it holds no GPU events (a CPU); "trace_dir" names the trace either way."""
     trace_dir = Path(args.trace_dir) / name
+    start = time.perf_counter()
     profile = profile_call(fn, arrays, trace_dir, args.trace_calls)
-    if "error" in profile:
-        return profile
-    try:
-        overlap = communication_overlap(read_trace(trace_dir), args.trace_calls)
-    except (OSError, ValueError) as error:
-        return {"error": f"{type(error).__name__}: {error}", "trace_dir": str(trace_dir)}
-    return {"trace_dir": str(trace_dir),
-            "device_ms_per_call_all_gpus": profile["device_ms_per_step"], **overlap}
+    if "error" not in profile:
+        try:
+            overlap = communication_overlap(read_trace(trace_dir), args.trace_calls)
+            profile = {"trace_dir": str(trace_dir),
+                       "device_ms_per_call_all_gpus": profile["device_ms_per_step"], **overlap}
+        except (OSError, ValueError) as error:
+            profile = {"error": f"{type(error).__name__}: {error}", "trace_dir": str(trace_dir)}
+    return {**profile, "trace_s": round(time.perf_counter() - start, 2)}
 
 
 def causal_flops(row: dict) -> float:
@@ -197,7 +208,9 @@ def main():
                          devices=jax.devices()[:args.devices])
     rows, overlaps = [], []
     for s in seqlens:
+        start = time.perf_counter()
         more_rows, more_overlaps = measure(args, s, mesh)
+        print(f"s={s}: {time.perf_counter() - start:.1f} s", flush=True)
         rows += more_rows
         overlaps += more_overlaps
         write_results(args.out, rows, mask="causal", load_balance=args.load_balance,

@@ -17,12 +17,18 @@
 #   usage: bash scripts/multi_gpu.sh
 #   MULTI_GPU_DRY_RUN=1 bash scripts/multi_gpu.sh   # the same steps at toy sizes on 4 fake CPU
 #                                                   # devices, no build: checks the script only
+# Settings (environment): STEPS (default "tests cp lm": which of the three run), CP_SEQLENS
+# (default "131072 262144 32768"), CP_LOAD_BALANCE ("on off"), CP_TRACE (the length traced,
+# default 131072; empty: no trace), CP_WANT (the benchmark step's seconds, 220), XLA_FLAGS
+# (passed on), e.g. the s=262144 rows alone:
+#   STEPS=cp CP_SEQLENS=262144 CP_LOAD_BALANCE=on CP_TRACE= bash scripts/multi_gpu.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/multi_gpu-out}
 LOGS=/tmp/multi_gpu
 DEADLINE=${DEADLINE:-560}
 DRY=${MULTI_GPU_DRY_RUN:-0}
+STEPS=${STEPS:-tests cp lm}
 rm -rf "$LOGS"
 mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1
@@ -52,9 +58,10 @@ step() {
 }
 
 if [ "$DRY" = 1 ]; then
-  export JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=4"
+  export JAX_PLATFORMS=cpu XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=4"
   CP_SIZES=(--backend xla --heads 2 --kv-heads 2 --head-dim 16)
-  CP_SEQLENS=(--seqlens 256 512 128 --trace-seqlen 256)
+  read -ra CP_SEQLENS <<< "${CP_SEQLENS:-256 512 128}"
+  CP_TRACE=${CP_TRACE-256}
   LM_SIZES=(--config.model.num_layers=1 --config.model.d_model=64 --config.model.num_heads=2
             --config.model.num_kv_heads=2 --config.model.mlp_dim=128 --config.data.batch_size=4
             --config.data.seq_len=128 --config.model.max_len=128 --config.data.max_doc_len=64
@@ -67,11 +74,16 @@ else
   fi
   export NCCL_NVLS_ENABLE=0
   CP_SIZES=(--backend flash --heads 16 --kv-heads 16 --head-dim 128)
-  CP_SEQLENS=(--seqlens 131072 262144 32768 --trace-seqlen 131072)
+  read -ra CP_SEQLENS <<< "${CP_SEQLENS:-131072 262144 32768}"
+  CP_TRACE=${CP_TRACE-131072}
   LM_SIZES=()
   LM_STEPS=(--steps 40 --steady-after 20)
 fi
 CP_TIMING=(--repeats 3 --iters 1 --min-window-ms 0)
+read -ra CP_LOAD_BALANCE <<< "${CP_LOAD_BALANCE:-on off}"
+CP_TRACE_ARGS=(); [ -n "$CP_TRACE" ] && CP_TRACE_ARGS=(--trace-seqlen "$CP_TRACE")
+# wants STEP: whether STEPS names it
+wants() { [[ " $STEPS " == *" $1 "* ]]; }
 
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
@@ -94,34 +106,42 @@ if [ -z "${N:-}" ] || (( N < 2 )); then
 fi
 note "devices: $N x $KIND"
 
+note "XLA_FLAGS=${XLA_FLAGS:-}"
+
 # 1. GPU tests (on the CPU in a dry run: collected, then skipped as GPU tests are there).
 mkdir -p "$LOGS/tests"
-tests_limit=$(budget 110)
-note "tests (-m gpu, 3 shards, ${tests_limit}s each):"
-while read -r line; do note "  $line"; done < <(
-  SHARDS=3 LOG_DIR="$LOGS/tests" TEST_TIMEOUT=$(( tests_limit > 40 ? tests_limit - 30 : 10 )) \
-    bash scripts/pytest_shards.sh -m gpu tests/test_context_parallel.py tests/test_sharding.py)
+if wants tests; then
+  tests_limit=$(budget 110)
+  note "tests (-m gpu, 3 shards, ${tests_limit}s each):"
+  while read -r line; do note "  $line"; done < <(
+    SHARDS=3 LOG_DIR="$LOGS/tests" TEST_TIMEOUT=$(( tests_limit > 40 ? tests_limit - 30 : 10 )) \
+      bash scripts/pytest_shards.sh -m gpu tests/test_context_parallel.py tests/test_sharding.py)
+fi
+touch "$LOGS/tests/tests.log"
 
 # 2. context parallelism, with the trace
-step "context_parallel on $N" 220 60 cp.log \
-  python3 benchmarks/context_parallel.py --devices "$N" "${CP_SIZES[@]}" "${CP_SEQLENS[@]}" \
-    --strategies ring all_gather --load-balance on off "${CP_TIMING[@]}" \
-    --trace-dir "$LOGS/traces" --out "$OUT/context_parallel.json"
+if wants cp; then
+  step "context_parallel on $N" "${CP_WANT:-220}" 60 cp.log \
+    python3 benchmarks/context_parallel.py --devices "$N" "${CP_SIZES[@]}" \
+      --seqlens "${CP_SEQLENS[@]}" "${CP_TRACE_ARGS[@]}" --strategies ring all_gather \
+      --load-balance "${CP_LOAD_BALANCE[@]}" "${CP_TIMING[@]}" \
+      --trace-dir "$LOGS/traces" --out "$OUT/context_parallel.json"
+fi
 
-# 3. the LM trainer: one device, then data 2 x context 2
+# 3. the LM trainer: one device, then data 2 x context 2; 4. where time is left, 1 x N
 lm() {  # lm NAME MIN [env assignments] -- overrides...
   local name=$1 min=$2; shift 2
   local env=(); while [ "$1" != -- ]; do env+=("$1"); shift; done; shift
   step "lm $name" 120 "$min" "lm_$name.log" env "${env[@]}" python3 benchmarks/lm_train.py \
     --backends auto "${LM_STEPS[@]}" --out "$OUT/lm_$name.json" -- "${LM_SIZES[@]}" "$@"
 }
-lm gpu1 60 CUDA_VISIBLE_DEVICES=0 --
-if (( N >= 4 )); then
-  lm data2_context2 70 -- --config.mesh.data=2 --config.mesh.context=2
+if wants lm; then
+  lm gpu1 60 CUDA_VISIBLE_DEVICES=0 --
+  if (( N >= 4 )); then
+    lm data2_context2 70 -- --config.mesh.data=2 --config.mesh.context=2
+  fi
+  lm "data1_context$N" 70 -- --config.mesh.data=1 "--config.mesh.context=$N"
 fi
-
-# 4. where time is left
-lm "data1_context$N" 70 -- --config.mesh.data=1 "--config.mesh.context=$N"
 
 # Every log in one file for $OUT (the device tool brings back a few files only).
 for f in "$LOGS"/gpu.txt "$LOGS"/devices.log "$LOGS"/tests/tests.log "$LOGS"/cp.log \

@@ -1,7 +1,7 @@
 """The short table that scripts/multi_gpu.sh prints last: each context-parallel row (length,
-impl, load balancing, pass, ms, TF/s per device, scaling efficiency), the ring's and the
-all-gather's communication overlap, and each LM run's tokens/s (with its multiple of the
-one-GPU run's, lm_gpu1.json) and MFU per device.
+impl, load balancing, pass, ms, TF/s per device, scaling efficiency, the first call's
+seconds), the ring's and the all-gather's communication overlap, and each LM run's tokens/s
+(with its multiple of the one-GPU run's, lm_gpu1.json) and MFU per device.
 
     python scripts/multi_gpu_summary.py OUT_DIR   # reads OUT_DIR/context_parallel*.json, lm_*.json
 
@@ -18,12 +18,14 @@ from pathlib import Path
 def context_parallel(path: Path) -> list[str]:
     data = json.loads(path.read_text())
     lines = [f"== {path.name}: {data.get('device', '?')}",
-             f"{'s':>7} {'impl':<10} {'lb':<4} {'pass':<8} {'ms':>9} {'TF/s/dev':>9} {'eff':>6}"]
+             f"{'s':>7} {'impl':<10} {'lb':<4} {'pass':<8} {'ms':>9} {'TF/s/dev':>9} {'eff':>6} "
+             f"{'1st s':>6}"]
     for row in data["rows"]:
-        efficiency = row.get("scaling_efficiency")
+        efficiency, first = row.get("scaling_efficiency"), row.get("first_call_s")
         lines.append(f"{row['seqlen']:>7} {row['impl']:<10} {str(row.get('load_balance') or '-'):<4} "
                      f"{row['pass']:<8} {row['median_ms']:>9.2f} {row['tflops_per_device']:>9.1f} "
-                     f"{'-' if efficiency is None else format(efficiency, '.3f'):>6}")
+                     f"{'-' if efficiency is None else format(efficiency, '.3f'):>6} "
+                     f"{'-' if first is None else format(first, '.1f'):>6}")
     kernels = {row["kernels"] for row in data["rows"] if "kernels" in row}
     if kernels:
         lines.append(f"flash kernels: {', '.join(sorted(kernels))}")
@@ -33,7 +35,8 @@ def context_parallel(path: Path) -> list[str]:
             lines.append(f"{where}: {entry['error'][:200]}")
             continue
         lines.append(f"{where}: fraction {entry['overlap_fraction']}, exposed "
-                     f"{entry['exposed_ms_per_call']} ms per call per GPU")
+                     f"{entry['exposed_ms_per_call']} ms per call per GPU (trace "
+                     f"{entry.get('trace_s', '?')} s)")
         for gpu in entry["gpus"]:
             lines.append(f"    {gpu['gpu']}: communication {gpu['communication_ms_per_call']} ms, "
                          f"overlapped {gpu['overlapped_ms_per_call']} ms, compute "

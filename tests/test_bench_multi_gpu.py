@@ -192,7 +192,8 @@ def test_benchmark_on_cpu_devices_records_the_trace_error_and_goes_on(tmp_path):
     assert all(r["scaling_efficiency"] > 0 for r in result["rows"] if r["impl"] != "unsharded")
     assert [(o["impl"], o["load_balance"]) for o in result["overlap"]] == [
         ("ring", "on"), ("all_gather", "on")]
-    assert all("error" in o for o in result["overlap"])
+    assert all("error" in o and o["trace_s"] >= 0 for o in result["overlap"])
+    assert all(r["first_call_s"] > 0 for r in result["rows"])
     assert "overlap ring s=64" in done.stdout
 
 
@@ -211,7 +212,7 @@ def test_steady_rates_weigh_each_interval_by_its_time():
 def test_summary_table_of_the_result_files(tmp_path, capsys, monkeypatch):
     """One line per context-parallel row, the overlap per GPU, each LM run against one GPU's
     rate; a file cut short is named, not a crash."""
-    row = dict(seqlen=131072, impl="ring", load_balance="on", median_ms=100.0,
+    row = dict(seqlen=131072, impl="ring", load_balance="on", median_ms=100.0, first_call_s=12.5,
                tflops_per_device=250.0, scaling_efficiency=0.9, kernels="forward sm90, backward sm90",
                **{"pass": "fwd+bwd"})
     overlap = {"seqlen": 131072, "impl": "ring", "load_balance": "on", "overlap_fraction": 0.75,
@@ -229,7 +230,7 @@ def test_summary_table_of_the_result_files(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["multi_gpu_summary.py", str(tmp_path)])
     multi_gpu_summary.main()
     text = capsys.readouterr().out
-    assert "ring       on   fwd+bwd     100.00     250.0  0.900" in text
+    assert "ring       on   fwd+bwd     100.00     250.0  0.900   12.5" in text
     assert "flash kernels: forward sm90, backward sm90" in text
     assert "overlap ring lb=on s=131072: fraction 0.75, exposed 1.5 ms" in text
     assert "/device:GPU:0: communication 6.0 ms, overlapped 4.5 ms" in text
