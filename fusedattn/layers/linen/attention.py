@@ -1,4 +1,6 @@
-"""Flax linen MultiHeadAttention over `fusedattn.ops.fused_attn`, driven by the attention config."""
+"""`MultiHeadDotProductAttention` and `MultiHeadAttention`, the Flax linen drop-ins over
+`fusedattn.ops.fused_attn` (their fields and call; the submodules and parameters, caches,
+FP8 state and dropout key live in this package's other modules)."""
 
 from __future__ import annotations
 
@@ -8,11 +10,9 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
 from fusedattn.layers import common, paged, stock
-from fusedattn.ops import Fp8State, fp8_state_init
-from fusedattn.ops.enums import SoftmaxType
+from fusedattn.layers.linen import caches, dropout, fp8, parameters
 
 Array = jax.Array
 
@@ -193,113 +193,36 @@ class MultiHeadDotProductAttention(nn.Module):
         options = common.check_options(self.num_heads, self.num_kv_heads, head_dim,
                                        rope=self.rope, rope_theta=self.rope_theta,
                                        fused_qkv=self.fused_qkv)
-        h, h_kv = options.num_heads, options.num_kv_heads
-
-        def dense(heads: int, name: str):
-            return nn.DenseGeneral(features=(heads, head_dim), axis=-1, dtype=self.dtype,
-                                   param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-                                   bias_init=self.bias_init, use_bias=self.use_bias,
-                                   precision=self.precision, dot_general=self.qkv_dot_general,
-                                   dot_general_cls=self.qkv_dot_general_cls, name=name)
-
-        if self.fused_qkv:
-            if not (inputs_k is inputs_q and inputs_v is inputs_q):
-                raise ValueError(
-                    "fused_qkv: the fused projection serves self-attention only; call with "
-                    "inputs_k=None and inputs_v=None (or build the layer with fused_qkv=False)."
-                )
-            query, key, value = common.split_fused_qkv(
-                dense(h + 2 * h_kv, "qkv")(inputs_q), h, h_kv)
-        else:
-            query = dense(h, "query")(inputs_q)
-            key = dense(h_kv, "key")(inputs_k)
-            value = dense(h_kv, "value")(inputs_v)
-
-        q_norm = k_norm = None
-        if self.normalize_qk:
-            q_norm = nn.LayerNorm(name="query_ln", use_bias=False, dtype=self.dtype,
-                                  param_dtype=self.param_dtype)
-            k_norm = nn.LayerNorm(name="key_ln", use_bias=False, dtype=self.dtype,
-                                  param_dtype=self.param_dtype)
-        softmax_offset = None
-        if spec.softmax == SoftmaxType.LEARNABLE:
-            softmax_offset = self.param("softmax_offset", nn.initializers.zeros_init(), (h,),
-                                        jnp.float32)
+        query, key, value = parameters.project(self, options, head_dim, inputs_q, inputs_k,
+                                               inputs_v)
+        q_norm, k_norm = parameters.qk_norms(self)
+        softmax_offset = parameters.softmax_offset(self, spec, options.num_heads)
 
         if pages is not None:
-            paged.check_step(pages, tuple(inputs_q.shape), "inputs_q", mask=mask, bias=bias,
-                             sequence=sequence)
-            if inputs_k is not inputs_q or inputs_v is not inputs_q or self.decode:
-                raise ValueError("pages: a paged step is self-attention over the cached "
-                                 "sequence; pass no inputs_kv/inputs_k/inputs_v, and leave "
-                                 "decode off (it selects the contiguous cache).")
-            if self.num_pages is None or self.page_size is None:
-                raise ValueError("num_pages, page_size: set both on the layer to give it a "
-                                 "paged cache before calling it with pages=.")
-            pools = [self.variable("cache", name, jnp.zeros,
-                                   (self.num_pages, self.page_size, h_kv, head_dim), key.dtype)
-                     for name in ("key_pages", "value_pages")]
-            x, new_pools = paged.step(spec, options, query, key, value, q_norm=q_norm,
-                                      k_norm=k_norm, cache=paged.PagedKVCache(
-                                          *(pool.value for pool in pools)),
-                                      pages=pages, softmax_offset=softmax_offset)
-            for pool, value_ in zip(pools, new_pools):
-                pool.value = value_
-            return self._out(x, features)
+            x = caches.paged_step(
+                self, spec, options, query, key, value, pages, tuple(inputs_q.shape),
+                q_norm=q_norm, k_norm=k_norm, softmax_offset=softmax_offset, mask=mask,
+                bias=bias, sequence=sequence,
+                separate_kv=not (inputs_k is inputs_q and inputs_v is inputs_q))
+            return parameters.output(self, x, features)
 
         cache = cache_vars = None
         if self.decode:
-            initialized = self.has_variable("cache", "cached_key")
-            cache_vars = (
-                self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype),
-                self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype),
-                self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32)),
-            )
-            if initialized:
-                cache = common.KVCache(*(v.value for v in cache_vars))
-
-        if spec.dropout_rate > 0:
-            deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
-            if not deterministic and dropout_rng is None:
-                if not self.has_rng("dropout"):
-                    raise common.missing_dropout_rng(
-                        spec, "pass rngs={'dropout': key} to init/apply (or dropout_rng=...), "
-                        "or deterministic=True.")
-                dropout_rng = self.make_rng("dropout")
-        else:
-            deterministic = True
-
-        fp8_vars = None
-        if spec.fp8_enabled:
-            initial = fp8_state_init(spec)
-            fp8_vars = Fp8State(*(self.variable(OVERWRITE_WITH_GRADIENT, name, lambda x=x: x)
-                                  for name, x in zip(("fp8_scale", "fp8_amax_history"),
-                                                     initial)))
+            cache_vars, cache = caches.decode_cache(self, key, value)
+        dropout_rng, deterministic = dropout.dropout_key(self, spec, deterministic, dropout_rng)
+        fp8_vars = fp8.variables(self, spec)
         x, new_cache, extras = common.core(
             spec, options, query, key, value, q_norm=q_norm, k_norm=k_norm, cache=cache,
             mask=mask, bias=bias, softmax_offset=softmax_offset, sequence=sequence,
-            dropout_rng=dropout_rng, deterministic=deterministic,
-            fp8_state=None if fp8_vars is None else Fp8State(*(v.value for v in fp8_vars)),
+            dropout_rng=dropout_rng, deterministic=deterministic, fp8_state=fp8.read(fp8_vars),
             return_max_logit=self.return_max_logit)
         if new_cache is not None:
-            for variable, value_ in zip(cache_vars, new_cache):
-                variable.value = value_
-        if (fp8_vars is not None and not self.is_initializing()
-                and self.is_mutable_collection(OVERWRITE_WITH_GRADIENT)):
-            for variable, value_ in zip(fp8_vars, extras.fp8_state):
-                variable.value = value_
+            caches.write(cache_vars, new_cache)
+        if fp8_vars is not None:
+            fp8.write(self, fp8_vars, extras.fp8_state)
         if self.return_max_logit:
             self.sow("intermediates", "max_logit", extras.max_logit)
-        return self._out(x, features)
-
-    def _out(self, x: Array, features: int) -> Array:
-        return nn.DenseGeneral(features=features, axis=(-2, -1),
-                               kernel_init=self.out_kernel_init or self.kernel_init,
-                               bias_init=self.out_bias_init or self.bias_init,
-                               use_bias=self.use_bias, dtype=self.dtype,
-                               param_dtype=self.param_dtype, precision=self.precision,
-                               dot_general=self.out_dot_general,
-                               dot_general_cls=self.out_dot_general_cls, name="out")(x)
+        return parameters.output(self, x, features)
 
 
 class MultiHeadAttention(MultiHeadDotProductAttention):
