@@ -4,7 +4,8 @@
 // A block owns kM = 128 queries of one (batch row, head) and has three warpgroups:
 //   warpgroup 0, the producer: one warp finds the K and V tiles that the queries can see
 //     (../spans.cuh; 32 tiles at a time, a lane each) and one thread loads the Q tile
-//     once, then those K and V tiles, with TMA into a ring of two stages; K and V
+//     once, then those K and V tiles, with TMA into rings of three K and two V stages
+//     (each pass publishes tile i's K and then loads tile i - 1's V); K and V
 //     complete on mbarriers of their own and are released by the consumers through
 //     "empty" mbarriers of their own (K once the tile's weights are computed). With each K
 //     it publishes the tile's index, whether every pair is visible and whether the tile may
@@ -30,20 +31,23 @@ namespace flash {
 namespace sm90 {
 
 // The barriers and the published tiles, after the operand tiles in shared memory.
+// K has three stages and V two: a tile's K is read first (S = Q K^T) and V one loop pass
+// later (its O += P V is issued with the next tile's S), so K's loads need the longer lead.
 struct Control {
   static constexpr int kMaxKeys = 128;  // the largest tile
+  static constexpr int kKeyStages = 3, kValueStages = 2;
   uint64_t q_full;
-  uint64_t k_full[2];
-  uint64_t v_full[2];
-  uint64_t k_empty[2];  // released by the consumers once the tile's weights are computed
-  uint64_t v_empty[2];  // released once O += P V is done
-  int32_t tile[2];      // key tile of the stage, -1: no more
-  int32_t full[2];      // every (query, key) pair of the tile is visible
-  int32_t padded[2];    // the tile may hold padding keys (segment id 0) within the sequence
+  uint64_t k_full[kKeyStages];
+  uint64_t v_full[kValueStages];
+  uint64_t k_empty[kKeyStages];   // released by the consumers once the tile's weights are computed
+  uint64_t v_empty[kValueStages];  // released once O += P V is done
+  int32_t tile[kKeyStages];        // key tile of the K stage, -1: no more
+  int32_t full[kKeyStages];        // every (query, key) pair of the tile is visible
+  int32_t padded[kKeyStages];      // the tile may hold padding keys (segment id 0) within the sequence
   // Of a tile that is not full: its keys' segment ids (0 past the end) and positions,
   // for the consumers' mask (shared memory, not a global load per element).
-  int32_t key_seg[2][kMaxKeys];
-  int32_t key_pos[2][kMaxKeys];
+  int32_t key_seg[kKeyStages][kMaxKeys];
+  int32_t key_pos[kKeyStages][kMaxKeys];
 };
 
 template <int D>
@@ -53,15 +57,15 @@ struct ForwardTiles {
   // Keys per tile. Registers per consumer thread: S kN/2 floats, P kN/4, O D/2 (d256 with
   // 64 keys spilled).
   static constexpr int kN = D == 256 ? 32 : 128;
-  static constexpr int kStages = 2;
+  static constexpr int kKeyStages = Control::kKeyStages, kValueStages = Control::kValueStages;
   static constexpr int kThreads = 384;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kAtoms = D / kAtomColumns;
   static constexpr int kQBytes = kM * D * 2;
   static constexpr int kTileBytes = kN * D * 2;  // one K or V tile
   static constexpr int kKOffset = kQBytes;
-  static constexpr int kVOffset = kKOffset + kStages * kTileBytes;
-  static constexpr int kControlOffset = kVOffset + kStages * kTileBytes;
+  static constexpr int kVOffset = kKOffset + kKeyStages * kTileBytes;
+  static constexpr int kControlOffset = kVOffset + kValueStages * kTileBytes;
   // 1024: room to align the start (the swizzle atoms need 1024-byte alignment).
   static constexpr int kSharedBytes = kControlOffset + static_cast<int>(sizeof(Control)) + 1024;
   static constexpr int kProducerRegisters = 24;
@@ -109,16 +113,18 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
   const Span q_span = tile_span(c.q_spans, c.n_q_spans, m0, T::kM);
   const int n_tiles = static_cast<int>((p.seqlen_kv + T::kN - 1) / T::kN);
   TileScan scan{-32, 0u, 0u, 0u};
-  int t = -1;
+  // Pass i publishes tile i's K, then loads tile i - 1's V (`previous`), so that a K load
+  // never waits behind the release of a V stage.
+  int t = -1, previous = -1;
   for (int i = 0;; ++i) {
     t = next_visible(scan, t, n_tiles, [&](int tile, bool* complete) {
       const Span kv = tile_span(c.kv_spans, c.n_kv_spans, static_cast<int64_t>(tile) * T::kN, T::kN);
       *complete = kv.complete != 0;
       return relate(p.mask, q_span, kv);
     });
-    const int s = i % T::kStages;
-    const uint32_t released = (i / T::kStages - 1) & 1;  // parity of the release of tile i - kStages
-    if (i >= T::kStages) mbarrier_wait(smem_address(&control->k_empty[s]), released);
+    const int s = i % T::kKeyStages;
+    // The parity of the release of tile i - kKeyStages.
+    if (i >= T::kKeyStages) mbarrier_wait(smem_address(&control->k_empty[s]), (i / T::kKeyStages - 1) & 1);
     if (t < n_tiles && !((scan.full >> (t - scan.first)) & 1u)) {  // the mask's key tokens, a lane a key
 #pragma unroll
       for (int k = 0; k < T::kN / 32; ++k) {
@@ -145,18 +151,24 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
                     atom * kAtomColumns, g, t * T::kN, static_cast<int>(b));
       }
     }
-    if (t < n_tiles && i >= T::kStages) mbarrier_wait(smem_address(&control->v_empty[s]), released);
-    if (leader && t < n_tiles) {
-      const uint32_t v_dst = base + T::kVOffset + s * T::kTileBytes;
-      mbarrier_arrive_expect_tx(smem_address(&control->v_full[s]), T::kTileBytes);
+    if (previous >= 0) {  // tile i - 1's V, into the stage of the release of tile i - 1 - kValueStages
+      const int v = (i - 1) % T::kValueStages;
+      if (i - 1 >= T::kValueStages) {
+        mbarrier_wait(smem_address(&control->v_empty[v]), ((i - 1) / T::kValueStages - 1) & 1);
+      }
+      if (leader) {
+        const uint32_t v_dst = base + T::kVOffset + v * T::kTileBytes;
+        mbarrier_arrive_expect_tx(smem_address(&control->v_full[v]), T::kTileBytes);
 #pragma unroll
-      for (int atom = 0; atom < T::kAtoms; ++atom) {
-        tma_load_4d(v_dst + atom * T::kN * kAtomRowBytes, &args.v_map, smem_address(&control->v_full[s]),
-                    atom * kAtomColumns, g, t * T::kN, static_cast<int>(b));
+        for (int atom = 0; atom < T::kAtoms; ++atom) {
+          tma_load_4d(v_dst + atom * T::kN * kAtomRowBytes, &args.v_map, smem_address(&control->v_full[v]),
+                      atom * kAtomColumns, g, previous * T::kN, static_cast<int>(b));
+        }
       }
     }
     __syncwarp();  // the lanes stay in step (next_visible is warp-wide)
     if (t >= n_tiles) return;
+    previous = t;
   }
 }
 
@@ -186,8 +198,8 @@ __device__ __forceinline__ void consume(const FlashArgs& a, const CUtensorMap* o
 
   // Waits for tile i's K; returns its index (-1: no more) and reads its flags.
   const auto next_tile = [&](int i, bool* full, bool* padded) {
-    const int s = i % T::kStages;
-    mbarrier_wait(smem_address(&control->k_full[s]), (i / T::kStages) & 1);
+    const int s = i % T::kKeyStages;
+    mbarrier_wait(smem_address(&control->k_full[s]), (i / T::kKeyStages) & 1);
     *full = control->full[s] != 0;
     *padded = control->padded[s] != 0;
     return control->tile[s];
@@ -195,8 +207,8 @@ __device__ __forceinline__ void consume(const FlashArgs& a, const CUtensorMap* o
   // Waits for tile i's V (tile index t) and zeroes its padding rows, both warpgroups
   // before either multiplies.
   const auto ready_values = [&](int i, int t, bool padded) {
-    const int s = i % T::kStages;
-    mbarrier_wait(smem_address(&control->v_full[s]), (i / T::kStages) & 1);
+    const int s = i % T::kValueStages;
+    mbarrier_wait(smem_address(&control->v_full[s]), (i / T::kValueStages) & 1);
     if (padded) {
       zero_padding_rows<T::kN, T::kAtoms, T::kConsumerThreads>(v_tile(s), c.kv_seg, static_cast<int64_t>(t) * T::kN,
                                                                p.seqlen_kv, static_cast<int>(threadIdx.x) - 128);
@@ -206,7 +218,7 @@ __device__ __forceinline__ void consume(const FlashArgs& a, const CUtensorMap* o
   };
   // Takes this warpgroup's turn and issues S = Q K^T of tile i (one commit group).
   const auto issue_scores = [&](int i, float (&scores)[T::kN / 8][4]) {
-    const uint32_t k_tile = base + T::kKOffset + (i % T::kStages) * T::kTileBytes;
+    const uint32_t k_tile = base + T::kKOffset + (i % T::kKeyStages) * T::kTileBytes;
     fence_accumulators(scores);
     fence_accumulators(o);
     named_barrier_sync(kTurnBarrier + cw, T::kConsumerThreads);
@@ -216,7 +228,7 @@ __device__ __forceinline__ void consume(const FlashArgs& a, const CUtensorMap* o
   };
   // O += P V of tile i (one commit group).
   const auto issue_values = [&](int i) {
-    const uint64_t v0 = mn_major_descriptor(v_tile(i % T::kStages), T::kN * kAtomRowBytes);
+    const uint64_t v0 = mn_major_descriptor(v_tile(i % T::kValueStages), T::kN * kAtomRowBytes);
 #pragma unroll
     for (int ks = 0; ks < T::kN / 16; ++ks) gmma_rs<ET, D>(weights[ks], descriptor_plus(v0, ks * 16 * kAtomRowBytes), o);
     cute::warpgroup_commit_batch();
@@ -225,7 +237,7 @@ __device__ __forceinline__ void consume(const FlashArgs& a, const CUtensorMap* o
   // rescaled after `retire` has waited for the product in flight.
   const auto soften = [&](int i, int t, bool full, float (&scores)[T::kN / 8][4], auto retire) {
     fence_accumulators(scores);
-    const int s = i % T::kStages;
+    const int s = i % T::kKeyStages;
     const FragmentCoords kv{at.row0, static_cast<int64_t>(t) * T::kN, at.lane};
     if (!full) {  // the mask as bits, 64 elements a word (fragment_bits keeps few registers live)
       constexpr int kWords = (T::kN + 63) / 64, kWordTiles = T::kN / 8 / kWords;
@@ -284,7 +296,7 @@ __device__ __forceinline__ void consume(const FlashArgs& a, const CUtensorMap* o
     soften(i, t, full, scores, [&] {
       cute::warpgroup_wait<0>();
       fence_accumulators(o);
-      mbarrier_arrive(smem_address(&control->v_empty[(i - 1) % T::kStages]));
+      mbarrier_arrive(smem_address(&control->v_empty[(i - 1) % T::kValueStages]));
     });
   }
   if (t >= 0) {  // the last tile's O += P V (its V made ready at the loop's last pass)
@@ -326,10 +338,12 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads, 1) forward_kernel(c
 
   if (threadIdx.x == 0) {
     mbarrier_init(smem_address(&control->q_full), 1);
-    for (int s = 0; s < T::kStages; ++s) {
+    for (int s = 0; s < T::kKeyStages; ++s) {
       mbarrier_init(smem_address(&control->k_full[s]), 1);
-      mbarrier_init(smem_address(&control->v_full[s]), 1);
       mbarrier_init(smem_address(&control->k_empty[s]), T::kConsumerThreads);
+    }
+    for (int s = 0; s < T::kValueStages; ++s) {
+      mbarrier_init(smem_address(&control->v_full[s]), 1);
       mbarrier_init(smem_address(&control->v_empty[s]), T::kConsumerThreads);
     }
     mbarrier_init_fence();
