@@ -469,6 +469,11 @@ def test_backends_without_a_block_entry_point_say_why(rng):
     config.backend = "flash"
     with jax.set_mesh(make_mesh()), pytest.raises(ValueError, match="block-local"):
         fused_attn(qkv, config=config, dropout_rng=jax.random.key(0), is_training=True)
+    config = make_config(**{**overrides, "backend": "auto", "bias": "alibi"})
+    config.context_parallel.axis = "cp"
+    verdicts = explain(qkv, config=config, platform="cpu").verdicts
+    assert "block entry point has no ALiBi" in verdicts["flash"]
+    assert verdicts["xla"] is None
 
 
 # --------------------------------------------------------------------------- layers

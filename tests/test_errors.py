@@ -387,10 +387,11 @@ def test_named_backend_small_seq_not_eligible():
 
 
 def test_named_backend_flash_with_unsupported_feature():
-    """flash has no ALiBi: naming it raises with its reason, it never falls back silently."""
-    config = make_config(backend="flash", mask="no_mask", bias="alibi")
+    """flash has no bias arrays: naming it raises with its reason, it never falls back
+    silently."""
+    config = make_config(backend="flash", mask="no_mask", bias="post_scale_bias")
     with pytest.raises(ValueError, match=r"config.backend='flash' cannot serve") as info:
-        fused_attn(QKV, config=config)
+        fused_attn(QKV, config=config, bias=zeros(1, 1, S, S))
     assert "flash:" in str(info.value)
 
 

@@ -521,8 +521,8 @@ def test_supports():
             assert reason == "flash: jax has no CUDA backend in this process", reason
         reason = flash.BACKEND.supports(spec, _shapes(), "rocm")
         assert reason == "flash: jax has no ROCM backend in this process", reason
-    for bias in ("post_scale_bias", "pre_scale_bias", "alibi"):
-        bias_shape = (2, 2, 4, 4) if bias != "alibi" else None
+    for bias in ("post_scale_bias", "pre_scale_bias"):
+        bias_shape = (2, 2, 4, 4)
         reason = flash.BACKEND.supports(spec.replace(bias=type(spec.bias)(bias)),
                                         _shapes(bias_shape=bias_shape), "cpu")
         assert reason.startswith("flash: ") and "not supported" in reason and "xla" in reason
@@ -544,16 +544,17 @@ def test_python_errors(rng):
             q=args.q.astype(jnp.int32), k=args.k.astype(jnp.int32), v=args.v.astype(jnp.int32)), 0.5)
 
 
-def _raw_forward(q, k, v, tokens, offset, seed, out_shapes=None, **attrs):
+def _raw_forward(q, k, v, tokens, offset, seed, slopes=None, out_shapes=None, **attrs):
     b, sq, h, _ = q.shape
+    slopes = jnp.zeros((h,), jnp.float32) if slopes is None else slopes
     attributes = dict(scale=np.float32(0.5), causal=False, window_left=np.int64(-1),
                       window_right=np.int64(-1), softmax_type=np.int32(0),
-                      dropout_rate=np.float64(0.0))
+                      dropout_rate=np.float64(0.0), alibi=False)
     attributes.update(attrs)
     out_shapes = out_shapes or (jax.ShapeDtypeStruct((b, sq, h, v.shape[-1]), q.dtype),
                                 jax.ShapeDtypeStruct((b, h, sq), jnp.float32))
     call = jax.ffi.ffi_call(flash.FWD_TARGET, out_shapes)
-    return jax.block_until_ready(call(q, k, v, *tokens, offset, seed, **attributes))
+    return jax.block_until_ready(call(q, k, v, *tokens, offset, seed, slopes, **attributes))
 
 
 @pytest.mark.parametrize("change,message", [
@@ -570,6 +571,9 @@ def _raw_forward(q, k, v, tokens, offset, seed, out_shapes=None, **attrs):
     (dict(offset=lambda a: jnp.zeros((2, 4), jnp.float32)), "does not divide the batch"),
     (dict(offset=lambda a: jnp.zeros((3,), jnp.float32)), "softmax_offset must have shape"),
     (dict(seed=lambda a: jnp.zeros((2,), jnp.int32)), "seed must be uint32"),
+    (dict(slopes=lambda a: jnp.zeros((5,), jnp.float32)), "alibi_slopes must have shape"),
+    (dict(slopes=lambda a: jnp.zeros((4,), jnp.float16)), "alibi_slopes must be float32"),
+    (dict(slopes=lambda a: jnp.zeros((2, 4), jnp.float32)), "alibi_slopes's leading dims"),
     (dict(attrs=dict(softmax_type=np.int32(7))), "softmax_type must be"),
     (dict(attrs=dict(dropout_rate=np.float64(1.5))), "dropout_rate must be in"),
 ])
@@ -577,13 +581,14 @@ def test_ffi_errors(rng, change, message):
     """Bad operands come back as errors with a clear message, never a crash."""
     args = make_args(rng, kind="causal")
     parts = dict(q=args.q, k=args.k, v=args.v, tokens=args.tokens,
-                 offset=jnp.zeros((4,), jnp.float32), seed=jnp.zeros((2,), jnp.uint32))
+                 offset=jnp.zeros((4,), jnp.float32), seed=jnp.zeros((2,), jnp.uint32),
+                 slopes=jnp.zeros((4,), jnp.float32))
     attrs = change.pop("attrs", {})
     for key, fn in change.items():
         parts[key] = fn(args)
     with pytest.raises(Exception, match=message):
         _raw_forward(parts["q"], parts["k"], parts["v"], tuple(parts["tokens"]), parts["offset"],
-                     parts["seed"], **attrs)
+                     parts["seed"], parts["slopes"], **attrs)
 
 
 def test_ffi_error_on_wrong_result_shape(rng):

@@ -150,6 +150,31 @@ def test_flash_forward_and_gradients(rng, mesh_name, h_kv, mask, softmax):
     assert kernel_shapes(hlo, flash.BWD_TARGET) == [hlo_shape("f32", local(q.shape, mesh))]
 
 
+@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize("given", [False, True])
+def test_flash_alibi_shards_batch_and_heads(rng, mesh_name, given):
+    """ALiBi slopes are per-head operands [h] (given, or the standard ones computed from the
+    global head count): the heads shard with them, and the slopes' gradient comes back
+    sharded over "model"."""
+    mesh = make_mesh(mesh_name)
+    config = make_config(backend="flash", mask="causal", bias="alibi", window_size=(5, 0))
+    q, k, v = flash_inputs(rng)
+    slopes = random_array(rng, (q.shape[2],)) if given else None
+    w = random_array(rng, q.shape)
+
+    def attend(q, k, v, slopes):
+        return fused_attn((q, k, v), config=config, bias=slopes)
+
+    argnums = (0, 1, 2, 3) if given else (0, 1, 2)
+    run = value_and_grads(attend, argnums)
+    grads_specs = (QKV, QKV, QKV, P("model"))[:len(argnums)]
+    hlo = check_sharded(run, (w, q, k, v, slopes),
+                        (QKV, QKV, QKV, QKV, P("model") if given else None), mesh,
+                        (QKV, grads_specs))
+    assert kernel_shapes(hlo, flash.FWD_TARGET) == [hlo_shape("f32", local(q.shape, mesh))]
+    assert kernel_shapes(hlo, flash.BWD_TARGET) == [hlo_shape("f32", local(q.shape, mesh))]
+
+
 @pytest.mark.parametrize("form", ["segment_ids", "seqlens_offsets", "seqlens"])
 def test_flash_packed_and_padded_rows_shard_with_the_batch(rng, form):
     """Descriptors are per-row operands [b, ...]: they shard along the batch, never gathered."""

@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "fusedattn/alibi.h"
 #include "fusedattn/ffi_args.h"
 #include "fusedattn/layout.h"
 #include "fusedattn/mask.h"
@@ -64,12 +65,13 @@ struct RowContext {
   const int32_t* kv_seg;
   const int32_t* kv_pos;
   const float* offset;  // [H]
+  const float* slopes;  // [H], ALiBi
   uint32_t seed0, seed1;
   uint32_t philox_batch;
 };
 
 RowContext row_context(const AttentionParams& p, const Tokens& t, const float* offset, const uint32_t* seed,
-                       int64_t b) {
+                       const float* slopes, int64_t b) {
   RowContext c;
   const int64_t tr = broadcast_row(b, p.batch, p.token_rows);
   c.q_seg = t.q_seg + tr * p.seqlen_q;
@@ -78,6 +80,7 @@ RowContext row_context(const AttentionParams& p, const Tokens& t, const float* o
   c.kv_seg = t.kv_seg + tr * p.seqlen_kv;
   c.kv_pos = t.kv_pos + tr * p.seqlen_kv;
   c.offset = offset + broadcast_row(b, p.batch, p.offset_rows) * p.heads;
+  c.slopes = slopes + broadcast_row(b, p.batch, p.slopes_rows) * p.heads;
   const int64_t sr = broadcast_row(b, p.batch, p.seed_rows);
   c.seed0 = seed[2 * sr];
   c.seed1 = seed[2 * sr + 1];
@@ -119,6 +122,12 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return acc;
 }
 
+// The score the softmax sees: scale * q.k, plus the ALiBi term where the call has it.
+inline float score(const AttentionParams& p, float qk, float slope, const QueryToken& qt, int32_t kv_pos) {
+  const float s = p.scale * qk;
+  return p.alibi ? s + alibi_term(slope, qt.diagonal, kv_pos) : s;
+}
+
 // The operands both directions read.
 template <ElementType ET>
 struct Inputs {
@@ -128,6 +137,7 @@ struct Inputs {
   Tokens tokens;
   const float* offset;
   const uint32_t* seed;
+  const float* slopes;
 };
 
 // Runs fn(b, g, c, kf, vf) for every group (batch row b, k/v head g) on the
@@ -137,7 +147,7 @@ template <ElementType ET, typename Fn>
 void for_each_kv_group(const AttentionParams& p, const Inputs<ET>& a, int64_t work, Fn fn) {
   parallel_for(p.batch * p.kv_heads, work, [&](int64_t group) {
     const int64_t b = group / p.kv_heads, g = group % p.kv_heads;
-    const RowContext c = row_context(p, a.tokens, a.offset, a.seed, b);
+    const RowContext c = row_context(p, a.tokens, a.offset, a.seed, a.slopes, b);
     std::vector<float> kf(p.seqlen_kv * p.head_dim), vf(p.seqlen_kv * p.head_dim_v);
     load_slice<ET>(a.k, b, g, p.seqlen_kv, p.kv_heads, p.head_dim, kf.data());
     load_slice<ET>(a.v, b, g, p.seqlen_kv, p.kv_heads, p.head_dim_v, vf.data());
@@ -172,7 +182,7 @@ void forward(const AttentionParams& p, const FwdArgs<ET>& a) {
         for (int64_t j = 0; j < p.seqlen_kv; ++j) {
           vis[j] = visible(p.mask, qt, c.kv_seg[j], c.kv_pos[j]);
           if (!vis[j]) continue;
-          s[j] = p.scale * dot(qf.data(), kf.data() + j * p.head_dim, p.head_dim);
+          s[j] = score(p, dot(qf.data(), kf.data() + j * p.head_dim, p.head_dim), c.slopes[h], qt, c.kv_pos[j]);
           row_max = any ? std::max(row_max, s[j]) : s[j];
           any = true;
         }
@@ -208,6 +218,7 @@ struct BwdArgs : Inputs<ET> {
   Store<ET>* dk;
   Store<ET>* dv;
   float* d_offset;
+  float* d_slopes;
 };
 
 template <ElementType ET>
@@ -222,6 +233,7 @@ void backward(const AttentionParams& p, const BwdArgs<ET>& a) {
     for (int64_t h = g * group_size; h < (g + 1) * group_size; ++h) {
       const float sink = softmax_sink_logit(p.softmax_type, c.offset[h]);
       float d_sink = 0.0f;
+      float d_slope = 0.0f;  // sum of dS * (-|distance|)
       for (int64_t i = 0; i < p.seqlen_q; ++i) {
         std::fill(dq_acc.begin(), dq_acc.end(), 0.0f);
         const float lse = a.lse[bhs_offset(b, h, i, p.heads, p.seqlen_q)];
@@ -241,12 +253,13 @@ void backward(const AttentionParams& p, const BwdArgs<ET>& a) {
             if (!visible(p.mask, qt, c.kv_seg[j], c.kv_pos[j])) continue;
             const float* krow = kf.data() + j * D;
             const float* vrow = vf.data() + j * Dv;
-            const float s = p.scale * dot(qf.data(), krow, D);
+            const float s = score(p, dot(qf.data(), krow, D), c.slopes[h], qt, c.kv_pos[j]);
             const float prob = softmax_weight(s, lse);
             const float f = drop.factor[j];
             const float dp = f == 0.0f ? 0.0f : f * dot(dof.data(), vrow, Dv);
             const float ds = prob * (dp - delta);
             const float pd = prob * f;
+            if (p.alibi) d_slope -= ds * alibi_distance(qt.diagonal, c.kv_pos[j]);
             float* dk_row = dk_acc.data() + j * D;
             float* dv_row = dv_acc.data() + j * Dv;
             for (int64_t d = 0; d < D; ++d) {
@@ -263,6 +276,7 @@ void backward(const AttentionParams& p, const BwdArgs<ET>& a) {
         for (int64_t d = 0; d < D; ++d) dqrow[d] = Element<ET>::store(p.scale * dq_acc[d]);
       }
       a.d_offset[b * p.heads + h] = p.softmax_type == kSoftmaxLearnable ? d_sink : 0.0f;
+      a.d_slopes[b * p.heads + h] = d_slope;
     }
     for (int64_t j = 0; j < p.seqlen_kv; ++j) {
       Store<ET>* dkrow = a.dk + bshd_offset(b, j, g, 0, p.seqlen_kv, p.kv_heads, D);
@@ -277,23 +291,25 @@ template <ElementType ET>
 Inputs<ET> inputs_of(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                      const ffi::AnyBuffer& q_seg, const ffi::AnyBuffer& q_pos, const ffi::AnyBuffer& q_diag,
                      const ffi::AnyBuffer& kv_seg, const ffi::AnyBuffer& kv_pos, const ffi::AnyBuffer& softmax_offset,
-                     const ffi::AnyBuffer& seed) {
+                     const ffi::AnyBuffer& seed, const ffi::AnyBuffer& alibi_slopes) {
   const Tokens tokens{q_seg.typed_data<int32_t>(), q_pos.typed_data<int32_t>(), q_diag.typed_data<int32_t>(),
                       kv_seg.typed_data<int32_t>(), kv_pos.typed_data<int32_t>()};
   return {elements<ET>(q), elements<ET>(k), elements<ET>(v), tokens, softmax_offset.typed_data<float>(),
-          seed.typed_data<uint32_t>()};
+          seed.typed_data<uint32_t>(), alibi_slopes.typed_data<float>()};
 }
 
 ffi::Error FlashFwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer q_seg,
                         ffi::AnyBuffer q_pos, ffi::AnyBuffer q_diag, ffi::AnyBuffer kv_seg, ffi::AnyBuffer kv_pos,
-                        ffi::AnyBuffer softmax_offset, ffi::AnyBuffer seed, ffi::Result<ffi::AnyBuffer> o,
-                        ffi::Result<ffi::AnyBuffer> lse, float scale, bool causal, int64_t window_left,
-                        int64_t window_right, int32_t softmax_type, double dropout_rate) {
+                        ffi::AnyBuffer softmax_offset, ffi::AnyBuffer seed, ffi::AnyBuffer alibi_slopes,
+                        ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse, float scale, bool causal,
+                        int64_t window_left, int64_t window_right, int32_t softmax_type, double dropout_rate,
+                        bool alibi) {
   constexpr const char* kOp = "fusedattn_flash_fwd (cpu)";
   AttentionParams p;
   std::vector<int64_t> lead;
-  if (auto e = parse_attention_call(kOp, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed, scale,
-                                    causal, window_left, window_right, softmax_type, dropout_rate, &p, &lead);
+  if (auto e = parse_attention_call(kOp, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed,
+                                    alibi_slopes, scale, causal, window_left, window_right, softmax_type,
+                                    dropout_rate, alibi, &p, &lead);
       e.failure()) {
     return e;
   }
@@ -301,7 +317,7 @@ ffi::Error FlashFwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
   if (p.batch == 0 || p.heads == 0 || p.seqlen_q == 0) return ffi::Error::Success();
   with_element_type(q.element_type(), [&](auto et) {
     constexpr ElementType kET = decltype(et)::value;
-    forward<kET>(p, {inputs_of<kET>(q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed),
+    forward<kET>(p, {inputs_of<kET>(q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed, alibi_slopes),
                      elements<kET>(o), lse->typed_data<float>()});
   });
   return ffi::Error::Success();
@@ -309,27 +325,30 @@ ffi::Error FlashFwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
 
 ffi::Error FlashBwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer q_seg,
                         ffi::AnyBuffer q_pos, ffi::AnyBuffer q_diag, ffi::AnyBuffer kv_seg, ffi::AnyBuffer kv_pos,
-                        ffi::AnyBuffer softmax_offset, ffi::AnyBuffer seed, ffi::AnyBuffer o, ffi::AnyBuffer lse,
-                        ffi::AnyBuffer dout, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                        ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> d_offset, float scale,
+                        ffi::AnyBuffer softmax_offset, ffi::AnyBuffer seed, ffi::AnyBuffer alibi_slopes,
+                        ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::Result<ffi::AnyBuffer> dq,
+                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                        ffi::Result<ffi::AnyBuffer> d_offset, ffi::Result<ffi::AnyBuffer> d_slopes, float scale,
                         bool causal, int64_t window_left, int64_t window_right, int32_t softmax_type,
-                        double dropout_rate, bool /*deterministic: the host backward always is*/) {
+                        double dropout_rate, bool alibi, bool /*deterministic: the host backward always is*/) {
   constexpr const char* kOp = "fusedattn_flash_bwd (cpu)";
   AttentionParams p;
   std::vector<int64_t> lead;
-  if (auto e = parse_attention_call(kOp, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed, scale,
-                                    causal, window_left, window_right, softmax_type, dropout_rate, &p, &lead);
+  if (auto e = parse_attention_call(kOp, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed,
+                                    alibi_slopes, scale, causal, window_left, window_right, softmax_type,
+                                    dropout_rate, alibi, &p, &lead);
       e.failure()) {
     return e;
   }
   const ffi::DataType dt = q.element_type();
-  if (auto e = check_backward_buffers(kOp, p, lead, dt, o, lse, dout, dq, dk, dv, d_offset); e.failure()) return e;
+  if (auto e = check_backward_buffers(kOp, p, lead, dt, o, lse, dout, dq, dk, dv, d_offset, d_slopes); e.failure()) return e;
   if (p.batch == 0 || p.heads == 0) return ffi::Error::Success();
   with_element_type(dt, [&](auto et) {
     constexpr ElementType kET = decltype(et)::value;
-    backward<kET>(p, {inputs_of<kET>(q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed),
+    backward<kET>(p, {inputs_of<kET>(q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed, alibi_slopes),
                       elements<kET>(o), lse.typed_data<float>(), elements<kET>(dout), elements<kET>(dq),
-                      elements<kET>(dk), elements<kET>(dv), d_offset->typed_data<float>()});
+                      elements<kET>(dk), elements<kET>(dv), d_offset->typed_data<float>(),
+                      d_slopes->typed_data<float>()});
   });
   return ffi::Error::Success();
 }

@@ -15,23 +15,27 @@ is flash_gpu.py's job (explain() names the kernels a call gets).
 The op is two XLA FFI calls around a `jax.custom_vjp`:
 
     fusedattn_flash_fwd(q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos,
-                        softmax_offset, seed) -> (o, lse)
+                        softmax_offset, seed, alibi_slopes) -> (o, lse)
     fusedattn_flash_bwd(q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos,
-                        softmax_offset, seed, o, lse, do) -> (dq, dk, dv, d_offset)
+                        softmax_offset, seed, alibi_slopes, o, lse, do)
+                        -> (dq, dk, dv, d_offset, d_slopes)
 
     attributes: scale f32, causal bool, window_left i64, window_right i64,
                 softmax_type i32 (0 vanilla, 1 off_by_one, 2 learnable),
                 dropout_rate f64 (0 = no dropout),
+                alibi bool (scores gain -slope[h] * |kv_pos - (q_pos + q_diag)|, as in
+                the xla backend; ops_cuda/include/fusedattn/alibi.h),
                 kernel i32 (CUDA and ROCm only: 0 the device picks, 1 the sm_80
                 kernels named by FUSEDATTN_FLASH_KERNEL=sm80 when the call was traced);
                 the backward also deterministic bool (bitwise repeatable gradients)
 
 with q [b, sq, h, d], k [b, skv, h_kv, d], v [b, skv, h_kv, dv] (one dtype:
 float32, bfloat16 or float16), the int32 token vectors of base.TokenInfo,
-softmax_offset float32 [h], seed uint32 [2], o [b, sq, h, dv], lse float32
-[b, h, sq] and d_offset float32 [b, h] (summed over b here). softmax_offset
-and seed reach the kernels with a leading axis of rows ([L, h], [L, 2]): batch
-row r reads row r // (B / L). Both calls go through partitioning.py: under
+softmax_offset float32 [h], seed uint32 [2], alibi_slopes float32 [h] (the
+paper's slopes, or config.bias 'alibi''s given ones; zeros without ALiBi), o [b, sq,
+h, dv], lse float32 [b, h, sq], and d_offset, d_slopes float32 [b, h] (summed over b
+here). softmax_offset, seed and alibi_slopes reach the kernels with a leading axis of
+rows ([L, h], [L, 2], [L, h]): batch row r reads row r // (B / L). Both calls go through partitioning.py: under
 jax.vmap the mapped axis folds into the kernel's batch (never a loop; mapped
 offsets and seeds become rows, so the dropout mask of a mapped example is that
 of the unbatched call), and under a device mesh the calls shard over the batch
@@ -55,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fusedattn.ops import _library
-from fusedattn.ops.backends import flash_gpu, partitioning
+from fusedattn.ops.backends import flash_gpu, partitioning, xla
 from fusedattn.ops.backends.base import CallShapes, CanonicalArgs, align256, current_platform
 from fusedattn.ops.enums import BiasType, SoftmaxType
 from fusedattn.ops.spec import AttentionSpec
@@ -82,6 +86,7 @@ class _Static(NamedTuple):
     dropout_rate: float
     deterministic: bool = False  # config.deterministic_backward
     sm80_named: bool = False  # FUSEDATTN_FLASH_KERNEL=sm80 when the call was traced
+    alibi: bool = False  # config.bias 'alibi'
 
     def attributes(self, backward: bool) -> dict:
         """The FFI attributes; "kernel" on the GPU platforms only (the host handlers have none)."""
@@ -92,6 +97,7 @@ class _Static(NamedTuple):
             window_right=np.int64(self.window_right),
             softmax_type=np.int32(self.softmax_type),
             dropout_rate=np.float64(self.dropout_rate),
+            alibi=bool(self.alibi),
         )
         if backward:
             attributes["deterministic"] = bool(self.deterministic)
@@ -145,20 +151,23 @@ def _backward(static: _Static, q, k, v, *operands):
         (jax.ShapeDtypeStruct(q.shape, q.dtype),
          jax.ShapeDtypeStruct(k.shape, k.dtype),
          jax.ShapeDtypeStruct(v.shape, v.dtype),
+         jax.ShapeDtypeStruct((b, h), jnp.float32),
          jax.ShapeDtypeStruct((b, h), jnp.float32))
         + _cuda_workspace(q, k, operands[0], backward=True, deterministic=static.deterministic),
-    )(q, k, v, *operands, **static.attributes(backward=True))[:4]
+    )(q, k, v, *operands, **static.attributes(backward=True))[:5]
 
 
-# q, k, v, the five token vectors, then the per-row offset [L, h] and seed [L, 2].
-_OPERANDS = ("b.h.", "b.g.", "b.g.") + ("b.",) * 5 + ("rh", "r.")
-_SEED = len(_OPERANDS) - 1
+# q, k, v, the five token vectors, then the per-row offset [L, h], seed [L, 2] and
+# ALiBi slopes [L, h].
+_OPERANDS = ("b.h.", "b.g.", "b.g.") + ("b.",) * 5 + ("rh", "r.", "rh")
+_SEED = 9
 
 
 @functools.lru_cache(maxsize=None)
 def _op(static: _Static, backward: bool):
     """The FFI call of one direction, sharded over batch and heads, folded under vmap."""
-    operands, results = ((_OPERANDS + ("b.h.", "bh.", "b.h."), ("b.h.", "b.g.", "b.g.", "bh"))
+    operands, results = ((_OPERANDS + ("b.h.", "bh.", "b.h."),
+                          ("b.h.", "b.g.", "b.g.", "bh", "bh"))
                          if backward else (_OPERANDS, ("b.h.", "bh.")))
     signature = partitioning.Signature(operands, results, dropout=static.dropout_rate > 0,
                                        dropout_rows=_SEED)
@@ -166,31 +175,41 @@ def _op(static: _Static, backward: bool):
                            signature)
 
 
-def _forward_call(static: _Static, q, k, v, offset, seed, tokens):
-    return _op(static, False)(q, k, v, *tokens, offset[None], seed[None])
+def _row_operands(offset, seed, slopes):
+    """The per-row operands (softmax_offset, seed, alibi_slopes) with their one row."""
+    return offset[None], seed[None], slopes[None]
+
+
+def _forward_call(static: _Static, q, k, v, offset, seed, tokens, slopes=None):
+    """(o, lse) of the forward; slopes float32 [h] (None: zeros, for calls without ALiBi)."""
+    slopes = jnp.zeros_like(offset) if slopes is None else slopes
+    return _op(static, False)(q, k, v, *tokens, *_row_operands(offset, seed, slopes))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(static: _Static, q, k, v, offset, seed, q_seg, q_pos, q_diag, kv_seg, kv_pos):
-    o, _ = _forward_call(static, q, k, v, offset, seed, (q_seg, q_pos, q_diag, kv_seg, kv_pos))
+def _flash(static: _Static, q, k, v, offset, slopes, seed, q_seg, q_pos, q_diag, kv_seg, kv_pos):
+    tokens = (q_seg, q_pos, q_diag, kv_seg, kv_pos)
+    o, _ = _forward_call(static, q, k, v, offset, seed, tokens, slopes)
     return o
 
 
-def _flash_fwd(static: _Static, q, k, v, offset, seed, q_seg, q_pos, q_diag, kv_seg, kv_pos):
+def _flash_fwd(static: _Static, q, k, v, offset, slopes, seed, q_seg, q_pos, q_diag, kv_seg,
+               kv_pos):
     tokens = (q_seg, q_pos, q_diag, kv_seg, kv_pos)
-    o, lse = _forward_call(static, q, k, v, offset, seed, tokens)
-    return o, (q, k, v, offset, seed, tokens, o, lse)
+    o, lse = _forward_call(static, q, k, v, offset, seed, tokens, slopes)
+    return o, (q, k, v, offset, slopes, seed, tokens, o, lse)
 
 
 def _flash_bwd(static: _Static, residuals, do):
-    q, k, v, offset, seed, tokens, o, lse = residuals
-    dq, dk, dv, d_offset = _op(static, True)(q, k, v, *tokens, offset[None], seed[None], o, lse,
-                                             do.astype(o.dtype))
+    q, k, v, offset, slopes, seed, tokens, o, lse = residuals
+    dq, dk, dv, d_offset, d_slopes = _op(static, True)(
+        q, k, v, *tokens, *_row_operands(offset, seed, slopes), o, lse, do.astype(o.dtype))
     if static.softmax_type == _SOFTMAX_TYPES[SoftmaxType.LEARNABLE]:
         d_offset = jnp.sum(d_offset, axis=0)
     else:
         d_offset = jnp.zeros_like(offset)
-    return (dq, dk, dv, d_offset, None, None, None, None, None, None)
+    d_slopes = jnp.sum(d_slopes, axis=0) if static.alibi else jnp.zeros_like(slopes)
+    return (dq, dk, dv, d_offset, d_slopes, None, None, None, None, None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -211,12 +230,13 @@ class FlashBackend:
 
     def supports(self, spec: AttentionSpec, shapes: CallShapes | None, platform: str) -> str | None:
         platform = (platform or "").lower()
-        if spec.bias == BiasType.ALIBI:
-            return ("flash: ALiBi is not supported by the flash kernels; use backend='xla' "
-                    "or 'auto'")
-        if spec.bias != BiasType.NO_BIAS or (shapes is not None and shapes.has_bias_array):
+        if (spec.bias not in (BiasType.NO_BIAS, BiasType.ALIBI)
+                or (shapes is not None and shapes.has_bias_array)):
             return ("flash: bias arrays are not supported by the flash kernels; use "
                     "backend='xla' or 'auto'")
+        if spec.bias == BiasType.ALIBI and platform in ("gpu", "cuda", "rocm"):
+            return ("flash: ALiBi is not yet in the CUDA and ROCm kernels (the host build "
+                    "serves it on cpu); use backend='xla' or 'auto'")
         if platform in ("gpu", "cuda"):
             return flash_gpu.gpu_reason(shapes, "cuda")
         if platform == "rocm":
@@ -238,7 +258,8 @@ class FlashBackend:
         return flash_gpu.kernels(spec, shapes, platform)
 
     def attention(self, spec: AttentionSpec, args: CanonicalArgs, scale: float) -> jax.Array:
-        if spec.bias != BiasType.NO_BIAS or args.bias is not None:
+        alibi = spec.bias == BiasType.ALIBI
+        if not alibi and (spec.bias != BiasType.NO_BIAS or args.bias is not None):
             raise ValueError("flash: bias arrays are not supported by the flash kernels; use "
                              "backend='xla' or 'auto'")
         q, k, v = (jnp.asarray(x) for x in (args.q, args.k, args.v))
@@ -258,12 +279,27 @@ class FlashBackend:
         dropout = args.dropout_seed is not None and spec.dropout_rate > 0
         seed = (jnp.asarray(args.dropout_seed).astype(jnp.uint32) if dropout
                 else jnp.zeros((2,), jnp.uint32))
+        slopes = _slopes(alibi, args.bias, h)
         static = _static(spec, scale, spec.softmax, dropout)
         tokens = tuple(jnp.asarray(t, jnp.int32) for t in args.tokens)
-        return _flash(static, *partitioning.same_varying((q, k, v, offset, seed, *tokens)))
+        return _flash(static, *partitioning.same_varying((q, k, v, offset, slopes, seed, *tokens)))
 
 
 BACKEND = FlashBackend()
+
+
+def _slopes(alibi: bool, given, num_heads: int) -> jax.Array:
+    """The alibi_slopes operand, float32 [h]: the given slopes, the paper's for `num_heads`
+    heads (xla.alibi_slopes), or zeros (unread) without ALiBi."""
+    if not alibi:
+        return jnp.zeros((num_heads,), jnp.float32)
+    if given is None:
+        return jnp.asarray(xla.alibi_slopes(num_heads))
+    slopes = jnp.asarray(given, jnp.float32)
+    if slopes.shape != (num_heads,):
+        raise ValueError(f"bias: ALiBi slopes must have shape [h] = ({num_heads},), got "
+                         f"{tuple(slopes.shape)}; pass None for the standard slopes.")
+    return slopes
 
 
 def _static(spec: AttentionSpec, scale: float, softmax: SoftmaxType, dropout: bool) -> _Static:
@@ -276,15 +312,26 @@ def _static(spec: AttentionSpec, scale: float, softmax: SoftmaxType, dropout: bo
         dropout_rate=float(spec.dropout_rate) if dropout else 0.0,
         deterministic=bool(spec.deterministic_backward),
         sm80_named=flash_gpu.named_kernel() == "sm80",
+        alibi=spec.bias == BiasType.ALIBI,
     )
+
+
+def _block_row_operands(spec: AttentionSpec, args: CanonicalArgs):
+    """The per-row operands of a context-parallel block: no sink, no dropout, no ALiBi
+    (context_parallel.plan refuses flash with ALiBi)."""
+    if spec.bias != BiasType.NO_BIAS:
+        raise ValueError("flash: context-parallel blocks take no bias and no ALiBi; use "
+                         "backend='xla'")
+    h = args.q.shape[2]
+    return _row_operands(jnp.zeros((h,), jnp.float32), jnp.zeros((2,), jnp.uint32),
+                         jnp.zeros((h,), jnp.float32))
 
 
 def attention_with_lse(spec: AttentionSpec, args: CanonicalArgs, scale: float):
     """One block of a larger attention (context parallelism): vanilla softmax, no sink, no
     dropout, no bias. Returns o [b, sq, h, dv] (q's dtype) and the float32 log-sum-exp
     [b, h, sq], -inf for a query with no visible key (the kernels' +inf, flipped)."""
-    h = args.q.shape[2]
-    operands = (*args.tokens, jnp.zeros((1, h), jnp.float32), jnp.zeros((1, 2), jnp.uint32))
+    operands = (*args.tokens, *_block_row_operands(spec, args))
     o, lse = _op(_static(spec, scale, SoftmaxType.VANILLA, False), False)(
         args.q, args.k, args.v, *operands)
     return o, jnp.where(lse == jnp.inf, -jnp.inf, lse)
@@ -295,9 +342,8 @@ def attention_backward_from_lse(spec: AttentionSpec, args: CanonicalArgs, scale:
     """This block's share (dq, dk, dv) of the gradients of an attention spanning many
     blocks, from the whole attention's output out [b, sq, h, dv], log-sum-exp lse
     [b, h, sq] (sink included; -inf where a query sees nothing) and d_out."""
-    h = args.q.shape[2]
-    operands = (*args.tokens, jnp.zeros((1, h), jnp.float32), jnp.zeros((1, 2), jnp.uint32))
-    dq, dk, dv, _ = _op(_static(spec, scale, SoftmaxType.VANILLA, False), True)(
+    operands = (*args.tokens, *_block_row_operands(spec, args))
+    dq, dk, dv, _, _ = _op(_static(spec, scale, SoftmaxType.VANILLA, False), True)(
         args.q, args.k, args.v, *operands, out.astype(args.q.dtype),
         jnp.where(lse == -jnp.inf, jnp.inf, lse), d_out.astype(args.q.dtype))
     return dq, dk, dv

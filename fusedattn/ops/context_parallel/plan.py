@@ -42,6 +42,9 @@ def verdict(name: str, spec: AttentionSpec, shapes: CallShapes) -> str | None:
     if name not in _KERNELS:
         return (f"{name}: no log-sum-exp block entry point for context parallelism "
                 "(config.context_parallel.axis); use backend='xla' or 'flash'")
+    if name == "flash" and spec.bias == BiasType.ALIBI:
+        return ("flash: its context-parallel block entry point has no ALiBi (the whole-call "
+                "kernels do); use backend='xla'")
     if name == "flash" and shapes.dropout:
         return ("flash: its dropout masks are keyed by block-local indices, so under context "
                 "parallelism they would differ from the unsharded call's; use backend='xla'")

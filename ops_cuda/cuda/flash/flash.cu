@@ -191,6 +191,9 @@ ffi::Error check_kernel_support(const char* op, const AttentionParams& p, ffi::D
     return invalid(op, "no " FA_FFI_PLATFORM " flash kernel for head dim " + std::to_string(p.head_dim) +
                            " in this build (built: mask " + std::to_string(kBuiltHeadDims) + " of 64/128/256)");
   }
+  if (p.alibi) {
+    return invalid(op, "ALiBi is not yet in the " FA_FFI_PLATFORM " flash kernels (the host build serves it)");
+  }
   return ffi::Error::Success();
 }
 
@@ -253,14 +256,16 @@ void summarise(gpuStream_t stream, void* workspace, FlashArgs* a) {
 ffi::Error FlashFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer v, ffi::AnyBuffer q_seg, ffi::AnyBuffer q_pos, ffi::AnyBuffer q_diag,
                         ffi::AnyBuffer kv_seg, ffi::AnyBuffer kv_pos, ffi::AnyBuffer softmax_offset,
-                        ffi::AnyBuffer seed, ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
-                        ffi::Result<ffi::AnyBuffer> workspace, float scale, bool causal, int64_t window_left,
-                        int64_t window_right, int32_t softmax_type, double dropout_rate, int32_t named_kernel) {
+                        ffi::AnyBuffer seed, ffi::AnyBuffer alibi_slopes, ffi::Result<ffi::AnyBuffer> o,
+                        ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> workspace, float scale,
+                        bool causal, int64_t window_left, int64_t window_right, int32_t softmax_type,
+                        double dropout_rate, bool alibi, int32_t named_kernel) {
   constexpr const char* kOp = "fusedattn_flash_fwd (" FA_FFI_PLATFORM ")";
   AttentionParams p;
   std::vector<int64_t> lead;
-  if (auto e = parse_attention_call(kOp, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed, scale,
-                                    causal, window_left, window_right, softmax_type, dropout_rate, &p, &lead);
+  if (auto e = parse_attention_call(kOp, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed,
+                                    alibi_slopes, scale, causal, window_left, window_right, softmax_type,
+                                    dropout_rate, alibi, &p, &lead);
       e.failure()) {
     return e;
   }
@@ -281,24 +286,25 @@ ffi::Error FlashFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
 ffi::Error FlashBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer v, ffi::AnyBuffer q_seg, ffi::AnyBuffer q_pos, ffi::AnyBuffer q_diag,
                         ffi::AnyBuffer kv_seg, ffi::AnyBuffer kv_pos, ffi::AnyBuffer softmax_offset,
-                        ffi::AnyBuffer seed, ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer dout,
-                        ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                        ffi::AnyBuffer seed, ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer o, ffi::AnyBuffer lse,
+                        ffi::AnyBuffer dout, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> d_offset,
-                        ffi::Result<ffi::AnyBuffer> workspace, float scale,
+                        ffi::Result<ffi::AnyBuffer> d_slopes, ffi::Result<ffi::AnyBuffer> workspace, float scale,
                         bool causal, int64_t window_left, int64_t window_right, int32_t softmax_type,
-                        double dropout_rate, bool deterministic, int32_t named_kernel) {
+                        double dropout_rate, bool alibi, bool deterministic, int32_t named_kernel) {
   constexpr const char* kOp = "fusedattn_flash_bwd (" FA_FFI_PLATFORM ")";
   AttentionParams p;
   std::vector<int64_t> lead;
-  if (auto e = parse_attention_call(kOp, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed, scale,
-                                    causal, window_left, window_right, softmax_type, dropout_rate, &p, &lead);
+  if (auto e = parse_attention_call(kOp, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed,
+                                    alibi_slopes, scale, causal, window_left, window_right, softmax_type,
+                                    dropout_rate, alibi, &p, &lead);
       e.failure()) {
     return e;
   }
   if (auto e = check_kernel_support(kOp, p, q.element_type()); e.failure()) return e;
   if (auto e = check_named_kernel(kOp, named_kernel); e.failure()) return e;
   const ffi::DataType dt = q.element_type();
-  if (auto e = check_backward_buffers(kOp, p, lead, dt, o, lse, dout, dq, dk, dv, d_offset); e.failure()) return e;
+  if (auto e = check_backward_buffers(kOp, p, lead, dt, o, lse, dout, dq, dk, dv, d_offset, d_slopes); e.failure()) return e;
   if (p.batch == 0 || p.heads == 0) return ffi::Error::Success();
   BackwardKernel kernel;
   if (auto e = backward_kernel_of(kOp, p, named_kernel, deterministic, &kernel); e.failure()) return e;

@@ -6,11 +6,13 @@
 //   3 q_seg  4 q_pos  5 q_diag : S32 [..., Sq]
 //   6 kv_seg 7 kv_pos          : S32 [..., Skv]
 //   8 softmax_offset F32 [..., H]     9 seed U32 [..., 2]
+//  10 alibi_slopes F32 [..., H] (read only with the alibi attribute; see alibi.h)
 // attributes: scale f32, causal bool, window_left i64, window_right i64,
-//             softmax_type i32, dropout_rate f64
+//             softmax_type i32, dropout_rate f64, alibi bool
 // results: o [..., Sq, H, Dv] (q's dtype), lse F32 [..., H, Sq]
-// Backward operands: the forward's ten, then 10 o, 11 lse, 12 do;
-// results: dq, dk, dv (like q, k, v) and d_offset F32 [..., H] (per batch row).
+// Backward operands: the forward's eleven, then 11 o, 12 lse, 13 do;
+// results: dq, dk, dv (like q, k, v), d_offset F32 [..., H] and d_slopes F32 [..., H]
+// (per batch row; d_slopes is written only with the alibi attribute).
 #ifndef FUSEDATTN_FFI_ARGS_H_
 #define FUSEDATTN_FFI_ARGS_H_
 
@@ -222,15 +224,16 @@ ffi::Error parse_dropout_rate(const char* op, double dropout_rate, Params* p) {
   return ffi::Error::Success();
 }
 
-// Validates the ten forward operands and the attributes, filling *p.
+// Validates the eleven forward operands and the attributes, filling *p.
 // *lead receives q's leading dims (the batch dims of every result).
 inline ffi::Error parse_attention_call(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                                        const ffi::AnyBuffer& v, const ffi::AnyBuffer& q_seg,
                                        const ffi::AnyBuffer& q_pos, const ffi::AnyBuffer& q_diag,
                                        const ffi::AnyBuffer& kv_seg, const ffi::AnyBuffer& kv_pos,
                                        const ffi::AnyBuffer& softmax_offset, const ffi::AnyBuffer& seed,
-                                       float scale, bool causal, int64_t window_left, int64_t window_right,
-                                       int32_t softmax_type, double dropout_rate, AttentionParams* p,
+                                       const ffi::AnyBuffer& alibi_slopes, float scale, bool causal,
+                                       int64_t window_left, int64_t window_right, int32_t softmax_type,
+                                       double dropout_rate, bool alibi, AttentionParams* p,
                                        std::vector<int64_t>* lead) {
   if (auto e = parse_q_and_k(op, q, k, v, p, lead); e.failure()) return e;
   const auto kd = k.dimensions(), vd = v.dimensions();
@@ -264,6 +267,11 @@ inline ffi::Error parse_attention_call(const char* op, const ffi::AnyBuffer& q, 
   if (auto e = check_divides(op, "softmax_offset", p->offset_rows, p->batch); e.failure()) return e;
   if (auto e = check_rows(op, "seed", seed, ffi::DataType::U32, {2}, &p->seed_rows); e.failure()) return e;
   if (auto e = check_divides(op, "seed", p->seed_rows, p->batch); e.failure()) return e;
+  if (auto e = check_rows(op, "alibi_slopes", alibi_slopes, ffi::DataType::F32, {p->heads}, &p->slopes_rows);
+      e.failure()) {
+    return e;
+  }
+  if (auto e = check_divides(op, "alibi_slopes", p->slopes_rows, p->batch); e.failure()) return e;
 
   // Positive: the kernels take each row's maximum of the unscaled scores.
   if (!std::isfinite(scale) || !(scale > 0.0f)) {
@@ -279,6 +287,7 @@ inline ffi::Error parse_attention_call(const char* op, const ffi::AnyBuffer& q, 
   p->mask.window_left = window_left;
   p->mask.window_right = window_right;
   p->softmax_type = softmax_type;
+  p->alibi = alibi;
   return ffi::Error::Success();
 }
 
@@ -294,12 +303,13 @@ inline ffi::Error check_forward_results(const char* op, const AttentionParams& p
 }
 
 // Checks the backward's extra operands (o, lse, do) and its results (dq, dk, dv like q, k, v;
-// d_offset F32 [..., H]) against the parsed call.
+// d_offset and d_slopes F32 [..., H]) against the parsed call.
 inline ffi::Error check_backward_buffers(const char* op, const AttentionParams& p, const std::vector<int64_t>& lead,
                                          ffi::DataType dtype, const ffi::AnyBuffer& o, const ffi::AnyBuffer& lse,
                                          const ffi::AnyBuffer& dout, ffi::Result<ffi::AnyBuffer>& dq,
                                          ffi::Result<ffi::AnyBuffer>& dk, ffi::Result<ffi::AnyBuffer>& dv,
-                                         ffi::Result<ffi::AnyBuffer>& d_offset) {
+                                         ffi::Result<ffi::AnyBuffer>& d_offset,
+                                         ffi::Result<ffi::AnyBuffer>& d_slopes) {
   const auto o_dims = concat(lead, {p.seqlen_q, p.heads, p.head_dim_v});
   constexpr ffi::DataType kF32 = ffi::DataType::F32;
   return check_all_exact(
@@ -311,7 +321,8 @@ inline ffi::Error check_backward_buffers(const char* op, const AttentionParams& 
             concat(lead, {p.seqlen_kv, p.kv_heads, p.head_dim})},
            {"result dv", dv->element_type(), dv->dimensions(), dtype,
             concat(lead, {p.seqlen_kv, p.kv_heads, p.head_dim_v})},
-           {"result d_offset", d_offset->element_type(), d_offset->dimensions(), kF32, concat(lead, {p.heads})}});
+           {"result d_offset", d_offset->element_type(), d_offset->dimensions(), kF32, concat(lead, {p.heads})},
+           {"result d_slopes", d_slopes->element_type(), d_slopes->dimensions(), kF32, concat(lead, {p.heads})}});
 }
 
 inline ElementType element_type_of(ffi::DataType t) {
@@ -376,19 +387,19 @@ auto bind_attention_attrs(FfiBinding&& binding, Extra... extra) {
   return bind_attrs(std::forward<FfiBinding>(binding), ffi::StructMember<float>("scale"),
                     ffi::StructMember<bool>("causal"), ffi::StructMember<int64_t>("window_left"),
                     ffi::StructMember<int64_t>("window_right"), ffi::StructMember<int32_t>("softmax_type"),
-                    ffi::StructMember<double>("dropout_rate"), extra...);
+                    ffi::StructMember<double>("dropout_rate"), ffi::StructMember<bool>("alibi"), extra...);
 }
 
-// The flash op's FFI signature: the forward binds 10 operands and 2 results,
-// the backward 13 and 4 (as listed above), each followed by kWorkspaces results that
+// The flash op's FFI signature: the forward binds 11 operands and 2 results,
+// the backward 14 and 5 (as listed above), each followed by kWorkspaces results that
 // serve the handler as scratch (the CUDA handlers' one uint8 workspace). The backward
 // binds one attribute more, last: deterministic (bool, config deterministic_backward).
 template <Pass kPass, int kWorkspaces = 0, typename FfiBinding>
 auto bind_attention(FfiBinding&& binding) {
   if constexpr (kPass == Pass::kForward) {
-    return bind_attention_attrs(bind_buffers<10, 2 + kWorkspaces>(std::forward<FfiBinding>(binding)));
+    return bind_attention_attrs(bind_buffers<11, 2 + kWorkspaces>(std::forward<FfiBinding>(binding)));
   } else {
-    return bind_attention_attrs(bind_buffers<13, 4 + kWorkspaces>(std::forward<FfiBinding>(binding)),
+    return bind_attention_attrs(bind_buffers<14, 5 + kWorkspaces>(std::forward<FfiBinding>(binding)),
                                 ffi::StructMember<bool>("deterministic"));
   }
 }

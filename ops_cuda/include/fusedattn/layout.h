@@ -55,9 +55,11 @@ struct AttentionParams {
   int64_t token_rows;  // L of the token vectors (q_seg ... kv_pos)
   int64_t offset_rows; // L of softmax_offset
   int64_t seed_rows;   // L of the dropout seed
+  int64_t slopes_rows; // L of alibi_slopes
   float scale;
   MaskParams mask;
   int32_t softmax_type;
+  bool alibi;  // scores gain the ALiBi term of alibi.h
   bool dropout;
   uint32_t dropout_threshold;
   float dropout_scale;  // 1 / (1 - rate)
