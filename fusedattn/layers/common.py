@@ -44,7 +44,8 @@ from fusedattn.layers.kv_cache import KVCache
 from fusedattn.layers.masks import (broadcast_bias, broadcast_mask, check_backend_serves_mask,
                                     row_visible, spec_with_mask, with_mask_bias)
 from fusedattn.layers.projections import (LayerOptions, apply_rope, check_num_heads,
-                                          check_options, default_key_value, split_fused_qkv)
+                                          check_options, check_self_attention, default_key_value,
+                                          split_fused_qkv)
 from fusedattn.layers.qkv_layout import arrange, choose_layout
 from fusedattn.ops import context_parallel
 from fusedattn.ops.enums import BiasType
@@ -55,7 +56,7 @@ Array = jax.Array
 
 __all__ = [
     "KVCache", "LayerOptions", "OpExtras", "apply_rope", "attend", "broadcast_bias",
-    "broadcast_mask", "check_num_heads", "check_options", "core", "default_key_value",
+    "broadcast_mask", "check_num_heads", "check_options", "check_self_attention", "core", "default_key_value",
     "missing_dropout_rng", "spec_with_mask", "split_fused_qkv",
 ]
 

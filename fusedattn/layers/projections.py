@@ -18,7 +18,7 @@ import numpy as np
 Array = jax.Array
 
 __all__ = ["LayerOptions", "apply_rope", "check_num_heads", "check_options",
-           "default_key_value", "rope_frequencies", "split_fused_qkv"]
+           "check_self_attention", "default_key_value", "rope_frequencies", "split_fused_qkv"]
 
 
 class LayerOptions(NamedTuple):
@@ -88,6 +88,20 @@ def split_fused_qkv(qkv: Array, num_heads: int, num_kv_heads: int) -> tuple[Arra
     k = qkv[..., num_heads:num_heads + num_kv_heads, :]
     v = qkv[..., num_heads + num_kv_heads:, :]
     return q, k, v
+
+
+def check_self_attention(inputs_q: Array, inputs_k: Array, inputs_v: Array, key_name: str,
+                         value_name: str, alternative: str = "") -> None:
+    """The fused qkv projection reads the query input alone: raises ValueError unless the key
+    and value inputs are that same array. key_name/value_name are the layer's argument names;
+    `alternative` is a further way to call it that the error suggests."""
+    if inputs_k is inputs_q and inputs_v is inputs_q:
+        return
+    raise ValueError(
+        f"fused_qkv: the fused projection serves self-attention only; call with "
+        f"{key_name}=None and {value_name}=None{alternative}, or build the layer with "
+        f"fused_qkv=False."
+    )
 
 
 def default_key_value(query: Array, key: Array | None, value: Array | None, key_name: str,

@@ -60,12 +60,9 @@ def project_qkv(mha, query: Array, key_: Array, value: Array, dtype
         return (project(mha.query_proj, query, h, dtype),
                 project(mha.key_proj, key_, h_kv, dtype),
                 project(mha.value_proj, value, h_kv, dtype))
-    if not (key_ is query and value is query):
-        raise ValueError(
-            "fused_qkv: the fused projection serves self-attention only; call with "
-            "key_=None and value=None, or pass the same array as query (e.g. "
-            "jax.vmap(lambda x: mha(x, x, x))), or build the layer with fused_qkv=False."
-        )
+    common.check_self_attention(
+        query, key_, value, "key_", "value",
+        alternative=" or pass the same array as query (e.g. jax.vmap(lambda x: mha(x, x, x)))")
     return common.split_fused_qkv(project(mha.qkv_proj, query, h + 2 * h_kv, dtype), h, h_kv)
 
 

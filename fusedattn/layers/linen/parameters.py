@@ -52,11 +52,7 @@ def project(layer: nn.Module, options: LayerOptions, head_dim: int, inputs_q: Ar
         return (_dense(layer, h, head_dim, "query")(inputs_q),
                 _dense(layer, h_kv, head_dim, "key")(inputs_k),
                 _dense(layer, h_kv, head_dim, "value")(inputs_v))
-    if not (inputs_k is inputs_q and inputs_v is inputs_q):
-        raise ValueError(
-            "fused_qkv: the fused projection serves self-attention only; call with "
-            "inputs_k=None and inputs_v=None (or build the layer with fused_qkv=False)."
-        )
+    common.check_self_attention(inputs_q, inputs_k, inputs_v, "inputs_k", "inputs_v")
     return common.split_fused_qkv(_dense(layer, h + 2 * h_kv, head_dim, "qkv")(inputs_q),
                                   h, h_kv)
 

@@ -73,10 +73,6 @@ def project(layer: nnx.Module, inputs_q: Array, inputs_k: Array, inputs_v: Array
         return (layer.query(inputs_q, out_sharding=sharding),
                 layer.key(inputs_k, out_sharding=sharding),
                 layer.value(inputs_v, out_sharding=sharding))
-    if not (inputs_k is inputs_q and inputs_v is inputs_q):
-        raise ValueError(
-            "fused_qkv: the fused projection serves self-attention only; call with "
-            "inputs_k=None and inputs_v=None (or build the layer with fused_qkv=False)."
-        )
+    common.check_self_attention(inputs_q, inputs_k, inputs_v, "inputs_k", "inputs_v")
     return common.split_fused_qkv(layer.qkv(inputs_q, out_sharding=sharding),
                                   layer.num_heads, layer.num_kv_heads)
