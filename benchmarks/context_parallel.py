@@ -40,6 +40,7 @@ import fusedattn
 from fusedattn.ops import fused_attn, reorder_causal_load_balancing
 
 from common import median_ms, parse_args, random_normal, timing, write_results
+from context_parallel_table import table_lines
 from kernel_profile import communication_overlap, profile_call, read_trace
 
 SEQLENS = (8192, 16384, 32768)
@@ -215,23 +216,7 @@ def main():
         overlaps += more_overlaps
         write_results(args.out, rows, mask="causal", load_balance=args.load_balance,
                       overlap=overlaps)
-    print_table(rows, overlaps)
-
-
-def print_table(rows: list[dict], overlaps: list[dict]) -> None:
-    """One line per row (ms, TF/s per device, scaling efficiency), then the overlaps."""
-    print(f"{'s':>7} {'impl':<10} {'lb':<4} {'pass':<8} {'ms':>10} {'TF/s/dev':>9} {'eff':>6}")
-    for row in rows:
-        efficiency = row.get("scaling_efficiency")
-        print(f"{row['seqlen']:>7} {row['impl']:<10} {str(row['load_balance'] or '-'):<4} "
-              f"{row['pass']:<8} {row['median_ms']:>10.2f} {row['tflops_per_device']:>9.1f} "
-              f"{'-' if efficiency is None else format(efficiency, '.3f'):>6}")
-    for entry in overlaps:
-        if "error" in entry:
-            print(f"overlap {entry['impl']} s={entry['seqlen']}: {entry['error']}")
-        else:
-            print(f"overlap {entry['impl']} s={entry['seqlen']}: fraction {entry['overlap_fraction']}, "
-                  f"exposed {entry['exposed_ms_per_call']} ms per call per GPU")
+    print("\n".join(table_lines(rows, overlaps)))
 
 
 if __name__ == "__main__":

@@ -14,34 +14,14 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from context_parallel_table import table_lines  # noqa: E402
+
 
 def context_parallel(path: Path) -> list[str]:
     data = json.loads(path.read_text())
-    lines = [f"== {path.name}: {data.get('device', '?')}",
-             f"{'s':>7} {'impl':<10} {'lb':<4} {'pass':<8} {'ms':>9} {'TF/s/dev':>9} {'eff':>6} "
-             f"{'1st s':>6}"]
-    for row in data["rows"]:
-        efficiency, first = row.get("scaling_efficiency"), row.get("first_call_s")
-        lines.append(f"{row['seqlen']:>7} {row['impl']:<10} {str(row.get('load_balance') or '-'):<4} "
-                     f"{row['pass']:<8} {row['median_ms']:>9.2f} {row['tflops_per_device']:>9.1f} "
-                     f"{'-' if efficiency is None else format(efficiency, '.3f'):>6} "
-                     f"{'-' if first is None else format(first, '.1f'):>6}")
-    kernels = {row["kernels"] for row in data["rows"] if "kernels" in row}
-    if kernels:
-        lines.append(f"flash kernels: {', '.join(sorted(kernels))}")
-    for entry in data.get("overlap", []):
-        where = f"overlap {entry['impl']} lb={entry['load_balance']} s={entry['seqlen']}"
-        if "error" in entry:
-            lines.append(f"{where}: {entry['error'][:200]}")
-            continue
-        lines.append(f"{where}: fraction {entry['overlap_fraction']}, exposed "
-                     f"{entry['exposed_ms_per_call']} ms per call per GPU (trace "
-                     f"{entry.get('trace_s', '?')} s)")
-        for gpu in entry["gpus"]:
-            lines.append(f"    {gpu['gpu']}: communication {gpu['communication_ms_per_call']} ms, "
-                         f"overlapped {gpu['overlapped_ms_per_call']} ms, compute "
-                         f"{gpu['compute_ms_per_call']} ms per call")
-    return lines
+    return [f"== {path.name}: {data.get('device', '?')}",
+            *table_lines(data["rows"], data.get("overlap", []))]
 
 
 def lm(path: Path, one_device_rate: float | None) -> list[str]:

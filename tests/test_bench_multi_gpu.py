@@ -194,7 +194,7 @@ def test_benchmark_on_cpu_devices_records_the_trace_error_and_goes_on(tmp_path):
         ("ring", "on"), ("all_gather", "on")]
     assert all("error" in o and o["trace_s"] >= 0 for o in result["overlap"])
     assert all(r["first_call_s"] > 0 for r in result["rows"])
-    assert "overlap ring s=64" in done.stdout
+    assert "overlap ring lb=on s=64" in done.stdout
 
 
 def test_steady_rates_weigh_each_interval_by_its_time():
