@@ -34,31 +34,33 @@ def given_slopes(rng, h: int) -> jax.Array:
 
 
 def run(backend, spec, args, scale, do):
-    """Output and the gradients of sum(o * do): q, k, v, offset, slopes (None where not given)."""
+    """Output and the gradients of sum(o * do): q, k, v, offset and args.bias (the given
+    ALiBi slopes or a bias array; None where not given)."""
     with_offset = args.softmax_offset is not None
-    with_slopes = args.bias is not None
+    with_bias = args.bias is not None
     h = args.q.shape[2]
 
-    def f(q, k, v, offset, slopes):
+    def f(q, k, v, offset, bias):
         a = args._replace(q=q, k=k, v=v, softmax_offset=offset if with_offset else None,
-                          bias=slopes if with_slopes else None)
+                          bias=bias if with_bias else None)
         return backend.attention(spec, a, scale)
 
     offset = args.softmax_offset if with_offset else jnp.zeros((h,), jnp.float32)
-    slopes = args.bias if with_slopes else jnp.zeros((h,), jnp.float32)
+    bias = args.bias if with_bias else jnp.zeros((h,), jnp.float32)
 
     @jax.jit
-    def fwd_bwd(q, k, v, offset, slopes, do):
-        o, vjp = jax.vjp(f, q, k, v, offset, slopes)
+    def fwd_bwd(q, k, v, offset, bias, do):
+        o, vjp = jax.vjp(f, q, k, v, offset, bias)
         return o, vjp(do)
 
-    o, (dq, dk, dv, d_offset, d_slopes) = fwd_bwd(args.q, args.k, args.v, offset, slopes, do)
+    o, (dq, dk, dv, d_offset, d_bias) = fwd_bwd(args.q, args.k, args.v, offset, bias, do)
     return dict(o=o, dq=dq, dk=dk, dv=dv, d_offset=d_offset if with_offset else None,
-                d_slopes=d_slopes if with_slopes else None)
+                d_bias=d_bias if with_bias else None)
 
 
 def check(rng, spec, args, scale=None):
-    """flash against xla; returns both results."""
+    """flash against xla (output, and every gradient: q, k, v, the learnable offset and
+    args.bias where given); returns both results."""
     scale = 1.0 / math.sqrt(args.q.shape[-1]) if scale is None else scale
     b, sq, h, _ = args.q.shape
     do = jnp.asarray(rng.standard_normal((b, sq, h, args.v.shape[-1])),
@@ -71,8 +73,9 @@ def check(rng, spec, args, scale=None):
         assert_close(got[name], want[name], tol, name)
     if str(spec.softmax) == "learnable":  # off_by_one's sink is the constant 0
         assert_close(got["d_offset"], want["d_offset"], max(tol, 1e-5), "d_offset")
-    if want["d_slopes"] is not None:
-        assert_close(got["d_slopes"], want["d_slopes"], max(tol, 1e-5), "d_slopes")
+    if want["d_bias"] is not None:
+        assert got["d_bias"].dtype == args.bias.dtype, "d_bias"
+        assert_close(got["d_bias"], want["d_bias"], max(tol, 1e-5), "d_bias")
     return got, want
 
 
@@ -138,7 +141,7 @@ def test_alibi_changes_the_result(rng):
     got = run(flash.BACKEND, alibi_spec("causal"), args, 0.5, do)
     plain = run(flash.BACKEND, make_spec("causal"), args._replace(bias=None), 0.5, do)
     assert np.abs(np.asarray(got["o"]) - np.asarray(plain["o"])).max() > 1e-2
-    assert np.all(np.abs(np.asarray(got["d_slopes"])) > 0)
+    assert np.all(np.abs(np.asarray(got["d_bias"])) > 0)
 
 
 def test_vmap_with_mapped_slopes(rng):

@@ -521,11 +521,9 @@ def test_supports():
             assert reason == "flash: jax has no CUDA backend in this process", reason
         reason = flash.BACKEND.supports(spec, _shapes(), "rocm")
         assert reason == "flash: jax has no ROCM backend in this process", reason
-    for bias in ("post_scale_bias", "pre_scale_bias"):
-        bias_shape = (2, 2, 4, 4)
-        reason = flash.BACKEND.supports(spec.replace(bias=type(spec.bias)(bias)),
-                                        _shapes(bias_shape=bias_shape), "cpu")
-        assert reason.startswith("flash: ") and "not supported" in reason and "xla" in reason
+    for bias in ("post_scale_bias", "pre_scale_bias"):  # tests/test_flash_bias_host.py
+        assert flash.BACKEND.supports(spec.replace(bias=type(spec.bias)(bias)),
+                                      _shapes(bias_shape=(2, 2, 4, 4)), "cpu") is None
     reason = flash.BACKEND.supports(spec, _shapes(dtype=jnp.dtype(jnp.int8)), "cpu")
     assert reason.startswith("flash: dtype int8")
     assert flash.BACKEND.supports(make_spec("packed", "learnable", (3, 0), 0.5),
@@ -544,17 +542,20 @@ def test_python_errors(rng):
             q=args.q.astype(jnp.int32), k=args.k.astype(jnp.int32), v=args.v.astype(jnp.int32)), 0.5)
 
 
-def _raw_forward(q, k, v, tokens, offset, seed, slopes=None, out_shapes=None, **attrs):
+def _raw_forward(q, k, v, tokens, offset, seed, slopes=None, out_shapes=None, bias=None,
+                 **attrs):
     b, sq, h, _ = q.shape
     slopes = jnp.zeros((h,), jnp.float32) if slopes is None else slopes
+    bias = jnp.zeros((1, 1, 0, 0), jnp.float32) if bias is None else bias
     attributes = dict(scale=np.float32(0.5), causal=False, window_left=np.int64(-1),
                       window_right=np.int64(-1), softmax_type=np.int32(0),
-                      dropout_rate=np.float64(0.0), alibi=False)
+                      dropout_rate=np.float64(0.0), alibi=False, bias_type=np.int32(0))
     attributes.update(attrs)
     out_shapes = out_shapes or (jax.ShapeDtypeStruct((b, sq, h, v.shape[-1]), q.dtype),
                                 jax.ShapeDtypeStruct((b, h, sq), jnp.float32))
     call = jax.ffi.ffi_call(flash.FWD_TARGET, out_shapes)
-    return jax.block_until_ready(call(q, k, v, *tokens, offset, seed, slopes, **attributes))
+    return jax.block_until_ready(call(q, k, v, *tokens, offset, seed, slopes, bias,
+                                      **attributes))
 
 
 @pytest.mark.parametrize("change,message", [
@@ -576,19 +577,27 @@ def _raw_forward(q, k, v, tokens, offset, seed, slopes=None, out_shapes=None, **
     (dict(slopes=lambda a: jnp.zeros((2, 4), jnp.float32)), "alibi_slopes's leading dims"),
     (dict(attrs=dict(softmax_type=np.int32(7))), "softmax_type must be"),
     (dict(attrs=dict(dropout_rate=np.float64(1.5))), "dropout_rate must be in"),
+    (dict(attrs=dict(bias_type=np.int32(3))), "bias_type must be 0"),
+    (dict(bias=lambda a: jnp.zeros((1, 1, 7, 9), jnp.bfloat16), attrs=dict(bias_type=np.int32(2))),
+     "bias must be float32, got bfloat16"),
+    (dict(bias=lambda a: jnp.zeros((2, 4, 7, 9), jnp.float32), attrs=dict(bias_type=np.int32(1))),
+     r"bias must have shape \[3 or 1, 4 or 1, 7, 9\], got \[2, 4, 7, 9\]"),
+    (dict(bias=lambda a: jnp.zeros((1, 1, 7, 8), jnp.float32), attrs=dict(bias_type=np.int32(2))),
+     r"bias must have shape \[3 or 1, 4 or 1, 7, 9\], got \[1, 1, 7, 8\]"),
+    (dict(bias=lambda a: jnp.zeros((7, 9), jnp.float32)), "bias must have shape"),
 ])
 def test_ffi_errors(rng, change, message):
     """Bad operands come back as errors with a clear message, never a crash."""
     args = make_args(rng, kind="causal")
     parts = dict(q=args.q, k=args.k, v=args.v, tokens=args.tokens,
                  offset=jnp.zeros((4,), jnp.float32), seed=jnp.zeros((2,), jnp.uint32),
-                 slopes=jnp.zeros((4,), jnp.float32))
+                 slopes=jnp.zeros((4,), jnp.float32), bias=None)
     attrs = change.pop("attrs", {})
     for key, fn in change.items():
         parts[key] = fn(args)
     with pytest.raises(Exception, match=message):
         _raw_forward(parts["q"], parts["k"], parts["v"], tuple(parts["tokens"]), parts["offset"],
-                     parts["seed"], parts["slopes"], **attrs)
+                     parts["seed"], parts["slopes"], bias=parts["bias"], **attrs)
 
 
 def test_ffi_error_on_wrong_result_shape(rng):

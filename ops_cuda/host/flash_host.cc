@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "fusedattn/alibi.h"
+#include "fusedattn/bias.h"
 #include "fusedattn/ffi_args.h"
 #include "fusedattn/layout.h"
 #include "fusedattn/mask.h"
@@ -66,12 +67,13 @@ struct RowContext {
   const int32_t* kv_pos;
   const float* offset;  // [H]
   const float* slopes;  // [H], ALiBi
+  const float* bias;    // the bias array [Bb, Hb, Sq, Skv]; null without one
   uint32_t seed0, seed1;
   uint32_t philox_batch;
 };
 
 RowContext row_context(const AttentionParams& p, const Tokens& t, const float* offset, const uint32_t* seed,
-                       const float* slopes, int64_t b) {
+                       const float* slopes, const float* bias, int64_t b) {
   RowContext c;
   const int64_t tr = broadcast_row(b, p.batch, p.token_rows);
   c.q_seg = t.q_seg + tr * p.seqlen_q;
@@ -81,6 +83,7 @@ RowContext row_context(const AttentionParams& p, const Tokens& t, const float* o
   c.kv_pos = t.kv_pos + tr * p.seqlen_kv;
   c.offset = offset + broadcast_row(b, p.batch, p.offset_rows) * p.heads;
   c.slopes = slopes + broadcast_row(b, p.batch, p.slopes_rows) * p.heads;
+  c.bias = p.bias_type == kBiasNone ? nullptr : bias;
   const int64_t sr = broadcast_row(b, p.batch, p.seed_rows);
   c.seed0 = seed[2 * sr];
   c.seed1 = seed[2 * sr + 1];
@@ -122,9 +125,16 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return acc;
 }
 
-// The score the softmax sees: scale * q.k, plus the ALiBi term where the call has it.
-inline float score(const AttentionParams& p, float qk, float slope, const QueryToken& qt, int32_t kv_pos) {
-  const float s = p.scale * qk;
+// Row (b, h, i) of the bias array (bias.h), null without one.
+inline const float* bias_row(const AttentionParams& p, const RowContext& c, int64_t b, int64_t h, int64_t i) {
+  return c.bias ? c.bias + bias_row_offset(b, h, i, p.bias_batch, p.bias_heads, p.seqlen_q, p.seqlen_kv) : nullptr;
+}
+
+// The score the softmax sees of key j: scale * q.k with the bias array's term (brow: its
+// row, or null) and the ALiBi term where the call has them.
+inline float score(const AttentionParams& p, float qk, float slope, const float* brow, int64_t j,
+                   const QueryToken& qt, int32_t kv_pos) {
+  const float s = brow ? biased_score(p.bias_type, p.scale, qk, brow[j]) : p.scale * qk;
   return p.alibi ? s + alibi_term(slope, qt.diagonal, kv_pos) : s;
 }
 
@@ -138,6 +148,7 @@ struct Inputs {
   const float* offset;
   const uint32_t* seed;
   const float* slopes;
+  const float* bias;
 };
 
 // Runs fn(b, g, c, kf, vf) for every group (batch row b, k/v head g) on the
@@ -147,7 +158,7 @@ template <ElementType ET, typename Fn>
 void for_each_kv_group(const AttentionParams& p, const Inputs<ET>& a, int64_t work, Fn fn) {
   parallel_for(p.batch * p.kv_heads, work, [&](int64_t group) {
     const int64_t b = group / p.kv_heads, g = group % p.kv_heads;
-    const RowContext c = row_context(p, a.tokens, a.offset, a.seed, a.slopes, b);
+    const RowContext c = row_context(p, a.tokens, a.offset, a.seed, a.slopes, a.bias, b);
     std::vector<float> kf(p.seqlen_kv * p.head_dim), vf(p.seqlen_kv * p.head_dim_v);
     load_slice<ET>(a.k, b, g, p.seqlen_kv, p.kv_heads, p.head_dim, kf.data());
     load_slice<ET>(a.v, b, g, p.seqlen_kv, p.kv_heads, p.head_dim_v, vf.data());
@@ -175,6 +186,7 @@ void forward(const AttentionParams& p, const FwdArgs<ET>& a) {
         const Store<ET>* qrow = a.q + bshd_offset(b, i, h, 0, p.seqlen_q, p.heads, p.head_dim);
         for (int64_t d = 0; d < p.head_dim; ++d) qf[d] = Element<ET>::load(qrow[d]);
         const QueryToken qt = make_query_token(c.q_seg[i], c.q_pos[i], c.q_diag[i]);
+        const float* brow = bias_row(p, c, b, h, i);
         SoftmaxState st;
         st.init();
         float row_max = -INFINITY;
@@ -182,7 +194,8 @@ void forward(const AttentionParams& p, const FwdArgs<ET>& a) {
         for (int64_t j = 0; j < p.seqlen_kv; ++j) {
           vis[j] = visible(p.mask, qt, c.kv_seg[j], c.kv_pos[j]);
           if (!vis[j]) continue;
-          s[j] = score(p, dot(qf.data(), kf.data() + j * p.head_dim, p.head_dim), c.slopes[h], qt, c.kv_pos[j]);
+          s[j] = score(p, dot(qf.data(), kf.data() + j * p.head_dim, p.head_dim), c.slopes[h], brow, j, qt,
+                       c.kv_pos[j]);
           row_max = any ? std::max(row_max, s[j]) : s[j];
           any = true;
         }
@@ -219,12 +232,49 @@ struct BwdArgs : Inputs<ET> {
   Store<ET>* dv;
   float* d_offset;
   float* d_slopes;
+  float* d_bias;  // shaped like the bias array
+};
+
+// Where the backward writes dS's bias terms (bias_gradient) of every (b, h, i, j), float32
+// [B, H, Sq, Skv]: d_bias itself when the bias has every batch row and head, else scratch
+// that reduce() sums over the shared dims into d_bias in a fixed order (deterministic).
+class BiasGradient {
+ public:
+  BiasGradient(const AttentionParams& p, float* d_bias) : p_(p), d_bias_(d_bias) {
+    if (p.bias_type == kBiasNone) return;
+    const int64_t n = p.batch * p.heads * p.seqlen_q * p.seqlen_kv;
+    if (!direct()) scratch_.assign(n, 0.0f);
+  }
+  // Row (b, h, i) of the terms, null without a bias.
+  float* row(int64_t b, int64_t h, int64_t i) {
+    if (p_.bias_type == kBiasNone) return nullptr;
+    float* base = direct() ? d_bias_ : scratch_.data();
+    return base + (bhs_offset(b, h, i, p_.heads, p_.seqlen_q)) * p_.seqlen_kv;
+  }
+  void reduce() {
+    if (p_.bias_type == kBiasNone || direct()) return;
+    const int64_t area = p_.seqlen_q * p_.seqlen_kv;
+    for (int64_t b = 0; b < p_.batch; ++b) {
+      for (int64_t h = 0; h < p_.heads; ++h) {
+        float* out = d_bias_ + bias_row_offset(b, h, 0, p_.bias_batch, p_.bias_heads, p_.seqlen_q, p_.seqlen_kv);
+        const float* in = scratch_.data() + (b * p_.heads + h) * area;
+        for (int64_t x = 0; x < area; ++x) out[x] += in[x];
+      }
+    }
+  }
+
+ private:
+  bool direct() const { return p_.bias_batch == p_.batch && p_.bias_heads == p_.heads; }
+  const AttentionParams& p_;
+  float* d_bias_;
+  std::vector<float> scratch_;
 };
 
 template <ElementType ET>
 void backward(const AttentionParams& p, const BwdArgs<ET>& a) {
   const int64_t group_size = p.heads / p.kv_heads;
   const int64_t work = 2 * p.batch * p.heads * p.seqlen_q * p.seqlen_kv * (p.head_dim + p.head_dim_v);
+  BiasGradient d_bias(p, a.d_bias);
   for_each_kv_group(p, a, work, [&](int64_t b, int64_t g, const RowContext& c, const auto& kf, const auto& vf) {
     const int64_t D = p.head_dim, Dv = p.head_dim_v;
     std::vector<float> dk_acc(p.seqlen_kv * D, 0.0f), dv_acc(p.seqlen_kv * Dv, 0.0f);
@@ -238,6 +288,8 @@ void backward(const AttentionParams& p, const BwdArgs<ET>& a) {
         std::fill(dq_acc.begin(), dq_acc.end(), 0.0f);
         const float lse = a.lse[bhs_offset(b, h, i, p.heads, p.seqlen_q)];
         const QueryToken qt = make_query_token(c.q_seg[i], c.q_pos[i], c.q_diag[i]);
+        const float* brow = bias_row(p, c, b, h, i);
+        float* d_brow = d_bias.row(b, h, i);
         if (std::isfinite(lse)) {  // +inf marks a row with no visible key: all gradients 0
           const Store<ET>* qrow = a.q + bshd_offset(b, i, h, 0, p.seqlen_q, p.heads, D);
           const Store<ET>* orow = a.o + bshd_offset(b, i, h, 0, p.seqlen_q, p.heads, Dv);
@@ -253,13 +305,14 @@ void backward(const AttentionParams& p, const BwdArgs<ET>& a) {
             if (!visible(p.mask, qt, c.kv_seg[j], c.kv_pos[j])) continue;
             const float* krow = kf.data() + j * D;
             const float* vrow = vf.data() + j * Dv;
-            const float s = score(p, dot(qf.data(), krow, D), c.slopes[h], qt, c.kv_pos[j]);
+            const float s = score(p, dot(qf.data(), krow, D), c.slopes[h], brow, j, qt, c.kv_pos[j]);
             const float prob = softmax_weight(s, lse);
             const float f = drop.factor[j];
             const float dp = f == 0.0f ? 0.0f : f * dot(dof.data(), vrow, Dv);
             const float ds = prob * (dp - delta);
             const float pd = prob * f;
             if (p.alibi) d_slope -= ds * alibi_distance(qt.diagonal, c.kv_pos[j]);
+            if (d_brow) d_brow[j] = bias_gradient(p.bias_type, p.scale, ds);
             float* dk_row = dk_acc.data() + j * D;
             float* dv_row = dv_acc.data() + j * Dv;
             for (int64_t d = 0; d < D; ++d) {
@@ -285,25 +338,26 @@ void backward(const AttentionParams& p, const BwdArgs<ET>& a) {
       for (int64_t d = 0; d < Dv; ++d) dvrow[d] = Element<ET>::store(dv_acc[j * Dv + d]);
     }
   });
+  d_bias.reduce();
 }
 
 template <ElementType ET>
 Inputs<ET> inputs_of(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                      const ffi::AnyBuffer& q_seg, const ffi::AnyBuffer& q_pos, const ffi::AnyBuffer& q_diag,
                      const ffi::AnyBuffer& kv_seg, const ffi::AnyBuffer& kv_pos, const ffi::AnyBuffer& softmax_offset,
-                     const ffi::AnyBuffer& seed, const ffi::AnyBuffer& alibi_slopes) {
+                     const ffi::AnyBuffer& seed, const ffi::AnyBuffer& alibi_slopes, const ffi::AnyBuffer& bias) {
   const Tokens tokens{q_seg.typed_data<int32_t>(), q_pos.typed_data<int32_t>(), q_diag.typed_data<int32_t>(),
                       kv_seg.typed_data<int32_t>(), kv_pos.typed_data<int32_t>()};
   return {elements<ET>(q), elements<ET>(k), elements<ET>(v), tokens, softmax_offset.typed_data<float>(),
-          seed.typed_data<uint32_t>(), alibi_slopes.typed_data<float>()};
+          seed.typed_data<uint32_t>(), alibi_slopes.typed_data<float>(), bias.typed_data<float>()};
 }
 
 ffi::Error FlashFwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer q_seg,
                         ffi::AnyBuffer q_pos, ffi::AnyBuffer q_diag, ffi::AnyBuffer kv_seg, ffi::AnyBuffer kv_pos,
                         ffi::AnyBuffer softmax_offset, ffi::AnyBuffer seed, ffi::AnyBuffer alibi_slopes,
-                        ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse, float scale, bool causal,
+                        ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse, float scale, bool causal,
                         int64_t window_left, int64_t window_right, int32_t softmax_type, double dropout_rate,
-                        bool alibi) {
+                        bool alibi, int32_t bias_type) {
   constexpr const char* kOp = "fusedattn_flash_fwd (cpu)";
   AttentionParams p;
   std::vector<int64_t> lead;
@@ -313,11 +367,13 @@ ffi::Error FlashFwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
       e.failure()) {
     return e;
   }
+  if (auto e = parse_bias(kOp, bias, bias_type, &p); e.failure()) return e;
   if (auto e = check_forward_results(kOp, p, lead, q.element_type(), o, lse); e.failure()) return e;
   if (p.batch == 0 || p.heads == 0 || p.seqlen_q == 0) return ffi::Error::Success();
   with_element_type(q.element_type(), [&](auto et) {
     constexpr ElementType kET = decltype(et)::value;
-    forward<kET>(p, {inputs_of<kET>(q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed, alibi_slopes),
+    forward<kET>(p, {inputs_of<kET>(q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed, alibi_slopes,
+                                     bias),
                      elements<kET>(o), lse->typed_data<float>()});
   });
   return ffi::Error::Success();
@@ -326,11 +382,12 @@ ffi::Error FlashFwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
 ffi::Error FlashBwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer q_seg,
                         ffi::AnyBuffer q_pos, ffi::AnyBuffer q_diag, ffi::AnyBuffer kv_seg, ffi::AnyBuffer kv_pos,
                         ffi::AnyBuffer softmax_offset, ffi::AnyBuffer seed, ffi::AnyBuffer alibi_slopes,
-                        ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::Result<ffi::AnyBuffer> dq,
+                        ffi::AnyBuffer bias, ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::Result<ffi::AnyBuffer> dq,
                         ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                        ffi::Result<ffi::AnyBuffer> d_offset, ffi::Result<ffi::AnyBuffer> d_slopes, float scale,
-                        bool causal, int64_t window_left, int64_t window_right, int32_t softmax_type,
-                        double dropout_rate, bool alibi, bool /*deterministic: the host backward always is*/) {
+                        ffi::Result<ffi::AnyBuffer> d_offset, ffi::Result<ffi::AnyBuffer> d_slopes,
+                        ffi::Result<ffi::AnyBuffer> d_bias, float scale, bool causal, int64_t window_left,
+                        int64_t window_right, int32_t softmax_type, double dropout_rate, bool alibi,
+                        int32_t bias_type, bool /*deterministic: the host backward always is*/) {
   constexpr const char* kOp = "fusedattn_flash_bwd (cpu)";
   AttentionParams p;
   std::vector<int64_t> lead;
@@ -340,15 +397,19 @@ ffi::Error FlashBwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
       e.failure()) {
     return e;
   }
+  if (auto e = parse_bias(kOp, bias, bias_type, &p); e.failure()) return e;
   const ffi::DataType dt = q.element_type();
   if (auto e = check_backward_buffers(kOp, p, lead, dt, o, lse, dout, dq, dk, dv, d_offset, d_slopes); e.failure()) return e;
+  if (auto e = check_bias_gradient(kOp, bias, d_bias); e.failure()) return e;
+  std::fill_n(d_bias->typed_data<float>(), d_bias->element_count(), 0.0f);
   if (p.batch == 0 || p.heads == 0) return ffi::Error::Success();
   with_element_type(dt, [&](auto et) {
     constexpr ElementType kET = decltype(et)::value;
-    backward<kET>(p, {inputs_of<kET>(q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed, alibi_slopes),
+    backward<kET>(p, {inputs_of<kET>(q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed, alibi_slopes,
+                                      bias),
                       elements<kET>(o), lse.typed_data<float>(), elements<kET>(dout), elements<kET>(dq),
                       elements<kET>(dk), elements<kET>(dv), d_offset->typed_data<float>(),
-                      d_slopes->typed_data<float>()});
+                      d_slopes->typed_data<float>(), d_bias->typed_data<float>()});
   });
   return ffi::Error::Success();
 }

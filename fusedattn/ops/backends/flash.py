@@ -15,16 +15,18 @@ is flash_gpu.py's job (explain() names the kernels a call gets).
 The op is two XLA FFI calls around a `jax.custom_vjp`:
 
     fusedattn_flash_fwd(q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos,
-                        softmax_offset, seed, alibi_slopes) -> (o, lse)
+                        softmax_offset, seed, alibi_slopes, bias) -> (o, lse)
     fusedattn_flash_bwd(q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos,
-                        softmax_offset, seed, alibi_slopes, o, lse, do)
-                        -> (dq, dk, dv, d_offset, d_slopes)
+                        softmax_offset, seed, alibi_slopes, bias, o, lse, do)
+                        -> (dq, dk, dv, d_offset, d_slopes, d_bias)
 
     attributes: scale f32, causal bool, window_left i64, window_right i64,
                 softmax_type i32 (0 vanilla, 1 off_by_one, 2 learnable),
                 dropout_rate f64 (0 = no dropout),
                 alibi bool (scores gain -slope[h] * |kv_pos - (q_pos + q_diag)|, as in
                 the xla backend; ops_cuda/include/fusedattn/alibi.h),
+                bias_type i32 (0 none, 1 pre_scale: s = (q.k + bias) * scale,
+                2 post_scale: s = q.k * scale + bias; ops_cuda/include/fusedattn/bias.h),
                 kernel i32 (CUDA and ROCm only: 0 the device picks, 1 the sm_80
                 kernels named by FUSEDATTN_FLASH_KERNEL=sm80 when the call was traced);
                 the backward also deterministic bool (bitwise repeatable gradients)
@@ -34,7 +36,11 @@ float32, bfloat16 or float16), the int32 token vectors of base.TokenInfo,
 softmax_offset float32 [h], seed uint32 [2], alibi_slopes float32 [h] (the
 paper's slopes, or config.bias 'alibi''s given ones; zeros without ALiBi), o [b, sq,
 h, dv], lse float32 [b, h, sq], and d_offset, d_slopes float32 [b, h] (summed over b
-here). softmax_offset, seed and alibi_slopes reach the kernels with a leading axis of
+here). bias is float32 [b|1, h|1, sq, skv] (config.bias 'pre_scale_bias' or
+'post_scale_bias', cast from its dtype; an unread float32 [1, 1, 0, 0] without one) and
+d_bias float32 of its shape, summed over its dims of extent 1 inside the call. The
+host build serves bias arrays; the CUDA and ROCm handlers refuse them (supports() says
+so). softmax_offset, seed and alibi_slopes reach the kernels with a leading axis of
 rows ([L, h], [L, 2], [L, h]): batch row r reads row r // (B / L). Both calls go through partitioning.py: under
 jax.vmap the mapped axis folds into the kernel's batch (never a loop; mapped
 offsets and seeds become rows, so the dropout mask of a mapped example is that
@@ -72,6 +78,7 @@ _SOFTMAX_TYPES = {
     SoftmaxType.OFF_BY_ONE: 1,
     SoftmaxType.LEARNABLE: 2,
 }
+_BIAS_TYPES = {BiasType.PRE_SCALE_BIAS: 1, BiasType.POST_SCALE_BIAS: 2}
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -87,6 +94,7 @@ class _Static(NamedTuple):
     deterministic: bool = False  # config.deterministic_backward
     sm80_named: bool = False  # FUSEDATTN_FLASH_KERNEL=sm80 when the call was traced
     alibi: bool = False  # config.bias 'alibi'
+    bias_type: int = 0  # _BIAS_TYPES: 0 without a bias array
 
     def attributes(self, backward: bool) -> dict:
         """The FFI attributes; "kernel" on the GPU platforms only (the host handlers have none)."""
@@ -98,6 +106,7 @@ class _Static(NamedTuple):
             softmax_type=np.int32(self.softmax_type),
             dropout_rate=np.float64(self.dropout_rate),
             alibi=bool(self.alibi),
+            bias_type=np.int32(self.bias_type),
         )
         if backward:
             attributes["deterministic"] = bool(self.deterministic)
@@ -152,25 +161,28 @@ def _backward(static: _Static, q, k, v, *operands):
          jax.ShapeDtypeStruct(k.shape, k.dtype),
          jax.ShapeDtypeStruct(v.shape, v.dtype),
          jax.ShapeDtypeStruct((b, h), jnp.float32),
-         jax.ShapeDtypeStruct((b, h), jnp.float32))
+         jax.ShapeDtypeStruct((b, h), jnp.float32),
+         jax.ShapeDtypeStruct(operands[_BIAS - 3].shape, jnp.float32))
         + _cuda_workspace(q, k, operands[0], backward=True, deterministic=static.deterministic),
-    )(q, k, v, *operands, **static.attributes(backward=True))[:5]
+    )(q, k, v, *operands, **static.attributes(backward=True))[:6]
 
 
 # q, k, v, the five token vectors, then the per-row offset [L, h], seed [L, 2] and
-# ALiBi slopes [L, h].
-_OPERANDS = ("b.h.", "b.g.", "b.g.") + ("b.",) * 5 + ("rh", "r.", "rh")
-_SEED = 9
+# ALiBi slopes [L, h], and the bias [b|1, h|1, sq, skv].
+_OPERANDS = ("b.h.", "b.g.", "b.g.") + ("b.",) * 5 + ("rh", "r.", "rh", "BH..")
+_SEED, _BIAS = 9, 11
+_D_BIAS = 5  # the backward's result
 
 
 @functools.lru_cache(maxsize=None)
 def _op(static: _Static, backward: bool):
     """The FFI call of one direction, sharded over batch and heads, folded under vmap."""
     operands, results = ((_OPERANDS + ("b.h.", "bh.", "b.h."),
-                          ("b.h.", "b.g.", "b.g.", "bh", "bh"))
+                          ("b.h.", "b.g.", "b.g.", "bh", "bh", "BH.."))
                          if backward else (_OPERANDS, ("b.h.", "bh.")))
+    unread = frozenset({_D_BIAS}) if backward and not static.bias_type else frozenset()
     signature = partitioning.Signature(operands, results, dropout=static.dropout_rate > 0,
-                                       dropout_rows=_SEED)
+                                       dropout_rows=_SEED, unread=unread)
     return partitioning.op(functools.partial(_backward if backward else _forward, static),
                            signature)
 
@@ -180,36 +192,46 @@ def _row_operands(offset, seed, slopes):
     return offset[None], seed[None], slopes[None]
 
 
-def _forward_call(static: _Static, q, k, v, offset, seed, tokens, slopes=None):
-    """(o, lse) of the forward; slopes float32 [h] (None: zeros, for calls without ALiBi)."""
+def _no_bias() -> jax.Array:
+    """The bias operand of a call without a bias array (unread)."""
+    return jnp.zeros((1, 1, 0, 0), jnp.float32)
+
+
+def _forward_call(static: _Static, q, k, v, offset, seed, tokens, slopes=None, bias=None):
+    """(o, lse) of the forward; slopes float32 [h] (None: zeros, for calls without ALiBi),
+    bias float32 [b|1, h|1, sq, skv] (None: without a bias array)."""
     slopes = jnp.zeros_like(offset) if slopes is None else slopes
-    return _op(static, False)(q, k, v, *tokens, *_row_operands(offset, seed, slopes))
+    bias = _no_bias() if bias is None else bias
+    return _op(static, False)(q, k, v, *tokens, *_row_operands(offset, seed, slopes), bias)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(static: _Static, q, k, v, offset, slopes, seed, q_seg, q_pos, q_diag, kv_seg, kv_pos):
+def _flash(static: _Static, q, k, v, offset, slopes, bias, seed, q_seg, q_pos, q_diag, kv_seg,
+           kv_pos):
     tokens = (q_seg, q_pos, q_diag, kv_seg, kv_pos)
-    o, _ = _forward_call(static, q, k, v, offset, seed, tokens, slopes)
+    o, _ = _forward_call(static, q, k, v, offset, seed, tokens, slopes, bias)
     return o
 
 
-def _flash_fwd(static: _Static, q, k, v, offset, slopes, seed, q_seg, q_pos, q_diag, kv_seg,
-               kv_pos):
+def _flash_fwd(static: _Static, q, k, v, offset, slopes, bias, seed, q_seg, q_pos, q_diag,
+               kv_seg, kv_pos):
     tokens = (q_seg, q_pos, q_diag, kv_seg, kv_pos)
-    o, lse = _forward_call(static, q, k, v, offset, seed, tokens, slopes)
-    return o, (q, k, v, offset, slopes, seed, tokens, o, lse)
+    o, lse = _forward_call(static, q, k, v, offset, seed, tokens, slopes, bias)
+    return o, (q, k, v, offset, slopes, bias, seed, tokens, o, lse)
 
 
 def _flash_bwd(static: _Static, residuals, do):
-    q, k, v, offset, slopes, seed, tokens, o, lse = residuals
-    dq, dk, dv, d_offset, d_slopes = _op(static, True)(
-        q, k, v, *tokens, *_row_operands(offset, seed, slopes), o, lse, do.astype(o.dtype))
+    q, k, v, offset, slopes, bias, seed, tokens, o, lse = residuals
+    dq, dk, dv, d_offset, d_slopes, d_bias = _op(static, True)(
+        q, k, v, *tokens, *_row_operands(offset, seed, slopes), bias, o, lse,
+        do.astype(o.dtype))
     if static.softmax_type == _SOFTMAX_TYPES[SoftmaxType.LEARNABLE]:
         d_offset = jnp.sum(d_offset, axis=0)
     else:
         d_offset = jnp.zeros_like(offset)
     d_slopes = jnp.sum(d_slopes, axis=0) if static.alibi else jnp.zeros_like(slopes)
-    return (dq, dk, dv, d_offset, d_slopes, None, None, None, None, None, None)
+    d_bias = d_bias if static.bias_type else jnp.zeros_like(bias)
+    return (dq, dk, dv, d_offset, d_slopes, d_bias, None, None, None, None, None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -230,9 +252,9 @@ class FlashBackend:
 
     def supports(self, spec: AttentionSpec, shapes: CallShapes | None, platform: str) -> str | None:
         platform = (platform or "").lower()
-        if (spec.bias not in (BiasType.NO_BIAS, BiasType.ALIBI)
-                or (shapes is not None and shapes.has_bias_array)):
-            return ("flash: bias arrays are not supported by the flash kernels; use "
+        if spec.bias in _BIAS_TYPES and platform in ("gpu", "cuda", "rocm"):
+            return (f"flash: bias arrays (config.bias {str(spec.bias)!r}) are not yet in the "
+                    "CUDA and ROCm kernels (the host build serves them on cpu); use "
                     "backend='xla' or 'auto'")
         if spec.bias == BiasType.ALIBI and platform in ("gpu", "cuda", "rocm"):
             return ("flash: ALiBi is not yet in the CUDA and ROCm kernels (the host build "
@@ -259,9 +281,6 @@ class FlashBackend:
 
     def attention(self, spec: AttentionSpec, args: CanonicalArgs, scale: float) -> jax.Array:
         alibi = spec.bias == BiasType.ALIBI
-        if not alibi and (spec.bias != BiasType.NO_BIAS or args.bias is not None):
-            raise ValueError("flash: bias arrays are not supported by the flash kernels; use "
-                             "backend='xla' or 'auto'")
         q, k, v = (jnp.asarray(x) for x in (args.q, args.k, args.v))
         if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
             raise ValueError(
@@ -280,9 +299,11 @@ class FlashBackend:
         seed = (jnp.asarray(args.dropout_seed).astype(jnp.uint32) if dropout
                 else jnp.zeros((2,), jnp.uint32))
         slopes = _slopes(alibi, args.bias, h)
+        bias = _bias(spec, args.bias, q.shape, k.shape[1])
         static = _static(spec, scale, spec.softmax, dropout)
         tokens = tuple(jnp.asarray(t, jnp.int32) for t in args.tokens)
-        return _flash(static, *partitioning.same_varying((q, k, v, offset, slopes, seed, *tokens)))
+        return _flash(static, *partitioning.same_varying(
+            (q, k, v, offset, slopes, bias, seed, *tokens)))
 
 
 BACKEND = FlashBackend()
@@ -302,6 +323,19 @@ def _slopes(alibi: bool, given, num_heads: int) -> jax.Array:
     return slopes
 
 
+def _bias(spec: AttentionSpec, given, q_shape, seqlen_kv: int) -> jax.Array:
+    """The bias operand: the bias array as float32 [b|1, h|1, sq, skv] (its gradient comes
+    back in its own dtype through the cast), or the unread placeholder without one. The op
+    validated the array's shape (attention._check_bias); the handlers check it again."""
+    if spec.bias not in _BIAS_TYPES:
+        return _no_bias()
+    if given is None:
+        b, sq, h, _ = q_shape
+        raise ValueError(f"bias: config.bias {str(spec.bias)!r} needs a bias array of shape "
+                         f"[b or 1, h or 1, sq, skv] = [{b} or 1, {h} or 1, {sq}, {seqlen_kv}]")
+    return jnp.asarray(given).astype(jnp.float32)
+
+
 def _static(spec: AttentionSpec, scale: float, softmax: SoftmaxType, dropout: bool) -> _Static:
     return _Static(
         scale=float(scale),
@@ -313,23 +347,25 @@ def _static(spec: AttentionSpec, scale: float, softmax: SoftmaxType, dropout: bo
         deterministic=bool(spec.deterministic_backward),
         sm80_named=flash_gpu.named_kernel() == "sm80",
         alibi=spec.bias == BiasType.ALIBI,
+        bias_type=_BIAS_TYPES.get(spec.bias, 0),
     )
 
 
 def _block_row_operands(spec: AttentionSpec, args: CanonicalArgs):
-    """The per-row operands of a context-parallel block: no sink, no dropout, no ALiBi
-    (context_parallel.plan refuses flash with ALiBi)."""
-    if spec.bias != BiasType.NO_BIAS:
-        raise ValueError("flash: context-parallel blocks take no bias and no ALiBi; use "
-                         "backend='xla'")
+    """The per-row operands and the bias of a context-parallel block: no sink, no dropout,
+    no ALiBi (context_parallel.plan refuses flash with ALiBi); the block's slice of a bias
+    array where the call has one."""
+    if spec.bias == BiasType.ALIBI:
+        raise ValueError("flash: context-parallel blocks take no ALiBi; use backend='xla'")
     h = args.q.shape[2]
-    return _row_operands(jnp.zeros((h,), jnp.float32), jnp.zeros((2,), jnp.uint32),
-                         jnp.zeros((h,), jnp.float32))
+    return (*_row_operands(jnp.zeros((h,), jnp.float32), jnp.zeros((2,), jnp.uint32),
+                           jnp.zeros((h,), jnp.float32)),
+            _bias(spec, args.bias, args.q.shape, args.k.shape[1]))
 
 
 def attention_with_lse(spec: AttentionSpec, args: CanonicalArgs, scale: float):
     """One block of a larger attention (context parallelism): vanilla softmax, no sink, no
-    dropout, no bias. Returns o [b, sq, h, dv] (q's dtype) and the float32 log-sum-exp
+    dropout, no ALiBi; the block's bias [b|1, h|1, sq, skv] where the call has one. Returns o [b, sq, h, dv] (q's dtype) and the float32 log-sum-exp
     [b, h, sq], -inf for a query with no visible key (the kernels' +inf, flipped)."""
     operands = (*args.tokens, *_block_row_operands(spec, args))
     o, lse = _op(_static(spec, scale, SoftmaxType.VANILLA, False), False)(
@@ -339,11 +375,12 @@ def attention_with_lse(spec: AttentionSpec, args: CanonicalArgs, scale: float):
 
 def attention_backward_from_lse(spec: AttentionSpec, args: CanonicalArgs, scale: float,
                                 out: jax.Array, lse: jax.Array, d_out: jax.Array):
-    """This block's share (dq, dk, dv) of the gradients of an attention spanning many
+    """This block's share (dq, dk, dv, dbias) of the gradients of an attention spanning many
     blocks, from the whole attention's output out [b, sq, h, dv], log-sum-exp lse
-    [b, h, sq] (sink included; -inf where a query sees nothing) and d_out."""
+    [b, h, sq] (sink included; -inf where a query sees nothing) and d_out. dbias: float32
+    like the block's bias, None without a bias array (as xla.attention_backward_from_lse)."""
     operands = (*args.tokens, *_block_row_operands(spec, args))
-    dq, dk, dv, _, _ = _op(_static(spec, scale, SoftmaxType.VANILLA, False), True)(
+    dq, dk, dv, _, _, d_bias = _op(_static(spec, scale, SoftmaxType.VANILLA, False), True)(
         args.q, args.k, args.v, *operands, out.astype(args.q.dtype),
         jnp.where(lse == -jnp.inf, jnp.inf, lse), d_out.astype(args.q.dtype))
-    return dq, dk, dv
+    return dq, dk, dv, (d_bias if spec.bias in _BIAS_TYPES else None)

@@ -34,12 +34,9 @@ def _backward_local(plan: _Plan, operands: dict, out, lse, d_out):
                  _seq_slice(d_out, rows, width))
 
         def run():
-            if plan.kernel == "xla":
-                grads = kernel.attention_backward_from_lse(plan.spec, args, plan.scale, keep,
-                                                           *whole)
-            else:
-                grads = (*kernel.attention_backward_from_lse(plan.spec, args, plan.scale,
-                                                             *whole), None)
+            dropout = (keep,) if plan.kernel == "xla" else ()  # flash serves no dropout here
+            grads = kernel.attention_backward_from_lse(plan.spec, args, plan.scale, *dropout,
+                                                       *whole)
             return jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
         g_q, g_k, g_v, g_bias = jax.lax.cond(

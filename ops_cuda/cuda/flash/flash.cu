@@ -197,6 +197,16 @@ ffi::Error check_kernel_support(const char* op, const AttentionParams& p, ffi::D
   return ffi::Error::Success();
 }
 
+// Parses the bias operand and refuses a bias array: the GPU kernels do not read one yet.
+ffi::Error check_no_bias(const char* op, const ffi::AnyBuffer& bias, int32_t bias_type, AttentionParams* p) {
+  if (auto e = parse_bias(op, bias, bias_type, p); e.failure()) return e;
+  if (p->bias_type != kBiasNone) {
+    return invalid(op, "bias arrays (bias_type " + std::to_string(bias_type) + ") are not yet in the " FA_FFI_PLATFORM
+                       " flash kernels (the host build serves them); use backend 'xla' or 'auto'");
+  }
+  return ffi::Error::Success();
+}
+
 // The workspace's layout: the spans, then (backward) the softmax delta and, for the sm_90a
 // backward, the float32 dQ accumulator [B, Sq, H, D], each 256-byte aligned.
 int64_t align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
@@ -256,10 +266,11 @@ void summarise(gpuStream_t stream, void* workspace, FlashArgs* a) {
 ffi::Error FlashFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer v, ffi::AnyBuffer q_seg, ffi::AnyBuffer q_pos, ffi::AnyBuffer q_diag,
                         ffi::AnyBuffer kv_seg, ffi::AnyBuffer kv_pos, ffi::AnyBuffer softmax_offset,
-                        ffi::AnyBuffer seed, ffi::AnyBuffer alibi_slopes, ffi::Result<ffi::AnyBuffer> o,
+                        ffi::AnyBuffer seed, ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer bias,
+                        ffi::Result<ffi::AnyBuffer> o,
                         ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> workspace, float scale,
                         bool causal, int64_t window_left, int64_t window_right, int32_t softmax_type,
-                        double dropout_rate, bool alibi, int32_t named_kernel) {
+                        double dropout_rate, bool alibi, int32_t bias_type, int32_t named_kernel) {
   constexpr const char* kOp = "fusedattn_flash_fwd (" FA_FFI_PLATFORM ")";
   AttentionParams p;
   std::vector<int64_t> lead;
@@ -269,6 +280,7 @@ ffi::Error FlashFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
       e.failure()) {
     return e;
   }
+  if (auto e = check_no_bias(kOp, bias, bias_type, &p); e.failure()) return e;
   if (auto e = check_kernel_support(kOp, p, q.element_type()); e.failure()) return e;
   if (auto e = check_named_kernel(kOp, named_kernel); e.failure()) return e;
   if (auto e = check_forward_results(kOp, p, lead, q.element_type(), o, lse); e.failure()) return e;
@@ -286,12 +298,15 @@ ffi::Error FlashFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
 ffi::Error FlashBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer v, ffi::AnyBuffer q_seg, ffi::AnyBuffer q_pos, ffi::AnyBuffer q_diag,
                         ffi::AnyBuffer kv_seg, ffi::AnyBuffer kv_pos, ffi::AnyBuffer softmax_offset,
-                        ffi::AnyBuffer seed, ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer o, ffi::AnyBuffer lse,
+                        ffi::AnyBuffer seed, ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer bias,
+                        ffi::AnyBuffer o, ffi::AnyBuffer lse,
                         ffi::AnyBuffer dout, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> d_offset,
-                        ffi::Result<ffi::AnyBuffer> d_slopes, ffi::Result<ffi::AnyBuffer> workspace, float scale,
+                        ffi::Result<ffi::AnyBuffer> d_slopes, ffi::Result<ffi::AnyBuffer> d_bias,
+                        ffi::Result<ffi::AnyBuffer> workspace, float scale,
                         bool causal, int64_t window_left, int64_t window_right, int32_t softmax_type,
-                        double dropout_rate, bool alibi, bool deterministic, int32_t named_kernel) {
+                        double dropout_rate, bool alibi, int32_t bias_type, bool deterministic,
+                        int32_t named_kernel) {
   constexpr const char* kOp = "fusedattn_flash_bwd (" FA_FFI_PLATFORM ")";
   AttentionParams p;
   std::vector<int64_t> lead;
@@ -301,6 +316,8 @@ ffi::Error FlashBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
       e.failure()) {
     return e;
   }
+  if (auto e = check_no_bias(kOp, bias, bias_type, &p); e.failure()) return e;
+  if (auto e = check_bias_gradient(kOp, bias, d_bias); e.failure()) return e;
   if (auto e = check_kernel_support(kOp, p, q.element_type()); e.failure()) return e;
   if (auto e = check_named_kernel(kOp, named_kernel); e.failure()) return e;
   const ffi::DataType dt = q.element_type();

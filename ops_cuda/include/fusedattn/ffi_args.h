@@ -7,12 +7,16 @@
 //   6 kv_seg 7 kv_pos          : S32 [..., Skv]
 //   8 softmax_offset F32 [..., H]     9 seed U32 [..., 2]
 //  10 alibi_slopes F32 [..., H] (read only with the alibi attribute; see alibi.h)
+//  11 bias F32 [Bb, Hb, Sq, Skv], Bb 1 or B (the product of q's leading dims), Hb 1 or H
+//     (read only with bias_type 1 or 2; see bias.h; unread, any rank-4 F32 array otherwise)
 // attributes: scale f32, causal bool, window_left i64, window_right i64,
-//             softmax_type i32, dropout_rate f64, alibi bool
+//             softmax_type i32, dropout_rate f64, alibi bool,
+//             bias_type i32 (0 none, 1 pre_scale, 2 post_scale)
 // results: o [..., Sq, H, Dv] (q's dtype), lse F32 [..., H, Sq]
-// Backward operands: the forward's eleven, then 11 o, 12 lse, 13 do;
+// Backward operands: the forward's twelve, then 12 o, 13 lse, 14 do;
 // results: dq, dk, dv (like q, k, v), d_offset F32 [..., H] and d_slopes F32 [..., H]
-// (per batch row; d_slopes is written only with the alibi attribute).
+// (per batch row; d_slopes is written only with the alibi attribute), d_bias F32 shaped
+// like bias (the shared dims summed inside the call; zeros without a bias).
 #ifndef FUSEDATTN_FFI_ARGS_H_
 #define FUSEDATTN_FFI_ARGS_H_
 
@@ -24,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "fusedattn/bias.h"
 #include "fusedattn/layout.h"
 #include "fusedattn/philox.h"
 #include "fusedattn/portability.h"
@@ -224,7 +229,7 @@ ffi::Error parse_dropout_rate(const char* op, double dropout_rate, Params* p) {
   return ffi::Error::Success();
 }
 
-// Validates the eleven forward operands and the attributes, filling *p.
+// Validates the forward operands 0-10 and the attributes but bias_type (parse_bias), filling *p.
 // *lead receives q's leading dims (the batch dims of every result).
 inline ffi::Error parse_attention_call(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                                        const ffi::AnyBuffer& v, const ffi::AnyBuffer& q_seg,
@@ -289,6 +294,39 @@ inline ffi::Error parse_attention_call(const char* op, const ffi::AnyBuffer& q, 
   p->softmax_type = softmax_type;
   p->alibi = alibi;
   return ffi::Error::Success();
+}
+
+// Checks the bias operand (11) and the bias_type attribute, filling p's bias_type,
+// bias_batch and bias_heads. Call after parse_attention_call.
+inline ffi::Error parse_bias(const char* op, const ffi::AnyBuffer& bias, int32_t bias_type, AttentionParams* p) {
+  if (bias_type < kBiasNone || bias_type > kBiasPostScale) {
+    return invalid(op, "bias_type must be 0 (none), 1 (pre_scale) or 2 (post_scale), got " +
+                           std::to_string(bias_type));
+  }
+  if (bias.element_type() != ffi::DataType::F32) {
+    return invalid(op, std::string("bias must be float32, got ") + dtype_name(bias.element_type()));
+  }
+  const auto d = bias.dimensions();
+  const std::string want = "[" + std::to_string(p->batch) + " or 1, " + std::to_string(p->heads) + " or 1, " +
+                           std::to_string(p->seqlen_q) + ", " + std::to_string(p->seqlen_kv) + "]";
+  if (d.size() != 4) return invalid(op, "bias must have shape " + want + ", got " + dims_string(d));
+  p->bias_type = bias_type;
+  p->bias_batch = d[0];
+  p->bias_heads = d[1];
+  if (bias_type == kBiasNone) return ffi::Error::Success();
+  if ((d[0] != 1 && d[0] != p->batch) || (d[1] != 1 && d[1] != p->heads) || d[2] != p->seqlen_q ||
+      d[3] != p->seqlen_kv) {
+    return invalid(op, "bias must have shape " + want + ", got " + dims_string(d));
+  }
+  return ffi::Error::Success();
+}
+
+// Checks the backward's d_bias result: F32 shaped like the bias operand.
+inline ffi::Error check_bias_gradient(const char* op, const ffi::AnyBuffer& bias,
+                                      ffi::Result<ffi::AnyBuffer>& d_bias) {
+  const auto d = bias.dimensions();
+  return check_exact(op, "result d_bias", d_bias->element_type(), d_bias->dimensions(), ffi::DataType::F32,
+                     std::vector<int64_t>(d.begin(), d.end()));
 }
 
 // Checks the forward's results against the parsed call: o [..., Sq, H, Dv] in q's dtype,
@@ -387,19 +425,20 @@ auto bind_attention_attrs(FfiBinding&& binding, Extra... extra) {
   return bind_attrs(std::forward<FfiBinding>(binding), ffi::StructMember<float>("scale"),
                     ffi::StructMember<bool>("causal"), ffi::StructMember<int64_t>("window_left"),
                     ffi::StructMember<int64_t>("window_right"), ffi::StructMember<int32_t>("softmax_type"),
-                    ffi::StructMember<double>("dropout_rate"), ffi::StructMember<bool>("alibi"), extra...);
+                    ffi::StructMember<double>("dropout_rate"), ffi::StructMember<bool>("alibi"),
+                    ffi::StructMember<int32_t>("bias_type"), extra...);
 }
 
-// The flash op's FFI signature: the forward binds 11 operands and 2 results,
-// the backward 14 and 5 (as listed above), each followed by kWorkspaces results that
+// The flash op's FFI signature: the forward binds 12 operands and 2 results,
+// the backward 15 and 6 (as listed above), each followed by kWorkspaces results that
 // serve the handler as scratch (the CUDA handlers' one uint8 workspace). The backward
 // binds one attribute more, last: deterministic (bool, config deterministic_backward).
 template <Pass kPass, int kWorkspaces = 0, typename FfiBinding>
 auto bind_attention(FfiBinding&& binding) {
   if constexpr (kPass == Pass::kForward) {
-    return bind_attention_attrs(bind_buffers<11, 2 + kWorkspaces>(std::forward<FfiBinding>(binding)));
+    return bind_attention_attrs(bind_buffers<12, 2 + kWorkspaces>(std::forward<FfiBinding>(binding)));
   } else {
-    return bind_attention_attrs(bind_buffers<14, 5 + kWorkspaces>(std::forward<FfiBinding>(binding)),
+    return bind_attention_attrs(bind_buffers<15, 6 + kWorkspaces>(std::forward<FfiBinding>(binding)),
                                 ffi::StructMember<bool>("deterministic"));
   }
 }

@@ -60,6 +60,9 @@ struct AttentionParams {
   MaskParams mask;
   int32_t softmax_type;
   bool alibi;  // scores gain the ALiBi term of alibi.h
+  int32_t bias_type;   // bias.h's BiasKind: none, or a bias array before or after the scale
+  int64_t bias_batch;  // Bb of the bias array [Bb, Hb, Sq, Skv]: 1 or B
+  int64_t bias_heads;  // Hb: 1 or H
   bool dropout;
   uint32_t dropout_threshold;
   float dropout_scale;  // 1 / (1 - rate)
