@@ -63,7 +63,8 @@ CASES = {
     "thd_offsets_window": dict(mask="padding_causal", form="seqlens_offsets",
                                window_size=(6, -1)),
 }
-# Cases only the xla backend serves (bias arrays, dropout) or that need its sink path.
+# Cases only the xla backend serves (dropout) or that need its sink path, and bias arrays
+# (flash too: test_flash_bias_matches_unsharded).
 XLA_CASES = {
     "post_scale_bias": dict(mask="causal", bias="post_scale_bias"),
     "pre_scale_bias_shared": dict(mask="padding", form="seqlens", bias="pre_scale_bias",
@@ -196,6 +197,16 @@ def test_matches_unsharded(rng, case, backend, strategy, load_balance):
 @pytest.mark.parametrize("case", XLA_CASES)
 def test_xla_features_match_unsharded(rng, case, strategy, load_balance):
     overrides, inputs = build(rng, "xla", XLA_CASES[case])
+    check_matches_unsharded(overrides, inputs, strategy, load_balance, make_mesh())
+
+
+@pytest.mark.parametrize("strategy,load_balance", STRATEGIES)
+@pytest.mark.parametrize("case", [
+    XLA_CASES["post_scale_bias"], XLA_CASES["pre_scale_bias_shared"],
+    dict(mask="padding_causal", form="segment_ids", bias="post_scale_bias")])
+def test_flash_bias_matches_unsharded(rng, case, strategy, load_balance):
+    """flash per block with the block's slice of the bias and its gradient (packed too)."""
+    overrides, inputs = build(rng, "flash", case)
     check_matches_unsharded(overrides, inputs, strategy, load_balance, make_mesh())
 
 

@@ -175,6 +175,27 @@ def test_flash_alibi_shards_batch_and_heads(rng, mesh_name, given):
     assert kernel_shapes(hlo, flash.BWD_TARGET) == [hlo_shape("f32", local(q.shape, mesh))]
 
 
+@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize("bias_shape", [(4, 4), (1, 4), (4, 1), (1, 1)])
+def test_flash_bias_shards_and_sums_its_gradient(rng, mesh_name, bias_shape):
+    """A bias array [b|1, h|1, s, s] shards like q where it has the axis; the gradient of a
+    shared one, summed inside the call, is psummed across the shards."""
+    mesh = make_mesh(mesh_name)
+    config = make_config(backend="flash", mask="causal", bias="pre_scale_bias")
+    q, k, v = flash_inputs(rng)
+    bias = random_array(rng, bias_shape + (8, 8))
+    bias_spec = P("data" if bias_shape[0] > 1 else None, "model" if bias_shape[1] > 1 else None)
+
+    def attend(q, k, v, bias):
+        return fused_attn((q, k, v), config=config, bias=bias)
+
+    hlo = check_sharded(value_and_grads(attend, (0, 1, 2, 3)),
+                        (random_array(rng, q.shape), q, k, v, bias),
+                        (QKV, QKV, QKV, QKV, bias_spec), mesh, (QKV, (QKV, QKV, QKV, bias_spec)))
+    assert kernel_shapes(hlo, flash.FWD_TARGET) == [hlo_shape("f32", local(q.shape, mesh))]
+    assert kernel_shapes(hlo, flash.BWD_TARGET) == [hlo_shape("f32", local(q.shape, mesh))]
+
+
 @pytest.mark.parametrize("form", ["segment_ids", "seqlens_offsets", "seqlens"])
 def test_flash_packed_and_padded_rows_shard_with_the_batch(rng, form):
     """Descriptors are per-row operands [b, ...]: they shard along the batch, never gathered."""

@@ -25,8 +25,8 @@ else one); every (query piece, key piece) pair whose mask has no visible entry (
 future, outside the sliding window, other documents only) is skipped with
 `jax.lax.cond`, so under load-balanced causal masks an off-diagonal step does half the
 work. A pair runs the backend's log-sum-exp entry point: xla (every feature) or flash
-(host build: no bias arrays, and no dropout, its masks being keyed by block-local
-indices). Softmax sinks (off_by_one, learnable) join once per query after the merge;
+(host build: bias arrays included; no ALiBi, and no dropout, its masks being keyed
+by block-local indices). Softmax sinks (off_by_one, learnable) join once per query after the merge;
 dropout masks are drawn at the global query and key indices, so every result equals the
 unsharded call's (up to float32 rounding of the merge).
 
