@@ -29,16 +29,9 @@ constexpr int kDeltaThreads = 256;
 constexpr int64_t kDeltaMaxBlocks = 1024;
 
 // rows of 16-bit elements: kLanes = D / 8 lanes per row, each one 16-byte load of O and
-// of dO, summed over the lanes of the row by shuffles. The grid also zeroes `zeros`
-// (zero_count float4s: the sm_90a backward's dQ accumulator), so that one pass over memory
-// replaces a memset of its own.
+// of dO, summed over the lanes of the row by shuffles.
 template <ElementType ET, int D>
-__global__ void __launch_bounds__(kDeltaThreads) softmax_delta_kernel(const FlashArgs a, float4* zeros,
-                                                                      int64_t zero_count) {
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kDeltaThreads + threadIdx.x; i < zero_count;
-       i += static_cast<int64_t>(gridDim.x) * kDeltaThreads) {
-    zeros[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  }
+__global__ void __launch_bounds__(kDeltaThreads) softmax_delta_kernel(const FlashArgs a) {
   constexpr int kLanes = D / 8, kRowsPerPass = kDeltaThreads / kLanes;
   static_assert(kLanes <= kWarpSize && kWarpSize % kLanes == 0, "a row within one warp");
   const AttentionParams& p = a.p;

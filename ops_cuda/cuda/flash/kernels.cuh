@@ -9,17 +9,15 @@
 namespace fusedattn {
 namespace flash {
 
-// Launches kernel<<<blocks, threads, shared_bytes>>>(a, extra...), raising its dynamic shared-memory
-// limit first.
-template <typename Kernel, typename... Extra>
-void launch(Kernel kernel, int64_t blocks, int threads, int shared_bytes, gpuStream_t stream, const FlashArgs& a,
-            Extra... extra) {
+// Launches kernel<<<blocks, threads, shared_bytes>>>(a), raising its dynamic shared-memory limit first.
+template <typename Kernel>
+void launch(Kernel kernel, int64_t blocks, int threads, int shared_bytes, gpuStream_t stream, const FlashArgs& a) {
   if (blocks == 0) return;
   // Always: a kernel's static shared memory counts against the default 48 KB as well. A
   // failure here fails the launch below, which the handler reports.
   (void)gpuFuncSetAttribute(reinterpret_cast<const void*>(kernel), gpuFuncAttributeMaxDynamicSharedMemorySize,
                             shared_bytes);
-  kernel<<<static_cast<unsigned>(blocks), threads, shared_bytes, stream>>>(a, extra...);
+  kernel<<<static_cast<unsigned>(blocks), threads, shared_bytes, stream>>>(a);
 }
 
 template <ElementType ET, int D>
@@ -31,17 +29,14 @@ void forward(gpuStream_t stream, const FlashArgs& a) {
 }
 
 // What every backward runs first (the sm_80 kernels and the sm_90a one): a.delta =
-// rowsum(dO o O), and a.d_offset (the learnable softmax's gradient; zeros otherwise);
-// `zero_floats` floats at `zeros` (a multiple of 4, 16-byte aligned) set to 0 on the way.
+// rowsum(dO o O), and a.d_offset (the learnable softmax's gradient; zeros otherwise).
 template <ElementType ET, int D>
-void backward_prologue(gpuStream_t stream, const FlashArgs& a, float* zeros = nullptr, int64_t zero_floats = 0) {
+void backward_prologue(gpuStream_t stream, const FlashArgs& a) {
   const AttentionParams& p = a.p;
   const int64_t rows = p.batch * p.seqlen_q * p.heads;
   const int64_t rows_per_block = kDeltaThreads / (D / 8);
-  const int64_t blocks = std::max((rows + rows_per_block - 1) / rows_per_block,
-                                  (zero_floats / 4 + kDeltaThreads - 1) / kDeltaThreads);
-  launch(softmax_delta_kernel<ET, D>, std::min(blocks, kDeltaMaxBlocks), kDeltaThreads, 0, stream, a,
-         reinterpret_cast<float4*>(zeros), zero_floats / 4);
+  launch(softmax_delta_kernel<ET, D>, std::min((rows + rows_per_block - 1) / rows_per_block, kDeltaMaxBlocks),
+         kDeltaThreads, 0, stream, a);
   if (p.softmax_type == kSoftmaxLearnable) {
     launch_sink_gradient(stream, a);
   } else {

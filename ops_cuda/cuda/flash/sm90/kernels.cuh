@@ -51,8 +51,9 @@ std::string backward(gpuStream_t stream, const FlashArgs& a, float* dq_accum) {
   if (error.empty()) error = encode_tile_map(&args.k_map, a.k, p.batch, p.seqlen_kv, p.kv_heads, D, T::kN);
   if (error.empty()) error = encode_tile_map(&args.v_map, a.v, p.batch, p.seqlen_kv, p.kv_heads, D, T::kN);
   if (!error.empty()) return error;
+  flash::backward_prologue<ET, D>(stream, a);
   const int64_t floats = dq_accum_floats(p.batch, p.heads, p.seqlen_q, D);
-  flash::backward_prologue<ET, D>(stream, a, dq_accum, floats);  // zeroes the accumulator too
+  gpuMemsetAsync(dq_accum, 0, sizeof(float) * floats, stream);
   const int64_t blocks = (p.seqlen_kv + T::kN - 1) / T::kN * p.kv_heads * p.batch;
   if (blocks > 0) {
     const auto kernel = p.dropout ? backward_kernel<ET, D, true> : backward_kernel<ET, D, false>;

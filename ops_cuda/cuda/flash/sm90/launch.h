@@ -31,7 +31,7 @@ FA_HOST_DEVICE inline int64_t dq_accum_floats(int64_t batch, int64_t heads, int6
 
 // Launches the backward of head dim D (64 or 128: BackwardTiles) on a device of compute
 // capability 9.0: the prologue of every backward (a.delta, a.d_offset), the sm_90a kernel,
-// whose dQ sums in dq_accum (dq_accum_floats, zeroed by the prologue's delta kernel), and dq from that sum.
+// whose dQ sums in dq_accum (dq_accum_floats, zeroed here), and dq from that sum.
 // Needs a.spans summarised first and Sq, Skv > 0 (TMA describes no empty tensor). Returns ""
 // or why it could not launch; kernel errors surface through the stream's last error.
 template <int D>
