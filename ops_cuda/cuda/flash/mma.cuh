@@ -93,6 +93,15 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], uint32_t addres
                : "r"(address));
 }
 
+// The transpose of an 8 x 8 matrix of 16-bit values held as lane l's row l/4, columns
+// 2(l%4), 2(l%4)+1 (a C fragment half packed by pack2, or an ldmatrix result), in the same
+// layout: a score tile's fragment becomes the B operand of the next product.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
 // Copies 16 bytes global -> shared asynchronously (cp.async; tile_copies_commit and
 // tile_copies_wait order the copies); zero-fills when !valid.
 __device__ __forceinline__ void copy_chunk(uint32_t smem, const void* gmem, bool valid) {
