@@ -3,19 +3,26 @@
 // ops_cuda/host/paged_decode_host.cc). bfloat16 and float16, head dims 64, 128, 256, Dv = D.
 //
 // One CTA (4 warps) per (sequence, K/V head, split) holds every query row of that K/V
-// head's group (heads x queries: up to 32 rows, 16 at D = 256; larger groups take several
-// head chunks) and streams the sequence's visible keys in tiles of 64 through shared memory:
-// 16-byte cp.async copies of whole key rows (a row's chunks go to neighbouring threads, so
-// each warp reads 512 contiguous bytes at a time), kStages - 1 tiles in flight while one is
-// computed, so each K/V byte of a sequence is read once per head chunk. The page-table
-// entries of the keys streamed next sit in shared memory (a window of kTablePages
-// entries, refilled by the block as the keys move past it), so issuing a tile's copies
-// waits on no global load. The CTAs of one (sequence, split) are adjacent in the grid.
-// Each warp takes 16
-// keys of a tile: S = Q K^T and O += P V on tensor cores (mma.sync m16n8k16, float32
-// accumulators, P rounded to the input type as in the flash kernels; primitives of
-// ops_cuda/cuda/flash/mma.cuh) with its own online softmax; the four warps' (m, l, O) are
-// merged through shared memory at the end.
+// head's group (heads x queries, in query tiles of 8 rows: one tile for a GQA-4 token, two
+// for four tokens; larger groups take several head chunks) and streams the sequence's
+// visible keys in tiles of 64 through shared memory: 16-byte cp.async copies of whole key
+// rows (four threads per row, so a thread looks up one page-table entry per four chunks),
+// kStages - 1 tiles in flight while one is computed, so each K/V byte of a sequence is read
+// once per head chunk. The page-table entries of the keys streamed next sit in shared
+// memory (a window of kTablePages entries, refilled by the block as the keys move past
+// it), so issuing a tile's copies waits on no global load. The CTAs of one (sequence,
+// split) are adjacent in the grid.
+//
+// Each warp takes 16 keys of a tile, and the products are transposed (keys on the 16-row
+// side of mma.sync m16n8k16, queries on the 8-column side): S^T = K Q^T and O^T += V^T P^T
+// on tensor cores (float32 accumulators, P rounded to the input type as in the flash
+// kernels; primitives of ops_cuda/cuda/flash/mma.cuh), so a decode token's 4 rows are not
+// padded to 16 and its O^T accumulators take D/4 registers a lane. Q's fragments stay in
+// registers for the whole pass; P^T becomes the B operand of the second product through
+// movmatrix. Each warp keeps its own online softmax; masks are applied per element only on
+// a warp's 16 keys that some row of the pass does not wholly see (the last, partial tile;
+// causal diagonals; windows), and the accumulators are rescaled only when a maximum grew.
+// The four warps' (m, l, O) are merged through shared memory at the end.
 //
 // A CTA's start: the key lengths are checked first (no read depends on them failing), then
 // the query rows and the first tiles are issued together (cp.async), and the sequence's
@@ -387,9 +394,10 @@ struct Pass {
       }
     }
     uint32_t pb[kQTiles][2];  // P^T as B fragments: keys 0-7, 8-15 of the warp
+    float alpha[kQTiles][2];  // the factors of the columns' past: exactly 1 where the max stayed
+    bool grew = false;
 #pragma unroll
     for (int nt = 0; nt < kQTiles; ++nt) {
-      float alpha[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float block_max = fmaxf(s[nt][e], s[nt][e + 2]);
@@ -400,21 +408,28 @@ struct Pass {
         // 2^((x - m) log2 e) with m = 0 while nothing is visible: -inf scores and an
         // empty past become 0, never NaN
         const float base = (m_new == -INFINITY ? 0.0f : m_new) * flash::kLog2e;
-        alpha[e] = flash::fast_exp2(fmaf(m[nt][e], flash::kLog2e, -base));
+        const bool up = m_new > m[nt][e];
+        alpha[nt][e] = up ? flash::fast_exp2(fmaf(m[nt][e], flash::kLog2e, -base)) : 1.0f;
+        grew |= up;
         m[nt][e] = m_new;
         s[nt][e] = flash::fast_exp2(fmaf(s[nt][e], flash::kLog2e, -base));
         s[nt][e + 2] = flash::fast_exp2(fmaf(s[nt][e + 2], flash::kLog2e, -base));
-        l[nt][e] = fmaf(l[nt][e], alpha[e], s[nt][e] + s[nt][e + 2]);
-      }
-#pragma unroll
-      for (int dt = 0; dt < kDTiles; ++dt) {
-        o[dt][nt][0] *= alpha[0];
-        o[dt][nt][1] *= alpha[1];
-        o[dt][nt][2] *= alpha[0];
-        o[dt][nt][3] *= alpha[1];
+        l[nt][e] = fmaf(l[nt][e], alpha[nt][e], s[nt][e] + s[nt][e + 2]);
       }
       pb[nt][0] = flash::movmatrix_trans(flash::pack2<ET>(s[nt][0], s[nt][1]));
       pb[nt][1] = flash::movmatrix_trans(flash::pack2<ET>(s[nt][2], s[nt][3]));
+    }
+    if (warp_ballot(grew) != 0) {  // warp-uniform; once the maxima settle, the rescale is skipped
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+#pragma unroll
+        for (int nt = 0; nt < kQTiles; ++nt) {
+          o[dt][nt][0] *= alpha[nt][0];
+          o[dt][nt][1] *= alpha[nt][1];
+          o[dt][nt][2] *= alpha[nt][0];
+          o[dt][nt][3] *= alpha[nt][1];
+        }
+      }
     }
     // O^T += V^T P^T; A = 16 dims x 16 keys of V^T (ldmatrix.trans: matrix i = keys 8 (i / 2) ..,
     // dims 8 (i % 2) ..)
@@ -435,7 +450,7 @@ struct Pass {
     const int n_tiles = end > begin ? (end - begin + kKeys - 1) / kKeys : 0;
     window = n_tiles > 0 ? page_of(begin) : 0;
     if (n_tiles > 0) fill_pages(window);
-#pragma unroll
+#pragma unroll 1
     for (int s = 0; s < T::kStages - 1; ++s) {
       if (s < n_tiles) load_tile(begin + s * kKeys, end, s, window);
       tile_copies_commit();
