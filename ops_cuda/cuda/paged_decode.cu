@@ -364,7 +364,8 @@ struct Pass {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const SwizzledTile<T::kChunks> k_rows = sh.tile(stage, 0, 16 * warp), v_rows = sh.tile(stage, 1, 16 * warp);
     // S^T = K Q^T; A = 16 keys x 16 dims of K (ldmatrix: matrix i = keys 8 (i % 2) .., dims 8 (i / 2) ..)
-    float s[kQTiles][4] = {};
+    // (even and odd 16-dim steps in two accumulators: half the chain of dependent products)
+    float s[kQTiles][4] = {}, s_odd[kQTiles][4] = {};
     {
       const flash::LaneChunks chunks(lane / 16);
       const uint32_t k_row = k_rows.row((lane % 8) + 8 * ((lane / 8) % 2));
@@ -373,7 +374,9 @@ struct Pass {
         uint32_t ka[4];
         flash::ldmatrix_x4(ka, chunks.at(k_row, ks));
 #pragma unroll
-        for (int nt = 0; nt < kQTiles; ++nt) flash::mma_16816<ET>(s[nt], ka, qb[nt][ks][0], qb[nt][ks][1]);
+        for (int nt = 0; nt < kQTiles; ++nt) {
+          flash::mma_16816<ET>(ks % 2 == 0 ? s[nt] : s_odd[nt], ka, qb[nt][ks][0], qb[nt][ks][1]);
+        }
       }
     }
     // s[nt][i]: key first + lane / 4 + 8 (i / 2), query column 8 nt + 2 (lane % 4) + i % 2
@@ -381,7 +384,7 @@ struct Pass {
 #pragma unroll
     for (int nt = 0; nt < kQTiles; ++nt) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) s[nt][i] *= a.p.scale;
+      for (int i = 0; i < 4; ++i) s[nt][i] = (s[nt][i] + s_odd[nt][i]) * a.p.scale;
     }
     if (first < vis.full_lo || first + 15 > vis.full_hi) {  // warp-uniform
 #pragma unroll
