@@ -333,8 +333,11 @@ struct Pass {
     const PagedParams& p = a.p;
     const int row = static_cast<int>(threadIdx.x) / kRowThreads, part = static_cast<int>(threadIdx.x) % kRowThreads;
     const uint32_t page_size = static_cast<uint32_t>(p.page_size);
-    const int64_t token_elems = p.kv_heads * D;  // from one token's row of a pool to the next
-    const int64_t first = g * D + part * 8;      // the thread's first element of a token's row
+    // paged_page_ok(entry) as one unsigned comparison: negative entries wrap past 2^31 - 1
+    const uint32_t pool_pages = static_cast<uint32_t>(std::min<int64_t>(p.num_pages, int64_t{1} << 31));
+    const uint64_t token_bytes = static_cast<uint64_t>(p.kv_heads) * D * 2;  // one token's row of a pool
+    const char* k_first = reinterpret_cast<const char*>(a.k + g * D + part * 8);  // the thread's first chunk
+    const char* v_first = reinterpret_cast<const char*>(a.v + g * D + part * 8);
     const uint32_t k_row = sh.tile(stage, 0).row(row), v_row = sh.tile(stage, 1).row(row);
 #pragma unroll
     for (int i = 0; i < kKeys / kCopyRows; ++i) {
@@ -343,15 +346,16 @@ struct Pass {
       const uint32_t page = kPowerOfTwo ? u >> a.page_shift : u / page_size;
       const uint32_t slot = u - page * page_size;
       const int32_t entry = key < end ? sh.pages[page - static_cast<uint32_t>(window)] : -1;
-      const bool valid = paged_page_ok(p, entry);
-      const int64_t at = valid ? (static_cast<int64_t>(entry) * page_size + slot) * token_elems + first : 0;
+      const bool valid = static_cast<uint32_t>(entry) < pool_pages;
+      const uint64_t token = static_cast<uint64_t>(static_cast<uint32_t>(entry)) * page_size + slot;
+      const uint64_t at = valid ? token * token_bytes : 0;
       const uint32_t rows_above = static_cast<uint32_t>(kCopyRows * i * T::kChunks * 16);
 #pragma unroll
       for (int c = 0; c < T::kRowChunks; ++c) {
         // (row + kCopyRows i) % 8 == row % 8: the swizzle of the row's chunk
         const uint32_t offset = rows_above + static_cast<uint32_t>(((part + kRowThreads * c) ^ (row % 8)) * 16);
-        copy_chunk(k_row + offset, a.k + at + 8 * kRowThreads * c, valid);
-        copy_chunk(v_row + offset, a.v + at + 8 * kRowThreads * c, valid);
+        copy_chunk(k_row + offset, k_first + at + 16 * kRowThreads * c, valid);
+        copy_chunk(v_row + offset, v_first + at + 16 * kRowThreads * c, valid);
       }
     }
   }
