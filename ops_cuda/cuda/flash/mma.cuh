@@ -1,6 +1,7 @@
 // The NVIDIA tensor-core layer of the flash kernels (CUDA, sm_80 and later; the
 // interface: tensor_core.cuh): mma.sync m16n8k16 with float accumulators, ldmatrix,
-// cp.async, and a swizzled shared-memory tile of 16-byte chunks.
+// cp.async, and a swizzled shared-memory tile of 16-byte chunks (and movmatrix, outside the
+// interface: the paged decode kernel's, CUDA only).
 //
 // Fragment layouts (lane l of 32; PTX ISA "mma.m16n8k16"; fragment_maps.h, mma_sync_map):
 //   C/D (16 x 8, float): c[0], c[1] = row l/4,     cols 2(l%4), 2(l%4)+1
