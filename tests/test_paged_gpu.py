@@ -50,8 +50,8 @@ def test_page_sizes_query_counts_heads(rng, page_size, sq, heads):
 @pytest.mark.parametrize("sq", [1, 3, 8])
 def test_page_size_not_a_power_of_two_and_head_chunks(rng, sq):
     """Pages of 48 keys (the division path of the page index) and MQA 32/1, whose group
-    of 32 heads times sq queries exceeds a CTA's 32 rows from sq 2 on (several head
-    chunks per K/V head), split over many CTAs at b=2."""
+    of 32 heads times sq queries exceeds a CTA's 16 query rows (several head chunks per
+    K/V head), split over many CTAs at b=2."""
     case = Case(rng, b=2, sq=sq, h=32, h_kv=1, d=128, dv=128, page_size=48, pages=20,
                 dtype=jnp.bfloat16)
     check(case, mask="padding_causal_bottom_right")

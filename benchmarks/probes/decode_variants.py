@@ -45,12 +45,14 @@ _ORDER = ("  const int64_t s = blockIdx.x / head_ctas / a.splits;\n"
           "  const int split = static_cast<int>(blockIdx.x / head_ctas % a.splits);\n")
 _RESIDENT = "const int64_t resident = static_cast<int64_t>(sms) * std::max(resident_per_sm, 1);"
 _STAGES = "kStages = D >= 256 ? 2 : D >= 128 ? 3 : 4;"
+_BOUNDS = "__launch_bounds__(kThreads) paged_decode_kernel"
+_ROW_THREADS = "constexpr int kRowThreads = 4;"
 
 VARIANTS: dict[str, dict[str, str]] = {
     "as_is": {},
     # Each tile's page-table entries read from global memory as its copies are issued (the
     # second kernel's way), not from the shared-memory window.
-    "global_table": {"const int32_t entry = sh.pages[page - window];": "const int32_t entry = table[page];"},
+    "global_table": {"sh.pages[page - static_cast<uint32_t>(window)]": "table[page]"},
     # The first kernel's grid order: the sequences side by side, each K/V head in turn.
     "sequences_adjacent": {
         "  const int head_cta = static_cast<int>(blockIdx.x % head_ctas);\n" + _ORDER:
@@ -64,8 +66,20 @@ VARIANTS: dict[str, dict[str, str]] = {
     "threads256": {"constexpr int kThreads = 128;": "constexpr int kThreads = 256;"},
     # The combine kernel launched in stream order, not as a programmatic dependent launch.
     "no_pdl": {"major >= 9;": "major >= 9 && false;"},
-    # Four stages at d=128 (139 KB: one CTA per SM) instead of three (two CTAs).
+    # Four stages at d=128 (135 KB: one CTA per SM) instead of three (two CTAs).
     "d128_stages4": {_STAGES: "kStages = D >= 256 ? 2 : 4;"},
+    # Two stages at d=128 (68 KB: three CTAs per SM with one query tile; two tiles' 208
+    # registers still allow two).
+    "d128_stages2": {_STAGES: "kStages = D >= 256 ? 2 : D >= 128 ? 2 : 4;"},
+    # Two stages and at most 168 registers a thread: three CTAs per SM with two query tiles too.
+    "d128_stages2_regs168": {_STAGES: "kStages = D >= 256 ? 2 : D >= 128 ? 2 : 4;",
+                             _BOUNDS: "__launch_bounds__(kThreads, 3) paged_decode_kernel"},
+    # Eight threads per key row in the tile copies (twice the page lookups, 128 contiguous
+    # bytes per row per copy instruction) and two (half the lookups, 32 bytes).
+    "row_threads8": {_ROW_THREADS: "constexpr int kRowThreads = 8;"},
+    "row_threads2": {_ROW_THREADS: "constexpr int kRowThreads = 2;"},
+    # The accumulators rescaled on every tile, as before the skip when no maximum grew.
+    "always_rescale": {"if (warp_ballot(grew) != 0) {": "if (true) {"},
 }
 
 

@@ -3,19 +3,26 @@
 // ops_cuda/host/paged_decode_host.cc). bfloat16 and float16, head dims 64, 128, 256, Dv = D.
 //
 // One CTA (4 warps) per (sequence, K/V head, split) holds every query row of that K/V
-// head's group (heads x queries: up to 32 rows, 16 at D = 256; larger groups take several
-// head chunks) and streams the sequence's visible keys in tiles of 64 through shared memory:
-// 16-byte cp.async copies of whole key rows (a row's chunks go to neighbouring threads, so
-// each warp reads 512 contiguous bytes at a time), kStages - 1 tiles in flight while one is
-// computed, so each K/V byte of a sequence is read once per head chunk. The page-table
-// entries of the keys streamed next sit in shared memory (a window of kTablePages
-// entries, refilled by the block as the keys move past it), so issuing a tile's copies
-// waits on no global load. The CTAs of one (sequence, split) are adjacent in the grid.
-// Each warp takes 16
-// keys of a tile: S = Q K^T and O += P V on tensor cores (mma.sync m16n8k16, float32
-// accumulators, P rounded to the input type as in the flash kernels; primitives of
-// ops_cuda/cuda/flash/mma.cuh) with its own online softmax; the four warps' (m, l, O) are
-// merged through shared memory at the end.
+// head's group (heads x queries, in query tiles of 8 rows: one tile for a GQA-4 token, two
+// for four tokens; larger groups take several head chunks) and streams the sequence's
+// visible keys in tiles of 64 through shared memory: 16-byte cp.async copies of whole key
+// rows (four threads per row, so a thread looks up one page-table entry per four chunks),
+// kStages - 1 tiles in flight while one is computed, so each K/V byte of a sequence is read
+// once per head chunk. The page-table entries of the keys streamed next sit in shared
+// memory (a window of kTablePages entries, refilled by the block as the keys move past
+// it), so issuing a tile's copies waits on no global load. The CTAs of one (sequence,
+// split) are adjacent in the grid.
+//
+// Each warp takes 16 keys of a tile, and the products are transposed (keys on the 16-row
+// side of mma.sync m16n8k16, queries on the 8-column side): S^T = K Q^T and O^T += V^T P^T
+// on tensor cores (float32 accumulators, P rounded to the input type as in the flash
+// kernels; primitives of ops_cuda/cuda/flash/mma.cuh), so a decode token's 4 rows are not
+// padded to 16 and its O^T accumulators take D/4 registers a lane. Q's fragments stay in
+// registers for the whole pass; P^T becomes the B operand of the second product through
+// movmatrix. Each warp keeps its own online softmax; masks are applied per element only on
+// a warp's 16 keys that some row of the pass does not wholly see (the last, partial tile;
+// causal diagonals; windows), and the accumulators are rescaled only when a maximum grew.
+// The four warps' (m, l, O) are merged through shared memory at the end.
 //
 // A CTA's start: the key lengths are checked first (no read depends on them failing), then
 // the query rows and the first tiles are issued together (cp.async), and the sequence's
@@ -48,7 +55,8 @@
 #include "fusedattn/paged.h"
 #include "fusedattn/paged_decode_ffi.h"
 #include "fusedattn/softmax.h"
-#include "flash/tensor_core.cuh"  // mma.cuh: cp.async, ldmatrix, mma.sync and the swizzled tiles
+#include "flash/params.cuh"       // kLog2e, fast_exp2
+#include "flash/tensor_core.cuh"  // mma.cuh: cp.async, ldmatrix, movmatrix, mma.sync and the swizzled tiles
 #include "xla/ffi/api/ffi.h"
 
 namespace fusedattn {
@@ -69,24 +77,34 @@ constexpr int kMaxQueries = 8;       // queries of a sequence per pass (decode.p
 constexpr int kMinSplitKeys = 256;   // fewest keys a split is given
 constexpr int kCombineThreads = 128;
 constexpr int kTablePages = 512;     // page-table entries a CTA holds in shared memory
+constexpr int kRowThreads = 4;       // threads that copy one key row of a tile
+constexpr int kCopyRows = kThreads / kRowThreads;  // key rows the block copies at once
 
-// Shapes of head dim D: kRows query rows in kRows / 16 row tiles, kStages K/V tiles in
-// shared memory. D = 256 keeps one row tile (its accumulators) and two stages (sm_80's
-// 163 KB); D = 128 three stages (108 KB: two CTAs per SM).
+// The most query tiles (8 query rows each: the n side of the products) a CTA holds at head
+// dim D; a lane keeps D/16 * (2 + 4) registers per tile (Q fragments and O accumulators).
 template <int D>
+constexpr int max_query_tiles() {
+  return D >= 256 ? 1 : 2;
+}
+
+// Shapes of head dim D and kQTiles query tiles: kRows query rows, kStages K/V tiles in
+// shared memory. D = 256 two stages (sm_80's 163 KB), D = 128 three (two CTAs per SM),
+// D = 64 four.
+template <int D, int kQTiles>
 struct Tiling {
-  static constexpr int kRowTiles = D >= 256 ? 1 : 2;
-  static constexpr int kRows = 16 * kRowTiles;
+  static constexpr int kRows = 8 * kQTiles;
   static constexpr int kStages = D >= 256 ? 2 : D >= 128 ? 3 : 4;
   static constexpr int kChunks = D / 8;                     // 16-byte chunks of a row
+  static constexpr int kRowChunks = kChunks / kRowThreads;  // chunks of a key row one thread copies
   static constexpr int kTileBytes = kKeys * D * 2;          // one K or V tile
   static constexpr int kQBytes = kRows * D * 2;
-  static constexpr int kMergeBytes = kWarps * kRows * D * 4;  // the warps' O, after the loop
-  static constexpr int kStatBytes = 2 * kWarps * kRows * 4;   // the warps' m and l
-  static constexpr int kPageBytes = kTablePages * 4;             // the page-table window
+  static constexpr int kMergeStride = D + 4;  // floats from one merge-area row to the next (no bank conflicts)
+  static constexpr int kMergeBytes = kWarps * kRows * kMergeStride * 4;  // the warps' O, after the loop
+  static constexpr int kStatBytes = 2 * kWarps * kRows * 4;               // the warps' m and l
+  static constexpr int kPageBytes = kTablePages * 4;                      // the page-table window
   static constexpr size_t kSharedBytes = kStages * 2 * kTileBytes + kQBytes + kStatBytes + kPageBytes;
   static_assert(kMergeBytes <= kStages * 2 * kTileBytes, "the merge reuses the stages");
-  static_assert(kKeys * kChunks % kThreads == 0, "whole load passes");
+  static_assert(kKeys % kCopyRows == 0 && kCopyRows % 8 == 0 && kChunks % kRowThreads == 0, "whole copy passes");
 };
 
 struct DecodeArgs {
@@ -158,9 +176,9 @@ __device__ __forceinline__ KeyRange visible_range(const PagedParams& p, int32_t 
 }
 
 // The shared-memory buffers of one CTA (swizzled tiles of 16-bit rows).
-template <int D>
+template <int D, int kQTiles>
 struct Shared {
-  using T = Tiling<D>;
+  using T = Tiling<D, kQTiles>;
   unsigned char* base;  // [kStages][K, V] tiles of kKeys rows; after the loop, the warps' O
   SwizzledTile<T::kChunks> q;  // kRows rows
   float* stat_m;               // [kWarps][kRows]
@@ -179,20 +197,37 @@ struct Shared {
     t.base = smem_address(base + (stage * 2 + which) * T::kTileBytes) + row0 * T::kChunks * 16;
     return t;
   }
-  __device__ float* merge() const { return reinterpret_cast<float*>(base); }  // [kWarps][kRows][D]
+  // [kWarps][kRows] rows of kMergeStride floats (O of row r at r * kMergeStride + 0 .. D - 1)
+  __device__ float* merge() const { return reinterpret_cast<float*>(base); }
 };
 
 // One pass of a CTA: query rows r = qi * nh + hh (query q0 + qi, head h0 + hh), r < rows,
 // over keys [begin, end); leaves each row's max m, sum l and unnormalised O in `out_*`
 // (merged over the warps). Block-wide.
-template <ElementType ET, int D>
+//
+// The products are transposed, keys on the 16-row side: a warp computes S^T = K Q^T for its
+// 16 keys and the pass's kRows = 8 kQTiles query columns, and O^T += V^T P^T, so a row tile
+// of 16 is never padded from the 4 rows of a GQA-4 token. Lane l holds query columns
+// 8 nt + 2 (l % 4) + e (e = 0, 1) of both S^T and O^T: its softmax statistics are its own.
+// Q's fragments stay in registers for the pass; P^T's C fragments become the B operand
+// through movmatrix.
+template <ElementType ET, int D, int kQTiles>
 struct Pass {
-  using T = Tiling<D>;
+  using T = Tiling<D, kQTiles>;
+  static constexpr int kDTiles = D / 16;  // 16-wide slices of the head dim
   const DecodeArgs& a;
-  const Shared<D>& sh;
+  const Shared<D, kQTiles>& sh;
   const int32_t* table;
   int g, h0, nh, q0, rows, q_len, kv_len;
   int64_t b, q_row0;
+
+  // The keys the mask leaves visible to the lane's query columns, [lo, hi] clipped to
+  // end - 1 (lo > hi for columns past `rows`), and [full_lo, full_hi], the keys every row
+  // of the pass sees: a warp whose 16 keys lie inside it skips the per-element mask.
+  struct Visible {
+    int32_t lo[kQTiles][2], hi[kQTiles][2];
+    int32_t full_lo, full_hi;
+  };
 
   // Issues the copies of the pass's query rows into sh.q (rows past `rows` zero-filled);
   // they complete with the first tile's group (start()).
@@ -203,6 +238,55 @@ struct Pass {
       const int64_t at = r < rows ? ((b * p.seqlen_q + q_row0 + r / nh) * p.heads + h0 + r % nh) * D + c * 8 : 0;
       copy_chunk(sh.q.row(r) + static_cast<uint32_t>((c ^ (r % 8)) * 16), a.q + at, r < rows);
     }
+  }
+
+  // The warp's B fragments of Q^T (query tile nt, 16 dims ks), once sh.q has landed.
+  __device__ void load_q_fragments(uint32_t (&qb)[kQTiles][kDTiles][2]) const {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int nt = 0; nt < kQTiles; ++nt) {
+#pragma unroll
+      for (int kp = 0; kp < kDTiles / 2; ++kp) {
+        // lanes 8i .. 8i + 7 address matrix i: chunk 4 kp + i of query rows 8 nt .. 8 nt + 7
+        uint32_t r[4];
+        flash::ldmatrix_x4(r, sh.q.row(8 * nt + lane % 8) +
+                                  static_cast<uint32_t>(((4 * kp + lane / 8) ^ (lane % 8)) * 16));
+        qb[nt][2 * kp][0] = r[0];
+        qb[nt][2 * kp][1] = r[1];
+        qb[nt][2 * kp + 1][0] = r[2];
+        qb[nt][2 * kp + 1][1] = r[3];
+      }
+    }
+  }
+
+  __device__ Visible visible_keys(int32_t end) const {
+    const PagedParams& p = a.p;
+    const int lane = threadIdx.x % 32;
+    Visible v;
+    v.full_lo = std::numeric_limits<int32_t>::min();
+    v.full_hi = std::numeric_limits<int32_t>::max();
+#pragma unroll
+    for (int nt = 0; nt < kQTiles; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int r = 8 * nt + 2 * (lane % 4) + e;
+        v.lo[nt][e] = std::numeric_limits<int32_t>::max();
+        v.hi[nt][e] = std::numeric_limits<int32_t>::min();
+        if (r < rows) {
+          const QueryRange range = query_range(p.mask, paged_query_token(p, q0 + r / nh, q_len, kv_len));
+          v.lo[nt][e] = range.lo;
+          v.hi[nt][e] = std::min(range.hi, end - 1);
+          v.full_lo = std::max(v.full_lo, v.lo[nt][e]);
+          v.full_hi = std::min(v.full_hi, v.hi[nt][e]);
+        }
+      }
+    }
+#pragma unroll
+    for (int mask = 1; mask <= 2; mask *= 2) {  // over the lanes of the other query columns
+      v.full_lo = std::max(v.full_lo, warp_shfl_xor(v.full_lo, mask));
+      v.full_hi = std::min(v.full_hi, warp_shfl_xor(v.full_hi, mask));
+    }
+    return v;
   }
 
   // The page of key `key`.
@@ -229,91 +313,141 @@ struct Pass {
     }
   }
 
-  // Element offset of key `key`'s row (head g) in the K and V pools (its page in the
-  // window), or -1 where its page lies outside the pool: nothing is read there, and
-  // pages_ok marks the sequence broken.
-  __device__ __forceinline__ int64_t key_offset(int32_t key, int32_t window) const {
-    const PagedParams& p = a.p;
-    const uint32_t u = static_cast<uint32_t>(key), ps = static_cast<uint32_t>(p.page_size);
-    const int32_t page = page_of(key);
-    const uint32_t slot = a.page_shift >= 0 ? u & (ps - 1) : u % ps;
-    const int32_t entry = sh.pages[page - window];
-    if (!paged_page_ok(p, entry)) return -1;
-    return ((static_cast<int64_t>(entry) * p.page_size + slot) * p.kv_heads + g) * D;
-  }
-
   // Issues the copies of the tile of keys [key0, key0 + kKeys) into `stage` (keys >= end
   // read as zeros), moving the page window first where needed. Block-wide.
   __device__ void load_tile(int32_t key0, int32_t end, int stage, int32_t& window) const {
     cover(key0, end, window);
-    const SwizzledTile<T::kChunks> k_tile = sh.tile(stage, 0), v_tile = sh.tile(stage, 1);
-#pragma unroll
-    for (int i = 0; i < kKeys * T::kChunks / kThreads; ++i) {
-      const int e = static_cast<int>(threadIdx.x) + i * kThreads;
-      const int j = e / T::kChunks, c = e % T::kChunks;
-      const int32_t key = key0 + j;
-      const int64_t row = key < end ? key_offset(key, window) : -1;
-      const bool valid = row >= 0;
-      const int64_t at = valid ? row + c * 8 : 0;
-      const uint32_t offset = static_cast<uint32_t>((c ^ (j % 8)) * 16);
-      copy_chunk(k_tile.row(j) + offset, a.k + at, valid);
-      copy_chunk(v_tile.row(j) + offset, a.v + at, valid);
+    if (a.page_shift >= 0) {
+      copy_rows<true>(key0, end, stage, window);
+    } else {
+      copy_rows<false>(key0, end, stage, window);
     }
   }
 
-  // The warp's 16 keys of the tile in `stage` folded into its running (m, l, o).
-  __device__ void compute(int stage, int32_t key0, int32_t end, float (&m)[T::kRowTiles][2],
-                          float (&l)[T::kRowTiles][2], float (&o)[T::kRowTiles][D / 8][4]) const {
+  // load_tile's copies: thread t takes chunks t % kRowThreads + kRowThreads c of key rows
+  // t / kRowThreads + kCopyRows i, so it looks up one page-table entry per kRowChunks
+  // chunks. A key whose page lies outside the pool reads nothing (pages_ok marks the
+  // sequence broken).
+  template <bool kPowerOfTwo>
+  __device__ __forceinline__ void copy_rows(int32_t key0, int32_t end, int stage, int32_t window) const {
     const PagedParams& p = a.p;
+    const int row = static_cast<int>(threadIdx.x) / kRowThreads, part = static_cast<int>(threadIdx.x) % kRowThreads;
+    const uint32_t page_size = static_cast<uint32_t>(p.page_size);
+    // paged_page_ok(entry) as one unsigned comparison: negative entries wrap past 2^31 - 1
+    const uint32_t pool_pages = static_cast<uint32_t>(std::min<int64_t>(p.num_pages, int64_t{1} << 31));
+    const uint64_t token_bytes = static_cast<uint64_t>(p.kv_heads) * D * 2;  // one token's row of a pool
+    const char* k_first = reinterpret_cast<const char*>(a.k + g * D + part * 8);  // the thread's first chunk
+    const char* v_first = reinterpret_cast<const char*>(a.v + g * D + part * 8);
+    const uint32_t k_row = sh.tile(stage, 0).row(row), v_row = sh.tile(stage, 1).row(row);
+#pragma unroll
+    for (int i = 0; i < kKeys / kCopyRows; ++i) {
+      const int32_t key = key0 + row + kCopyRows * i;
+      const uint32_t u = static_cast<uint32_t>(key);
+      const uint32_t page = kPowerOfTwo ? u >> a.page_shift : u / page_size;
+      const uint32_t slot = u - page * page_size;
+      const int32_t entry = key < end ? sh.pages[page - static_cast<uint32_t>(window)] : -1;
+      const bool valid = static_cast<uint32_t>(entry) < pool_pages;
+      const uint64_t token = static_cast<uint64_t>(static_cast<uint32_t>(entry)) * page_size + slot;
+      const uint64_t at = valid ? token * token_bytes : 0;
+      const uint32_t rows_above = static_cast<uint32_t>(kCopyRows * i * T::kChunks * 16);
+#pragma unroll
+      for (int c = 0; c < T::kRowChunks; ++c) {
+        // (row + kCopyRows i) % 8 == row % 8: the swizzle of the row's chunk
+        const uint32_t offset = rows_above + static_cast<uint32_t>(((part + kRowThreads * c) ^ (row % 8)) * 16);
+        copy_chunk(k_row + offset, k_first + at + 16 * kRowThreads * c, valid);
+        copy_chunk(v_row + offset, v_first + at + 16 * kRowThreads * c, valid);
+      }
+    }
+  }
+
+  // The warp's 16 keys of the tile in `stage` (keys key0 + 16 warp ..) folded into its
+  // running (m, l, o): lane-local statistics of its query columns (l summed over the lanes
+  // of a column in merge()).
+  __device__ void compute(int stage, int32_t key0, const Visible& vis, const uint32_t (&qb)[kQTiles][kDTiles][2],
+                          float (&m)[kQTiles][2], float (&l)[kQTiles][2], float (&o)[kDTiles][kQTiles][4]) const {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const SwizzledTile<T::kChunks> k_rows = sh.tile(stage, 0, 16 * warp), v_rows = sh.tile(stage, 1, 16 * warp);
+    // S^T = K Q^T; A = 16 keys x 16 dims of K (ldmatrix: matrix i = keys 8 (i % 2) .., dims 8 (i / 2) ..)
+    // (even and odd 16-dim steps in two accumulators: half the chain of dependent products)
+    float s[kQTiles][4] = {}, s_odd[kQTiles][4] = {};
+    {
+      const flash::LaneChunks chunks(lane / 16);
+      const uint32_t k_row = k_rows.row((lane % 8) + 8 * ((lane / 8) % 2));
 #pragma unroll
-    for (int rt = 0; rt < T::kRowTiles; ++rt) {
-      if (16 * rt >= rows) break;
-      float s[2][4] = {};
-      flash::warp_rows_times_rows<ET, D, 16, T::kChunks, T::kChunks>(s, sh.q, 16 * rt, k_rows);
-      float block_max[2] = {-INFINITY, -INFINITY};
+      for (int ks = 0; ks < kDTiles; ++ks) {
+        uint32_t ka[4];
+        flash::ldmatrix_x4(ka, chunks.at(k_row, ks));
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = 16 * rt + lane / 4 + 8 * half;
-        const QueryToken qt = paged_query_token(p, q0 + r / nh, q_len, kv_len);
-#pragma unroll
-        for (int t = 0; t < 2; ++t) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int32_t key = key0 + 16 * warp + 8 * t + 2 * (lane % 4) + e;
-            const bool seen = r < rows && key < end && visible(p.mask, qt, 1, key);
-            float& x = s[t][2 * half + e];
-            x = seen ? p.scale * x : -INFINITY;
-            block_max[half] = fmaxf(block_max[half], x);
-          }
+        for (int nt = 0; nt < kQTiles; ++nt) {
+          flash::mma_16816<ET>(ks % 2 == 0 ? s[nt] : s_odd[nt], ka, qb[nt][ks][0], qb[nt][ks][1]);
         }
       }
+    }
+    // s[nt][i]: key first + lane / 4 + 8 (i / 2), query column 8 nt + 2 (lane % 4) + i % 2
+    const int32_t first = key0 + 16 * warp;
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        block_max[half] = fmaxf(block_max[half], warp_shfl_xor(block_max[half], 1));
-        block_max[half] = fmaxf(block_max[half], warp_shfl_xor(block_max[half], 2));
-        const float m_new = fmaxf(m[rt][half], block_max[half]);
-        const float alpha = m[rt][half] == -INFINITY ? 0.0f : expf(m[rt][half] - m_new);
-        m[rt][half] = m_new;
-        float sum = 0.0f;
+    for (int nt = 0; nt < kQTiles; ++nt) {
 #pragma unroll
-        for (int t = 0; t < 2; ++t) {
+      for (int i = 0; i < 4; ++i) s[nt][i] = (s[nt][i] + s_odd[nt][i]) * a.p.scale;
+    }
+    if (first < vis.full_lo || first + 15 > vis.full_hi) {  // warp-uniform
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float& x = s[t][2 * half + e];
-            x = x == -INFINITY ? 0.0f : expf(x - m_new);
-            sum += x;
-          }
-        }
-        l[rt][half] = l[rt][half] * alpha + sum;
+      for (int nt = 0; nt < kQTiles; ++nt) {
 #pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
-          o[rt][dt][2 * half] *= alpha;
-          o[rt][dt][2 * half + 1] *= alpha;
+        for (int i = 0; i < 4; ++i) {
+          const int32_t key = first + lane / 4 + 8 * (i / 2);
+          if (key < vis.lo[nt][i % 2] || key > vis.hi[nt][i % 2]) s[nt][i] = -INFINITY;
         }
       }
-      flash::warp_regs_times_rows<ET, 16, D, T::kChunks>(o[rt], s, v_rows, 0);
+    }
+    uint32_t pb[kQTiles][2];  // P^T as B fragments: keys 0-7, 8-15 of the warp
+    float alpha[kQTiles][2];  // the factors of the columns' past: exactly 1 where the max stayed
+    bool grew = false;
+#pragma unroll
+    for (int nt = 0; nt < kQTiles; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float block_max = fmaxf(s[nt][e], s[nt][e + 2]);
+        block_max = fmaxf(block_max, warp_shfl_xor(block_max, 4));
+        block_max = fmaxf(block_max, warp_shfl_xor(block_max, 8));
+        block_max = fmaxf(block_max, warp_shfl_xor(block_max, 16));
+        const float m_new = fmaxf(m[nt][e], block_max);
+        // 2^((x - m) log2 e) with m = 0 while nothing is visible: -inf scores and an
+        // empty past become 0, never NaN
+        const float base = (m_new == -INFINITY ? 0.0f : m_new) * flash::kLog2e;
+        const bool up = m_new > m[nt][e];
+        alpha[nt][e] = up ? flash::fast_exp2(fmaf(m[nt][e], flash::kLog2e, -base)) : 1.0f;
+        grew |= up;
+        m[nt][e] = m_new;
+        s[nt][e] = flash::fast_exp2(fmaf(s[nt][e], flash::kLog2e, -base));
+        s[nt][e + 2] = flash::fast_exp2(fmaf(s[nt][e + 2], flash::kLog2e, -base));
+        l[nt][e] = fmaf(l[nt][e], alpha[nt][e], s[nt][e] + s[nt][e + 2]);
+      }
+      pb[nt][0] = flash::movmatrix_trans(flash::pack2<ET>(s[nt][0], s[nt][1]));
+      pb[nt][1] = flash::movmatrix_trans(flash::pack2<ET>(s[nt][2], s[nt][3]));
+    }
+    if (warp_ballot(grew) != 0) {  // warp-uniform; once the maxima settle, the rescale is skipped
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+#pragma unroll
+        for (int nt = 0; nt < kQTiles; ++nt) {
+          o[dt][nt][0] *= alpha[nt][0];
+          o[dt][nt][1] *= alpha[nt][1];
+          o[dt][nt][2] *= alpha[nt][0];
+          o[dt][nt][3] *= alpha[nt][1];
+        }
+      }
+    }
+    // O^T += V^T P^T; A = 16 dims x 16 keys of V^T (ldmatrix.trans: matrix i = keys 8 (i / 2) ..,
+    // dims 8 (i % 2) ..)
+    const flash::LaneChunks chunks((lane / 8) % 2);
+    const uint32_t v_row = v_rows.row((lane % 8) + 8 * (lane / 16));
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt) {
+      uint32_t va[4];
+      flash::ldmatrix_x4_trans(va, chunks.at(v_row, dt));
+#pragma unroll
+      for (int nt = 0; nt < kQTiles; ++nt) flash::mma_16816<ET>(o[dt][nt], va, pb[nt][0], pb[nt][1]);
     }
   }
 
@@ -323,7 +457,7 @@ struct Pass {
     const int n_tiles = end > begin ? (end - begin + kKeys - 1) / kKeys : 0;
     window = n_tiles > 0 ? page_of(begin) : 0;
     if (n_tiles > 0) fill_pages(window);
-#pragma unroll
+#pragma unroll 1
     for (int s = 0; s < T::kStages - 1; ++s) {
       if (s < n_tiles) load_tile(begin + s * kKeys, end, s, window);
       tile_copies_commit();
@@ -331,51 +465,58 @@ struct Pass {
   }
 
   // After start(begin, end, window): streams keys [begin, end) through the stages and
-  // merges the warps' results into out_m, out_l [kRows] and out_o [kRows][D] (the merge
-  // area; sh.merge()).
+  // merges the warps' results into out_m, out_l [kRows] and sh.merge()'s first kRows rows.
   __device__ void run(int32_t begin, int32_t end, int32_t window, float* out_m, float* out_l) const {
     const int n_tiles = end > begin ? (end - begin + kKeys - 1) / kKeys : 0;
-    float m[T::kRowTiles][2], l[T::kRowTiles][2], o[T::kRowTiles][D / 8][4];
+    float m[kQTiles][2], l[kQTiles][2], o[kDTiles][kQTiles][4];
 #pragma unroll
-    for (int rt = 0; rt < T::kRowTiles; ++rt) {
-      m[rt][0] = m[rt][1] = -INFINITY;
-      l[rt][0] = l[rt][1] = 0.0f;
-      flash::zero(o[rt]);
+    for (int nt = 0; nt < kQTiles; ++nt) {
+      m[nt][0] = m[nt][1] = -INFINITY;
+      l[nt][0] = l[nt][1] = 0.0f;
     }
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt) flash::zero(o[dt]);
+    const Visible vis = visible_keys(end);
+    tile_copies_wait<T::kStages - 2>();
+    __syncthreads();  // the query rows (the first group) have landed
+    uint32_t qb[kQTiles][kDTiles][2];
+    load_q_fragments(qb);
     for (int t = 0; t < n_tiles; ++t) {
       tile_copies_wait<T::kStages - 2>();
       __syncthreads();  // tile t has landed; every warp is done with the stage refilled next
       const int ahead = t + T::kStages - 1;
       if (ahead < n_tiles) load_tile(begin + ahead * kKeys, end, ahead % T::kStages, window);
       tile_copies_commit();
-      compute(t % T::kStages, begin + t * kKeys, end, m, l, o);
+      compute(t % T::kStages, begin + t * kKeys, vis, qb, m, l, o);
     }
     tile_copies_wait<0>();
     __syncthreads();  // the stages are free: the merge area overlays them
     merge(m, l, o, out_m, out_l);
   }
 
-  // The warps' (m, l, o) -> one (m, l, o) per row: out_m, out_l and sh.merge()[0][row][:].
-  __device__ void merge(float (&m)[T::kRowTiles][2], float (&l)[T::kRowTiles][2],
-                        const float (&o)[T::kRowTiles][D / 8][4], float* out_m, float* out_l) const {
+  // The warps' (m, l, o) -> one (m, l, o) per row: out_m, out_l and sh.merge()'s row r.
+  __device__ void merge(const float (&m)[kQTiles][2], const float (&l)[kQTiles][2],
+                        const float (&o)[kDTiles][kQTiles][4], float* out_m, float* out_l) const {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     float* merged = sh.merge();
 #pragma unroll
-    for (int rt = 0; rt < T::kRowTiles; ++rt) {
+    for (int nt = 0; nt < kQTiles; ++nt) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = 16 * rt + lane / 4 + 8 * half;
-        float sum = l[rt][half];
-        sum += warp_shfl_xor(sum, 1);
-        sum += warp_shfl_xor(sum, 2);
-        if (lane % 4 == 0) {
-          sh.stat_m[warp * T::kRows + r] = m[rt][half];
+      for (int e = 0; e < 2; ++e) {
+        const int r = 8 * nt + 2 * (lane % 4) + e;
+        float sum = l[nt][e];  // over the column's 8 lanes (keys lane / 4, lane / 4 + 8)
+        sum += warp_shfl_xor(sum, 4);
+        sum += warp_shfl_xor(sum, 8);
+        sum += warp_shfl_xor(sum, 16);
+        if (lane < 4) {
+          sh.stat_m[warp * T::kRows + r] = m[nt][e];
           sh.stat_l[warp * T::kRows + r] = sum;
         }
-        float* dst = merged + (warp * T::kRows + r) * D + 2 * (lane % 4);
+        float* dst = merged + (warp * T::kRows + r) * T::kMergeStride + lane / 4;
 #pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
-          *reinterpret_cast<float2*>(dst + 8 * dt) = make_float2(o[rt][dt][2 * half], o[rt][dt][2 * half + 1]);
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          dst[16 * dt] = o[dt][nt][e];
+          dst[16 * dt + 8] = o[dt][nt][e + 2];
         }
       }
     }
@@ -393,14 +534,14 @@ struct Pass {
         const float mw = sh.stat_m[w * T::kRows + r];
         if (mw == -INFINITY) continue;
         const float f = expf(mw - mx);
-        const float4 x = *reinterpret_cast<const float4*>(merged + (w * T::kRows + r) * D + 4 * c);
+        const float4 x = *reinterpret_cast<const float4*>(merged + (w * T::kRows + r) * T::kMergeStride + 4 * c);
         sum.x += f * x.x;
         sum.y += f * x.y;
         sum.z += f * x.z;
         sum.w += f * x.w;
         total += f * sh.stat_l[w * T::kRows + r];
       }
-      *reinterpret_cast<float4*>(merged + r * D + 4 * c) = sum;  // warp 0's slot: read only by this thread
+      *reinterpret_cast<float4*>(merged + r * T::kMergeStride + 4 * c) = sum;  // warp 0's slot: read only here
       if (c == 0) {
         out_m[r] = mx;
         out_l[r] = total;
@@ -420,15 +561,15 @@ __device__ bool pages_ok(const PagedParams& p, const int32_t* table, int32_t kv_
 
 // grid (S * splits * Hkv * head_chunks): CTA ((s * splits + split) * Hkv + g) * head_chunks
 // + chunk, so the CTAs reading one sequence's keys of one split run side by side.
-template <ElementType ET, int D>
+template <ElementType ET, int D, int kQTiles>
 __global__ void __launch_bounds__(kThreads) paged_decode_kernel(DecodeArgs a) {
-  using T = Tiling<D>;
+  using T = Tiling<D, kQTiles>;
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the combine kernel may be placed
 #endif
   extern __shared__ __align__(128) unsigned char shared_raw[];
   __shared__ float row_m[T::kRows], row_l[T::kRows];
-  const Shared<D> sh(shared_raw);
+  const Shared<D, kQTiles> sh(shared_raw);
   const PagedParams& p = a.p;
   const int head_ctas = static_cast<int>(p.kv_heads) * a.head_chunks;
   const int head_cta = static_cast<int>(blockIdx.x % head_ctas);
@@ -456,7 +597,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(DecodeArgs a) {
   bool ok = paged_lengths_ok(p, q_start, q_len, kv_len);  // uniform over the block
   for (int q0 = 0; ok && q0 < q_len; q0 += kMaxQueries) {
     const int nq = std::min(q_len - q0, int{kMaxQueries});
-    const Pass<ET, D> pass{a, sh, table, g, h0, nh, q0, nh * nq, q_len, kv_len, b,
+    const Pass<ET, D, kQTiles> pass{a, sh, table, g, h0, nh, q0, nh * nq, q_len, kv_len, b,
                            static_cast<int64_t>(q_start) + q0};
     const KeyRange range = visible_range(p, q0, nq, q_len, kv_len);
     int32_t begin = range.lo, end = range.hi;
@@ -480,7 +621,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(DecodeArgs a) {
     for (int e = threadIdx.x; e < pass.rows * (D / 4); e += kThreads) {
       const int r = e / (D / 4), c = e % (D / 4);
       const int64_t row = pass.q_row0 + r / nh, h = h0 + r % nh;
-      const float4 x = *reinterpret_cast<const float4*>(merged + r * D + 4 * c);
+      const float4 x = *reinterpret_cast<const float4*>(merged + r * T::kMergeStride + 4 * c);
       if (a.splits > 1) {
         const int64_t at = (static_cast<int64_t>(split) * p.batch * p.seqlen_q + b * p.seqlen_q + row) * p.heads + h;
         *reinterpret_cast<float4*>(a.part_acc + at * D + 4 * c) = x;
@@ -603,11 +744,11 @@ cudaError_t launch_combine(gpuStream_t stream, const DecodeArgs& a) {
   return cudaLaunchKernelEx(&config, combine_kernel<ET>, a);
 }
 
-template <ElementType ET, int D>
+template <ElementType ET, int D, int kQTiles>
 ffi::Error launch(const char* op, gpuStream_t stream, DecodeArgs a, ffi::Result<ffi::AnyBuffer>& workspace) {
-  using T = Tiling<D>;
+  using T = Tiling<D, kQTiles>;
   const PagedParams& p = a.p;
-  auto* kernel = paged_decode_kernel<ET, D>;
+  auto* kernel = paged_decode_kernel<ET, D, kQTiles>;
   // The largest shared-memory carveout, so that as many CTAs fit per SM as the occupancy
   // query below counts.
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -651,6 +792,18 @@ ffi::Error launch(const char* op, gpuStream_t stream, DecodeArgs a, ffi::Result<
   return launch_status(op);
 }
 
+// The kernel with the fewest query tiles that hold a K/V head's group times the call's
+// queries per pass (up to max_query_tiles; a larger group takes several head chunks).
+template <ElementType ET, int D>
+ffi::Error launch_for_group(const char* op, gpuStream_t stream, const DecodeArgs& a,
+                            ffi::Result<ffi::AnyBuffer>& workspace) {
+  const int64_t rows = a.p.heads / a.p.kv_heads * std::min<int64_t>(a.p.seqlen_q, kMaxQueries);
+  if constexpr (max_query_tiles<D>() >= 2) {
+    if (rows > 8) return launch<ET, D, 2>(op, stream, a, workspace);
+  }
+  return launch<ET, D, 1>(op, stream, a, workspace);
+}
+
 ffi::Error PagedDecodeFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                               ffi::AnyBuffer page_table, ffi::AnyBuffer q_start, ffi::AnyBuffer q_len,
                               ffi::AnyBuffer kv_len, ffi::AnyBuffer softmax_offset, ffi::Result<ffi::AnyBuffer> o,
@@ -686,9 +839,9 @@ ffi::Error PagedDecodeFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
   auto by_dim = [&](auto et_constant) -> ffi::Error {
     constexpr ElementType kET = decltype(et_constant)::value;
     switch (p.head_dim) {
-      case 64: return launch<kET, 64>(kOp, stream, a, workspace);
-      case 128: return launch<kET, 128>(kOp, stream, a, workspace);
-      default: return launch<kET, 256>(kOp, stream, a, workspace);
+      case 64: return launch_for_group<kET, 64>(kOp, stream, a, workspace);
+      case 128: return launch_for_group<kET, 128>(kOp, stream, a, workspace);
+      default: return launch_for_group<kET, 256>(kOp, stream, a, workspace);
     }
   };
   return et == ElementType::kBF16 ? by_dim(std::integral_constant<ElementType, ElementType::kBF16>{})

@@ -1,6 +1,7 @@
 // The NVIDIA tensor-core layer of the flash kernels (CUDA, sm_80 and later; the
 // interface: tensor_core.cuh): mma.sync m16n8k16 with float accumulators, ldmatrix,
-// cp.async, and a swizzled shared-memory tile of 16-byte chunks.
+// cp.async, and a swizzled shared-memory tile of 16-byte chunks (and movmatrix, outside the
+// interface: the paged decode kernel's, CUDA only).
 //
 // Fragment layouts (lane l of 32; PTX ISA "mma.m16n8k16"; fragment_maps.h, mma_sync_map):
 //   C/D (16 x 8, float): c[0], c[1] = row l/4,     cols 2(l%4), 2(l%4)+1
@@ -91,6 +92,15 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], uint32_t addres
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(address));
+}
+
+// The transpose of an 8 x 8 matrix of 16-bit values held as lane l's row l/4, columns
+// 2(l%4), 2(l%4)+1 (a C fragment half packed by pack2, or an ldmatrix result), in the same
+// layout: a score tile's fragment becomes the B operand of the next product.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
 }
 
 // Copies 16 bytes global -> shared asynchronously (cp.async; tile_copies_commit and
