@@ -25,14 +25,17 @@ __device__ __forceinline__ float alibi_coefficient(const FlashArgs& a, int64_t b
   return a.slopes[broadcast_row(b, p.batch, p.slopes_rows) * p.heads + h] / p.scale;
 }
 
-// The diagonal (q_pos + q_diag) of query i of the row; 0 past the end (masked there).
-__device__ __forceinline__ int64_t query_diagonal(const HeadContext& c, int64_t i, int64_t seqlen_q) {
-  return i < seqlen_q ? static_cast<int64_t>(c.q_pos[i]) + static_cast<int64_t>(c.q_diag[i]) : 0;
+// Positions enter as float32 (alibi.h: the float overload of alibi_distance, exact for
+// positions up to 2^24), converted once per query and per key rather than per pair.
+
+// The diagonal (q_pos + q_diag) of query i of the row as float32; 0 past the end (masked there).
+__device__ __forceinline__ float query_diagonal(const HeadContext& c, int64_t i, int64_t seqlen_q) {
+  return i < seqlen_q ? static_cast<float>(static_cast<int64_t>(c.q_pos[i]) + c.q_diag[i]) : 0.0f;
 }
 
-// The position of key j of the row; 0 past the end (masked there).
-__device__ __forceinline__ int32_t key_position(const HeadContext& c, int64_t j, int64_t seqlen_kv) {
-  return j < seqlen_kv ? c.kv_pos[j] : 0;
+// The position of key j of the row as float32; 0 past the end (masked there).
+__device__ __forceinline__ float key_position(const HeadContext& c, int64_t j, int64_t seqlen_kv) {
+  return j < seqlen_kv ? static_cast<float>(c.kv_pos[j]) : 0.0f;
 }
 
 // x [kCols / 8][4] (a warp's fragments of unscaled scores) += -coefficient * distance(t, e)
@@ -72,8 +75,8 @@ __device__ __forceinline__ void store_warp_partial(float partial, float* slot) {
   if (threadIdx.x % kWarpSize == 0) *slot = sum;
 }
 
-// The partial sums of batch row b and head h: [slots] floats of a.slope_partials.
-__device__ __forceinline__ float* slope_slots(const FlashArgs& a, int64_t b, int64_t h) {
+// The partial sums of batch row b and head h: [a.slope_slots] floats of a.slope_partials.
+__device__ __forceinline__ float* head_slope_slots(const FlashArgs& a, int64_t b, int64_t h) {
   return a.slope_partials + (b * a.p.heads + h) * a.slope_slots;
 }
 

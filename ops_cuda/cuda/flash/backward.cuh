@@ -160,7 +160,8 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads) dkdv_kernel(const Flas
     const FragmentCoords qc{at.row0, static_cast<int64_t>(u % n_q_tiles) * T::kM, at.lane};
     if constexpr (kAlibi) {
       add_alibi<T::kM>(st, alibi_coefficient(a, b, h), [&](int n, int e) {
-        return alibi_distance(query_diagonal(c, qc.col(n, e), p.seqlen_q), keys.pos[e / kRowElems]);
+        return alibi_distance(query_diagonal(c, qc.col(n, e), p.seqlen_q),
+                              static_cast<float>(keys.pos[e / kRowElems]));
       });
     }
     float lse_scaled[T::kM / 8][kRowElems], delta_of[T::kM / 8][kRowElems];  // the lane's query columns
@@ -277,6 +278,9 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads) dq_kernel(const FlashArg
   };
   const float scale_log2 = p.scale * kLog2e;
   const float alibi = kAlibi ? alibi_coefficient(a, b, h) : 0.0f;
+  float diagonal[kLaneRows];  // with ALiBi: the lane's rows' diagonals
+#pragma unroll
+  for (int r = 0; r < kLaneRows; ++r) diagonal[r] = kAlibi ? query_diagonal(c, at.row(kRowElems * r), p.seqlen_q) : 0.0f;
   float slope_partial = 0.0f;  // with ALiBi: the lane's part of the slope's gradient
   const auto compute = [&](int t, int s, bool full) {
     float sc[T::kN / 8][4], dp[T::kN / 8][4];
@@ -286,7 +290,7 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads) dq_kernel(const FlashArg
     warp_rows_times_rows<ET, D, T::kN>(dp, do_tile, kWarpRows * warp, v_tile(s));
     const FragmentCoords kv{at.row0, static_cast<int64_t>(t) * T::kN, at.lane};
     const auto distance = [&](int n, int e) {
-      return alibi_distance(query[e / kRowElems].diagonal, key_position(c, kv.col(n, e), p.seqlen_kv));
+      return alibi_distance(diagonal[e / kRowElems], key_position(c, kv.col(n, e), p.seqlen_kv));
     };
     if constexpr (kAlibi) add_alibi<T::kN>(sc, alibi, distance);
 #pragma unroll
@@ -322,7 +326,7 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads) dq_kernel(const FlashArg
 
   store_rows<ET>(dq, p.scale, a.dq + q_offset, q_stride, at, p.seqlen_q);
   if constexpr (kAlibi) {
-    store_warp_partial(slope_partial, slope_slots(a, b, h) + m0 / T::kM * kSlopeWarpsPerQueryTile + warp);
+    store_warp_partial(slope_partial, head_slope_slots(a, b, h) + m0 / T::kM * kSlopeWarpsPerQueryTile + warp);
   }
 }
 

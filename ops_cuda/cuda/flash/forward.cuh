@@ -73,6 +73,9 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads) forward_kernel(cons
     load_tile<T::kN, T::kChunks, T::kThreads>(v_tile(s), a.v + kv_offset, kv_stride, j0, p.seqlen_kv);
   };
   const float alibi = kAlibi ? alibi_coefficient(a, b, h) : 0.0f;
+  float diagonal[kLaneRows];  // with ALiBi: the lane's rows' diagonals
+#pragma unroll
+  for (int r = 0; r < kLaneRows; ++r) diagonal[r] = kAlibi ? query_diagonal(c, at.row(kRowElems * r), p.seqlen_q) : 0.0f;
   const auto compute = [&](int t, int s, bool full) {
     float scores[T::kN / 8][4];
     zero(scores);
@@ -80,7 +83,7 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads) forward_kernel(cons
     const FragmentCoords kv{at.row0, static_cast<int64_t>(t) * T::kN, at.lane};
     if constexpr (kAlibi) {
       add_alibi<T::kN>(scores, alibi, [&](int n, int e) {
-        return alibi_distance(query[e / kRowElems].diagonal, key_position(c, kv.col(n, e), p.seqlen_kv));
+        return alibi_distance(diagonal[e / kRowElems], key_position(c, kv.col(n, e), p.seqlen_kv));
       });
     }
     softmax_tile<T::kN, D>(scores, o, state, a, c, query, h, kv, full);

@@ -62,8 +62,8 @@ struct BackwardControl {
   float delta[kStages][kM];
   // Of a tile that is not all visible: the keys each query sees (the consumers' mask).
   QueryRange sees[kStages][kM];
-  // With ALiBi: each query's diagonal (q_pos + q_diag; 0 past the end).
-  int64_t diagonal[kStages][kM];
+  // With ALiBi: each query's diagonal (q_pos + q_diag; 0 past the end), as float32.
+  float diagonal[kStages][kM];
 };
 
 template <int D>
@@ -285,7 +285,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
   const auto flush_slope = [&] {
     if (slope_head >= 0) {
       store_warp_partial(slope_partial,
-                         slope_slots(a, b, slope_head) + n0 / T::kN * kSlopeWarpsPerKeyTile + 4 * cw + warp);
+                         head_slope_slots(a, b, slope_head) + n0 / T::kN * kSlopeWarpsPerKeyTile + 4 * cw + warp);
     }
     slope_partial = 0.0f;
   };
@@ -334,8 +334,9 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
     fence_accumulators(st);
     // The lane's keys' positions read again for each tile (registers: see context()).
     const KeyRows keys_at = kAlibi ? key_rows(context(), at, p.seqlen_kv) : KeyRows{};
+    const float key_pos[2] = {static_cast<float>(keys_at.pos[0]), static_cast<float>(keys_at.pos[1])};
     const auto distance = [&](int n, int e) {
-      return alibi_distance(control->diagonal[s][qc.col(n, e) - m0], keys_at.pos[e / 2]);
+      return alibi_distance(control->diagonal[s][qc.col(n, e) - m0], key_pos[e / 2]);
     };
     if constexpr (kAlibi) add_alibi<T::kM>(st, alibi_coefficient(a, b, h), distance);
 #pragma unroll

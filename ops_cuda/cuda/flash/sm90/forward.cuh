@@ -191,8 +191,8 @@ __device__ __forceinline__ void consume(const FlashArgs& a, const CUtensorMap* o
   const QueryRange sees[2] = {query_range(p.mask, query_token(c, at.row(0), p.seqlen_q)),
                               query_range(p.mask, query_token(c, at.row(2), p.seqlen_q))};
   // With ALiBi: the lane's two rows' diagonals, and the head's slope / scale.
-  const int64_t diagonal[2] = {kAlibi ? query_diagonal(c, at.row(0), p.seqlen_q) : 0,
-                               kAlibi ? query_diagonal(c, at.row(2), p.seqlen_q) : 0};
+  const float diagonal[2] = {kAlibi ? query_diagonal(c, at.row(0), p.seqlen_q) : 0.0f,
+                             kAlibi ? query_diagonal(c, at.row(2), p.seqlen_q) : 0.0f};
   const float alibi = kAlibi ? alibi_coefficient(a, b, h) : 0.0f;
   SoftmaxState state[2];
   state[0].init();
@@ -248,7 +248,7 @@ __device__ __forceinline__ void consume(const FlashArgs& a, const CUtensorMap* o
     const FragmentCoords kv{at.row0, static_cast<int64_t>(t) * T::kN, at.lane};
     if constexpr (kAlibi) {
       add_alibi<T::kN>(scores, alibi, [&](int n, int e) {
-        return alibi_distance(diagonal[e / kRowElems], control->key_pos[s][kv.col(n, e) - kv.col0]);
+        return alibi_distance(diagonal[e / kRowElems], static_cast<float>(control->key_pos[s][kv.col(n, e) - kv.col0]));
       });
     }
     if (!full) {  // the mask as bits, 64 elements a word (fragment_bits keeps few registers live)
