@@ -20,7 +20,8 @@ import pytest
 from conftest import make_config, poison_like
 from test_flash_alibi_host import alibi_spec, run, with_slopes
 from test_flash_alibi_host import check as check_with_xla
-from test_flash_gpu import DTYPES, HEAD_DIMS, _built, flash_kernel  # noqa: F401 (autouse fixture)
+from test_flash_gpu import (DTYPES, HEAD_DIMS, _built, compare_thd_with_xla,  # noqa: F401
+                            flash_kernel)  # flash_kernel: the autouse fixture
 from test_flash_host import MASKS, make_args
 
 from fusedattn.ops import explain
@@ -86,6 +87,22 @@ def test_long_distances(rng):
     check(rng, alibi_spec("no_mask"), args)
 
 
+@pytest.mark.parametrize("mask,window", [("padding_causal", (-1, -1)), ("padding", (20, 20)),
+                                         ("padding_causal_bottom_right", (-1, -1))])
+def test_thd_offsets_through_fused_attn(rng, mask, window):
+    """The public op on a packed THD call (lengths + offsets) with given slopes: flash's
+    output and gradients (the slopes' included) equal the xla backend's, and explain says
+    the kernels add the term."""
+    lengths_offsets = ([[30, 0, 50, -1], [10, 20, 5, 40]], [[40, 8, 60, -1], [10, 0, 40, 70]],
+                       [[0, 30, 30, 80, -1], [0, 10, 30, 35, 75]],
+                       [[4, 44, 52, 112, -1], [0, 10, 10, 50, 120]])
+    slopes = jnp.asarray(rng.uniform(-0.3, 1.2, 4), jnp.float32)
+    explanation = compare_thd_with_xla(rng, lengths_offsets, t_q=96, t_kv=128, h=4, h_kv=2,
+                                       d=128, mask=mask, window=window, slopes=slopes)
+    assert explanation.backend == "flash"
+    assert "ALiBi in the kernels" in explanation.kernels["flash"]
+
+
 @pytest.mark.parametrize("softmax", ["off_by_one", "learnable"])
 def test_softmax_variants(rng, softmax):
     args = make_args(rng, b=2, sq=100, skv=140, h=4, h_kv=2, d=64, dtype=jnp.bfloat16,
@@ -119,9 +136,14 @@ def test_deterministic_backward_is_bitwise_repeatable(rng):
     assert np.all(np.asarray(first["d_slopes"]) != 0)
 
 
-def test_explain_says_the_kernels_serve_alibi(rng):
+def test_explain_says_the_kernels_serve_alibi(rng, flash_kernel):  # noqa: F811 (the fixture)
+    """Named flash serves ALiBi on the GPU, and the kernels are those the fixture asks for
+    (with sm80: the portable kernels in both passes, on an H200 too)."""
     q = jnp.asarray(rng.standard_normal((2, 256, 4, 128)), jnp.bfloat16)
     config = make_config(backend="flash", mask="causal", bias="alibi", window_size=(64, 0))
     explanation = explain((q, q, q), config=config)
     assert explanation.backend == "flash"
-    assert "ALiBi in the kernels" in explanation.kernels["flash"], explanation.kernels
+    text = explanation.kernels["flash"]
+    assert "ALiBi in the kernels" in text, text
+    if flash_kernel == "sm80":
+        assert text.startswith("flash: sm80 mma.sync forward and backward"), text
