@@ -1,7 +1,8 @@
 """ALiBi in the "flash" backend's CUDA kernels on a GPU, marked `gpu`, against the xla backend.
 
 The cases of tests/test_flash_alibi_host.py (its `check`: output and the gradients of q, k,
-v, the softmax offset and given slopes, flash against xla on the same CanonicalArgs) at
+v and the softmax offset, flash against xla on the same CanonicalArgs; the given slopes'
+gradient against the float64 reference with the kernels' rowsum(dO * O)) at
 shapes off the GPU kernels' tiles (64/128 queries, 32/64/128 keys), so that partial,
 skipped and fully visible tiles all meet the term, with outputs poisoned before every call.
 Every test runs with the kernels the device picks and with the sm_80 kernels named
@@ -38,7 +39,7 @@ def check(rng, spec, args):
     b, sq, h, _ = args.q.shape
     poison_like(args.q, args.k, args.v, args.q, jnp.zeros((b, h, sq), jnp.float32),
                 jnp.zeros((b, h), jnp.float32))
-    return check_with_xla(rng, spec, args)
+    return check_with_xla(rng, spec, args, slopes_reference=True)
 
 
 @pytest.mark.parametrize("given", [False, True])
