@@ -10,8 +10,9 @@ only, never run on AMD hardware). On compute capability 9.0 the forward and, unl
 config.deterministic_backward, the backward run the sm_90a kernels of
 ops_cuda/cuda/flash/sm90 (wgmma, TMA) where the library holds them, unless the
 environment variable FUSEDATTN_FLASH_KERNEL=sm80 names the sm_80 kernels (for tests
-and benchmarks); every kernel serves ALiBi (a compile-time variant of it); which kernels serve a call on which GPU, and why a GPU call is refused,
-is flash_gpu.py's job (explain() names the kernels a call gets).
+and benchmarks); every kernel serves ALiBi (a compile-time variant of it). Which kernels
+serve a call on which GPU, and why a GPU call is refused, is flash_gpu.py's job (explain()
+names the kernels a call gets).
 The op is two XLA FFI calls around a `jax.custom_vjp`:
 
     fusedattn_flash_fwd(q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos,
