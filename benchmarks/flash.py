@@ -7,7 +7,10 @@ the portable kernels' NVIDIA text instead of the sm_90a forward), "xla" (ours, b
 "cudnn"), "jax_cudnn" (jax.nn.dot_product_attention(implementation="cudnn")), "fa3"
 (flash_attn3_jax.flash_mha, head dim 128 only, where the wheel is installed),
 "flash_dropout" and "cudnn_dropout" (ours with dropout 0.1, training; at the first shape
-only, to keep a full run within one device call). Passes "fwd" and
+only, to keep a full run within one device call), "flash_alibi", "cudnn_alibi" and
+"xla_alibi" (config.bias "alibi", the standard slopes: cuDNN serves it under the causal mask
+only, so its no_mask rows say why not), "flash_alibi_window" and "xla_alibi_window" (ALiBi
+with a sliding window of ALIBI_WINDOW keys to the left). Passes "fwd" and
 "fwd+bwd" (the VJP with a random cotangent, all of dq, dk, dv). bf16, BSHD, random
 normal inputs.
 
@@ -18,6 +21,8 @@ halved for causal; fwd+bwd 3.5x the forward. "of_peak" is the fraction of ~790 T
 a large bf16 matmul measured on the H200.
 
     python benchmarks/flash.py --out benchmarks/results/flash.json
+    python benchmarks/flash.py --impls flash,flash_alibi,cudnn_alibi,xla_alibi,flash_alibi_window,xla_alibi_window \
+        --out benchmarks/results/flash_alibi.json
 """
 
 from __future__ import annotations
@@ -39,11 +44,19 @@ SHAPES = [(4, 2048, 16, 16, 128), (1, 8192, 16, 16, 128), (2, 4096, 32, 8, 128),
           (16, 512, 16, 16, 128), (16, 512, 16, 16, 64), (2, 4096, 16, 16, 256)]
 
 
-def ours(backend: str, causal: bool, dropout: float = 0.0):
+# The ALiBi-with-window impls' window: (left, right) keys.
+ALIBI_WINDOW = (256, 0)
+
+
+def ours(backend: str, causal: bool, dropout: float = 0.0, alibi: bool = False,
+         window: tuple[int, int] = (-1, -1)):
     config = fusedattn.configs.attention_config()
     config.backend = backend
     config.mask = "causal" if causal else "no_mask"
     config.dropout_rate = dropout
+    if alibi:
+        config.bias = "alibi"
+    config.window_size = window
     key = jax.random.key(0)
 
     def attend(q, k, v):
@@ -94,17 +107,25 @@ def impls(causal: bool, d: int, dropout: bool) -> dict:
              "cudnn": ours("cudnn", causal), "jax_cudnn": jax_cudnn(causal)}
     if dropout:
         table.update(flash_dropout=ours("flash", causal, 0.1), cudnn_dropout=ours("cudnn", causal, 0.1))
+    for backend in ("flash", "cudnn", "xla"):
+        table[f"{backend}_alibi"] = ours(backend, causal, alibi=True)
+    for backend in ("flash", "xla"):
+        table[f"{backend}_alibi_window"] = ours(backend, causal, alibi=True, window=ALIBI_WINDOW)
     if d == 128:
         table["fa3"] = fa3(causal)
     return table
 
 
-IMPL_NAMES = ("flash", "flash_sm80", "xla", "cudnn", "jax_cudnn", "fa3", "flash_dropout", "cudnn_dropout")
+DEFAULT_IMPLS = ("flash", "flash_sm80", "xla", "cudnn", "jax_cudnn", "fa3", "flash_dropout", "cudnn_dropout")
+# Opt-in (--impls): the ALiBi impls (the xla ones take 5-18 ms a call at the large shapes).
+IMPL_NAMES = DEFAULT_IMPLS + ("flash_alibi", "cudnn_alibi", "xla_alibi", "flash_alibi_window",
+                              "xla_alibi_window")
 
 
 def add_arguments(parser):
-    parser.add_argument("--impls", default=",".join(IMPL_NAMES),
-                        help=f"comma-separated subset of {','.join(IMPL_NAMES)}")
+    parser.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
+                        help=f"comma-separated subset of {','.join(IMPL_NAMES)} (default: "
+                             f"{','.join(DEFAULT_IMPLS)})")
     parser.add_argument("--shapes", default="",
                         help="b,s,h,h_kv,d shapes separated by '/' instead of the default set")
     parser.add_argument("--masks", default="no_mask,causal", help="no_mask, causal or both (comma-separated)")
@@ -192,6 +213,15 @@ def summarize(rows):
             if dropout.get("ms") and cudnn_dropout.get("ms") else None)
         entry["flash_dropout_of_plain"] = (round(r["ms"] / dropout["ms"], 3)
                                            if dropout.get("ms") and r["ms"] else None)
+        # ALiBi: flash's ALiBi speed as a fraction of plain flash's, and against its peers.
+        alibi = {n: by_key.get((r["name"], n, r["pass"]), {}).get("ms")
+                 for n in ("flash_alibi", "cudnn_alibi", "xla_alibi", "flash_alibi_window",
+                           "xla_alibi_window")}
+        ratio = lambda slow, fast: round(slow / fast, 3) if slow and fast else None
+        entry["flash_alibi_of_plain"] = ratio(r["ms"], alibi["flash_alibi"])
+        entry["flash_alibi_vs_cudnn_alibi"] = ratio(alibi["cudnn_alibi"], alibi["flash_alibi"])
+        entry["flash_alibi_vs_xla_alibi"] = ratio(alibi["xla_alibi"], alibi["flash_alibi"])
+        entry["flash_alibi_window_vs_xla"] = ratio(alibi["xla_alibi_window"], alibi["flash_alibi_window"])
         out.append(entry)
     return out
 
@@ -211,6 +241,15 @@ def print_table(summary):
     print("TF/s columns; 'vs X' = X's time / flash's time (> 1: flash faster; targets: >= 1.00 vs "
           "fa3, >= 1.05 vs cudnn); drop = flash with dropout 0.1 vs cudnn's dropout (target "
           ">= 1.5) and vs flash plain (target >= 0.85)")
+    print(f"\n{'case':<30}{'pass':<8}{'alibi/plain':>12}{'vs cudnn_alibi':>15}{'vs xla_alibi':>13}"
+          f"{'window vs xla':>14}")
+    for s in summary:
+        print(f"{s['name']:<30}{s['pass']:<8}{fmt(s['flash_alibi_of_plain'], '{:.3f}'):>12}"
+              f"{fmt(s['flash_alibi_vs_cudnn_alibi'], '{:.3f}'):>15}"
+              f"{fmt(s['flash_alibi_vs_xla_alibi'], '{:.3f}'):>13}"
+              f"{fmt(s['flash_alibi_window_vs_xla'], '{:.3f}'):>14}")
+    print("ALiBi: alibi/plain = flash ALiBi's speed as a fraction of plain flash's; vs X = X's time "
+          "/ flash ALiBi's (targets: ALiBi+window >= 5x xla)")
 
 
 if __name__ == "__main__":

@@ -165,33 +165,38 @@ def test_random_shapes(data):
     check(rng, make_spec(kind), args)
 
 
-def compare_thd_with_xla(rng, lengths_offsets, t_q, t_kv, h, h_kv, d, mask, window=(-1, -1)):
+def compare_thd_with_xla(rng, lengths_offsets, t_q, t_kv, h, h_kv, d, mask, window=(-1, -1),
+                         slopes=None):
     """The public op on a packed THD call (lengths + offsets as in
     SequenceDescriptor.from_seqlens_and_offsets): flash's output and gradients equal the xla
-    backend's (each run on poisoned buffers). Returns the flash explanation."""
+    backend's (each run on poisoned buffers); with `slopes` (float32 [h]) under ALiBi with
+    those slopes, their gradient compared too. Returns the flash explanation."""
     q_len, kv_len, q_off, kv_off = (np.array(x, np.int32) for x in lengths_offsets)
     sequence = SequenceDescriptor.from_seqlens_and_offsets(q_len, kv_len, q_off, kv_off)
     sequence_config = {"format": "seqlens_offsets", "max_segments_per_seq": q_len.shape[1]}
     b = q_len.shape[0]
     q = jnp.asarray(rng.standard_normal((b, t_q, h, d)), jnp.bfloat16)
     k, v = (jnp.asarray(rng.standard_normal((b, t_kv, h_kv, d)), jnp.bfloat16) for _ in range(2))
+    bias = "no_bias" if slopes is None else "alibi"
+    wrt = (0, 1, 2) if slopes is None else (0, 1, 2, 3)
     results = {}
     for backend in ("flash", "xla"):
         config = make_config(backend=backend, qkv_layout="thd_thd_thd", mask=mask,
-                             window_size=window, sequence=sequence_config)
+                             window_size=window, sequence=sequence_config, bias=bias)
 
-        def loss(q, k, v, config=config):
-            out = fused_attn((q, k, v), config=config, sequence=sequence)
+        def loss(q, k, v, s, config=config):
+            out = fused_attn((q, k, v), config=config, sequence=sequence, bias=s)
             return jnp.sum(out.astype(jnp.float32) ** 2), out
 
         poison_like(q, q)
-        (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, wrt, has_aux=True))(q, k, v, slopes)
         results[backend] = (out,) + tuple(grads)
-    for name, got, want in zip(("out", "dq", "dk", "dv"), results["flash"], results["xla"]):
+    for name, got, want in zip(("out", "dq", "dk", "dv", "d_slopes"), results["flash"],
+                               results["xla"]):
         assert_close(got, want, tolerance(jnp.bfloat16), name)
     config = make_config(backend="flash", qkv_layout="thd_thd_thd", mask=mask, window_size=window,
-                         sequence=sequence_config)
-    return explain((q, k, v), config=config, sequence=sequence)
+                         sequence=sequence_config, bias=bias)
+    return explain((q, k, v), config=config, sequence=sequence, bias=slopes)
 
 
 def test_through_fused_attn_with_thd_offsets_matches_xla(rng):

@@ -115,8 +115,13 @@ def make_args(rng, *, b=3, sq=7, skv=9, h=4, h_kv=2, d=8, dv=None, dtype=jnp.flo
 
 # --------------------------------------------------------------------------- reference
 
-def reference(args: CanonicalArgs, spec: AttentionSpec, scale: float, do) -> dict:
-    """float64: output, lse, visibility and gradients of sum(o * do)."""
+def reference(args: CanonicalArgs, spec: AttentionSpec, scale: float, do, slopes=None,
+              delta_from=None) -> dict:
+    """float64: output, lse, visibility and gradients of sum(o * do). With `slopes` ([h])
+    the scores gain the ALiBi term -slope[h] |kv_pos - (q_pos + q_diag)| and the slopes'
+    gradient is returned as d_slopes; with `delta_from` (an output [b, sq, h, dv]) the
+    gradients take rowsum(dO * O) from that output, as the kernels do from their own
+    rounded one."""
     q, k, v = (np.asarray(x).astype(np.float64) for x in (args.q, args.k, args.v))
     b, sq, h, d = q.shape
     skv, h_kv, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -137,6 +142,9 @@ def reference(args: CanonicalArgs, spec: AttentionSpec, scale: float, do) -> dic
     vis = visible[:, None]  # [b, 1, sq, skv]
 
     scores = scale * np.einsum("bihd,bjhd->bhij", q, kh)
+    distance = np.abs(key - diagonal)[:, None].astype(np.float64)  # [b, 1, sq, skv]
+    if slopes is not None:
+        scores = scores - np.asarray(slopes, np.float64).reshape(1, h, 1, 1) * distance
     if str(spec.softmax) == "vanilla":
         sink = None
     elif str(spec.softmax) == "off_by_one":
@@ -168,13 +176,18 @@ def reference(args: CanonicalArgs, spec: AttentionSpec, scale: float, do) -> dic
     g_out = np.asarray(do).astype(np.float64)
     g_probs = np.einsum("bihe,bjhe->bhij", g_out, vh) * multiplier
     row_dot = np.sum(probs * g_probs, axis=-1, keepdims=True)  # = rowsum(dO * O)
-    g_scores = probs * (g_probs - row_dot) * scale
+    if delta_from is not None:
+        o_used = np.asarray(delta_from).astype(np.float64)
+        row_dot = np.einsum("bihe,bihe->bhi", g_out, o_used)[..., None]
+    d_scores = probs * (g_probs - row_dot)  # the gradient of the scaled scores
+    g_scores = d_scores * scale
     dq = np.einsum("bhij,bjhd->bihd", g_scores, kh)
     dk = np.einsum("bhij,bihd->bjhd", g_scores, q).reshape(b, skv, h_kv, group, d).sum(3)
     dv_ = np.einsum("bhij,bihe->bjhe", weights, g_out).reshape(b, skv, h_kv, group, dv).sum(3)
     d_offset = -np.sum(sink_prob * row_dot, axis=(0, 2, 3))
     return dict(o=out, lse=lse, empty=empty[:, 0, :, 0], dq=dq, dk=dk, dv=dv_,
-                d_offset=d_offset if str(spec.softmax) == "learnable" else None)
+                d_offset=d_offset if str(spec.softmax) == "learnable" else None,
+                d_slopes=None if slopes is None else -np.sum(d_scores * distance, axis=(0, 2, 3)))
 
 
 # --------------------------------------------------------------------------- running

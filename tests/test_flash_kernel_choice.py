@@ -109,6 +109,38 @@ def test_the_workspace_holds_the_dq_accumulator_where_the_sm90_backward_runs(
     assert backward.shape == (forward.shape[0] + delta + accumulator,)
 
 
+@pytest.mark.parametrize("capability,deterministic", [((9, 0), False), ((9, 0), True), ((8, 0), False)])
+def test_the_workspace_holds_the_slope_partials_with_alibi(device, monkeypatch, capability,
+                                                          deterministic):
+    """flash.cu checks the workspace against the same rule: with ALiBi the backward adds
+    float32 [b, h, slots], a slot per warp: 8 of every 128 keys for the sm_90a backward
+    (sm90/launch.h: slope_slots), 4 of every 64 queries for the sm_80 one (launch.h:
+    sm80_slope_slots), 256-byte aligned."""
+    device(capability, {128})
+    monkeypatch.setattr(flash, "current_platform", lambda: "cuda")
+    b, sq, skv, h, d = 2, 300, 170, 4, 128
+    q, k = jnp.zeros((b, sq, h, d), jnp.bfloat16), jnp.zeros((b, skv, 2, d), jnp.bfloat16)
+    tokens = jnp.zeros((b, sq), jnp.int32)
+    (plain,) = flash._cuda_workspace(q, k, tokens, backward=True, deterministic=deterministic)
+    (alibi,) = flash._cuda_workspace(q, k, tokens, backward=True, deterministic=deterministic,
+                                     alibi=True)
+    sm90 = capability == (9, 0) and not deterministic
+    slots = 2 * 8 if sm90 else 5 * 4  # 170 keys: 2 blocks of 128; 300 queries: 5 tiles of 64
+    assert alibi.shape == (plain.shape[0] + -(-(b * h * slots * 4) // 256) * 256,)
+    (forward,) = flash._cuda_workspace(q, k, tokens, backward=False)
+    assert flash._cuda_workspace(q, k, tokens, backward=False, alibi=True)[0].shape == forward.shape
+
+
+def test_kernel_text_says_alibi(device):
+    device((9, 0), {128})
+    spec = dataclasses.replace(_spec(), bias=flash.BiasType.ALIBI)
+    assert flash.BACKEND.kernel(spec, _shapes(128), "cuda") == (
+        "flash: sm90 wgmma forward, sm90 wgmma backward, ALiBi in the kernels (slopes' "
+        "gradient summed in a fixed order)")
+    assert "ALiBi in the kernels" in flash.BACKEND.kernel(spec, _shapes(128), "rocm")
+    assert "ALiBi" not in flash.BACKEND.kernel(_spec(), _shapes(128), "cuda")
+
+
 def test_the_backward_call_carries_the_deterministic_attribute():
     static = flash._static(_spec(deterministic_backward=True), 0.125, _spec().softmax, False)
     assert static.attributes(backward=True)["deterministic"] is True

@@ -10,8 +10,9 @@ only, never run on AMD hardware). On compute capability 9.0 the forward and, unl
 config.deterministic_backward, the backward run the sm_90a kernels of
 ops_cuda/cuda/flash/sm90 (wgmma, TMA) where the library holds them, unless the
 environment variable FUSEDATTN_FLASH_KERNEL=sm80 names the sm_80 kernels (for tests
-and benchmarks); which kernels serve a call on which GPU, and why a GPU call is refused,
-is flash_gpu.py's job (explain() names the kernels a call gets).
+and benchmarks); every kernel serves ALiBi (a compile-time variant of it). Which kernels
+serve a call on which GPU, and why a GPU call is refused, is flash_gpu.py's job (explain()
+names the kernels a call gets).
 The op is two XLA FFI calls around a `jax.custom_vjp`:
 
     fusedattn_flash_fwd(q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos,
@@ -119,15 +120,20 @@ class _Static(NamedTuple):
 # checks its size): per token row, one 32-byte summary of every 32 queries and of every
 # 32 keys; the backward adds float32 [b, h, sq] for rowsum(dO * O) and, where the sm_90a
 # backward runs (flash_gpu.cuda_backward_kernel), its float32 dQ accumulator [b, h, sq', d] with
-# sq' = sq rounded up to whole query tiles of 64 (sm90/launch.h: dq_accum_floats). Each part is
-# 256-byte aligned.
+# sq' = sq rounded up to whole query tiles of 64 (sm90/launch.h: dq_accum_floats) and, with
+# ALiBi, float32 [b, h, slots] partial sums of the slopes' gradient (a slot per warp: of every
+# query tile of 64 for the sm_80 kernels, launch.h: sm80_slope_slots, 4 warps on CUDA and 2 on
+# ROCm, sized here for 4; of every key tile of 128 for the sm_90a one, 8 warps,
+# sm90/launch.h: slope_slots). Each part is 256-byte aligned.
 _SPAN_TOKENS = 32
 _SM90_QUERY_TILE = 64
 _SPAN_BYTES = 32
+_SM80_SLOPE_SLOTS = (64, 4)  # (queries, warps) of a slot group
+_SM90_SLOPE_SLOTS = (128, 8)  # (keys, warps)
 
 
-def _cuda_workspace(q, k, tokens, backward: bool,
-                    deterministic: bool = False) -> tuple[jax.ShapeDtypeStruct, ...]:
+def _cuda_workspace(q, k, tokens, backward: bool, deterministic: bool = False,
+                    alibi: bool = False) -> tuple[jax.ShapeDtypeStruct, ...]:
     """() on the host; the workspace result's shape on CUDA and ROCm."""
     if current_platform() not in ("cuda", "rocm"):
         return ()
@@ -138,8 +144,14 @@ def _cuda_workspace(q, k, tokens, backward: bool,
     size = align256(token_rows * spans * _SPAN_BYTES)
     if backward:
         size += align256(b * h * sq * 4)
-        if flash_gpu.cuda_backward_kernel(d, sq, skv, deterministic) == "sm90":
+        sm90 = (current_platform() == "cuda"
+                and flash_gpu.cuda_backward_kernel(d, sq, skv, deterministic) == "sm90")
+        if sm90:
             size += align256(b * h * -(-sq // _SM90_QUERY_TILE) * _SM90_QUERY_TILE * d * 4)
+        if alibi:
+            tokens_per_group, warps = _SM90_SLOPE_SLOTS if sm90 else _SM80_SLOPE_SLOTS
+            length = skv if sm90 else sq
+            size += align256(b * h * -(-length // tokens_per_group) * warps * 4)
     return (jax.ShapeDtypeStruct((size,), jnp.uint8),)
 
 
@@ -163,7 +175,8 @@ def _backward(static: _Static, q, k, v, *operands):
          jax.ShapeDtypeStruct((b, h), jnp.float32),
          jax.ShapeDtypeStruct((b, h), jnp.float32),
          jax.ShapeDtypeStruct(operands[_BIAS - 3].shape, jnp.float32))
-        + _cuda_workspace(q, k, operands[0], backward=True, deterministic=static.deterministic),
+        + _cuda_workspace(q, k, operands[0], backward=True, deterministic=static.deterministic,
+                          alibi=static.alibi),
     )(q, k, v, *operands, **static.attributes(backward=True))[:6]
 
 
@@ -256,9 +269,6 @@ class FlashBackend:
             return (f"flash: bias arrays (config.bias {str(spec.bias)!r}) are not yet in the "
                     "CUDA and ROCm kernels (the host build serves them on cpu); use "
                     "backend='xla' or 'auto'")
-        if spec.bias == BiasType.ALIBI and platform in ("gpu", "cuda", "rocm"):
-            return ("flash: ALiBi is not yet in the CUDA and ROCm kernels (the host build "
-                    "serves it on cpu); use backend='xla' or 'auto'")
         if platform in ("gpu", "cuda"):
             return flash_gpu.gpu_reason(shapes, "cuda")
         if platform == "rocm":

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from fusedattn.ops import _library
 from fusedattn.ops.backends.base import CallShapes, compute_capability, cuda_library_reason
+from fusedattn.ops.enums import BiasType
 from fusedattn.ops.spec import AttentionSpec
 
 # Head dims and element types the GPU kernels serve (which head dims a build holds:
@@ -122,19 +123,24 @@ def _kernels_text(forward: str, backward: str, deterministic: bool) -> str:
     return text + " (deterministic_backward)" if deterministic and backward == "sm80" else text
 
 
+# explain()'s words for a call with ALiBi: every GPU kernel adds the term itself.
+_ALIBI_TEXT = ", ALiBi in the kernels (slopes' gradient summed in a fixed order)"
+
+
 def kernels(spec: AttentionSpec, shapes: CallShapes | None, platform: str) -> str | None:
     """Which kernels serve a call on CUDA or ROCm (for explain); None elsewhere."""
     platform = (platform or "").lower()
     if shapes is None or platform not in ("gpu", "cuda", "rocm"):
         return None
+    alibi = _ALIBI_TEXT if spec.bias == BiasType.ALIBI else ""
     if platform == "rocm":
-        return ("flash: MFMA forward and backward (the sm80 kernels' text, gfx90a/gfx94x; "
-                "compile-checked only, never run on AMD hardware)")
+        return (f"flash: MFMA forward and backward{alibi} (the sm80 kernels' text, "
+                "gfx90a/gfx94x; compile-checked only, never run on AMD hardware)")
     d = shapes.head_dim_qk
     deterministic = bool(spec.deterministic_backward)
     text = _kernels_text(cuda_forward_kernel(d, shapes.seqlen_kv),
                          cuda_backward_kernel(d, shapes.seqlen_q, shapes.seqlen_kv,
-                                              deterministic), deterministic)
+                                              deterministic), deterministic) + alibi
     if named_kernel() == "sm80":
         return f"{text} (named by {KERNEL_VARIABLE}=sm80)"
     return text

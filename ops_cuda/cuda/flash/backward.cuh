@@ -9,7 +9,8 @@
 //                          GQA group: S^T = K Q^T, dP^T = V dO^T, dV += (P o drop)^T dO,
 //                          dK += dS^T Q with dS = P o (drop o dP - delta)
 //   dq_kernel              a block owns 64 queries of one head and streams the key tiles:
-//                          dQ += dS K
+//                          dQ += dS K (with ALiBi also each warp's part of the slope's gradient,
+//                          alibi_tile.cuh, summed by slope_gradient.cu)
 //
 // P is recomputed from the saved lse (+inf for rows without visible keys: P = 0).
 #ifndef FUSEDATTN_FLASH_BACKWARD_CUH_
@@ -17,6 +18,8 @@
 
 #include <cmath>
 
+#include "alibi_tile.cuh"
+#include "launch.h"
 #include "params.cuh"
 #include "pipeline.cuh"
 
@@ -97,7 +100,7 @@ struct DkDvTiles {
   static_assert(kN == kThreads / kWarpSize * kWarpRows, "one fragment of rows per warp");
 };
 
-template <ElementType ET, int D>
+template <ElementType ET, int D, bool kAlibi>
 __global__ void __launch_bounds__(DkDvTiles<D>::kThreads) dkdv_kernel(const FlashArgs a) {
   using T = DkDvTiles<D>;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -155,6 +158,12 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads) dkdv_kernel(const Flas
     warp_rows_times_rows<ET, D, T::kM>(st, k_tile, kWarpRows * warp, q_tile(s));
     warp_rows_times_rows<ET, D, T::kM>(dpt, v_tile, kWarpRows * warp, do_tile(s));
     const FragmentCoords qc{at.row0, static_cast<int64_t>(u % n_q_tiles) * T::kM, at.lane};
+    if constexpr (kAlibi) {
+      add_alibi<T::kM>(st, alibi_coefficient(a, b, h), [&](int n, int e) {
+        return alibi_distance(query_diagonal(c, qc.col(n, e), p.seqlen_q),
+                              static_cast<float>(keys.pos[e / kRowElems]));
+      });
+    }
     float lse_scaled[T::kM / 8][kRowElems], delta_of[T::kM / 8][kRowElems];  // the lane's query columns
 #pragma unroll
     for (int n = 0; n < T::kM / 8; ++n) {
@@ -216,9 +225,11 @@ struct DqTiles {
   static_assert(kM == kThreads / kWarpSize * kWarpRows, "one fragment of rows per warp");
 };
 
-template <ElementType ET, int D>
+template <ElementType ET, int D, bool kAlibi>
 __global__ void __launch_bounds__(DqTiles<D>::kThreads) dq_kernel(const FlashArgs a) {
   using T = DqTiles<D>;
+  static_assert(T::kM == kSlopeQueryTile && T::kThreads / kWarpSize == kSlopeWarpsPerQueryTile,
+                "the slope-gradient slots of launch.h: a warp's each per query tile");
   extern __shared__ __align__(128) unsigned char smem[];
   const AttentionParams& p = a.p;
   const int64_t n_q_tiles = (p.seqlen_q + T::kM - 1) / T::kM;
@@ -266,6 +277,11 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads) dq_kernel(const FlashArg
     load_tile<T::kN, T::kChunks, T::kThreads>(v_tile(s), a.v + kv_offset, kv_stride, j0, p.seqlen_kv);
   };
   const float scale_log2 = p.scale * kLog2e;
+  const float alibi = kAlibi ? alibi_coefficient(a, b, h) : 0.0f;
+  float diagonal[kLaneRows];  // with ALiBi: the lane's rows' diagonals
+#pragma unroll
+  for (int r = 0; r < kLaneRows; ++r) diagonal[r] = kAlibi ? query_diagonal(c, at.row(kRowElems * r), p.seqlen_q) : 0.0f;
+  float slope_partial = 0.0f;  // with ALiBi: the lane's part of the slope's gradient
   const auto compute = [&](int t, int s, bool full) {
     float sc[T::kN / 8][4], dp[T::kN / 8][4];
     zero(sc);
@@ -273,6 +289,10 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads) dq_kernel(const FlashArg
     warp_rows_times_rows<ET, D, T::kN>(sc, q_tile, kWarpRows * warp, k_tile(s));
     warp_rows_times_rows<ET, D, T::kN>(dp, do_tile, kWarpRows * warp, v_tile(s));
     const FragmentCoords kv{at.row0, static_cast<int64_t>(t) * T::kN, at.lane};
+    const auto distance = [&](int n, int e) {
+      return alibi_distance(diagonal[e / kRowElems], key_position(c, kv.col(n, e), p.seqlen_kv));
+    };
+    if constexpr (kAlibi) add_alibi<T::kN>(sc, alibi, distance);
 #pragma unroll
     for (int n = 0; n < T::kN / 8; ++n) {
 #pragma unroll
@@ -299,11 +319,15 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads) dq_kernel(const FlashArg
         for (int e = 0; e < 4; ++e) sc[n][e] *= dp[n][e] - delta[e / kRowElems];
       }
     }
+    if constexpr (kAlibi) slope_partial += alibi_slope_partial<T::kN>(sc, distance);
     warp_regs_times_rows<ET, T::kN, D>(dq, sc, k_tile(s), 0);
   };
   stream_tiles<T::kThreads>(n_kv_tiles, relation, load, compute);
 
   store_rows<ET>(dq, p.scale, a.dq + q_offset, q_stride, at, p.seqlen_q);
+  if constexpr (kAlibi) {
+    store_warp_partial(slope_partial, head_slope_slots(a, b, h) + m0 / T::kM * kSlopeWarpsPerQueryTile + warp);
+  }
 }
 
 }  // namespace flash

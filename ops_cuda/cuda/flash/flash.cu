@@ -10,7 +10,9 @@
 // deterministic set: its dQ sums with atomics) or the sm_80 kernels (backward_kernel_of).
 // A call whose attribute "kernel" names the sm_80 kernels (FUSEDATTN_FLASH_KERNEL=sm80 when
 // fusedattn/ops/backends/flash.py traced it) runs them in both passes on every device.
-// Scratch (the spans; the backward's softmax delta) lives in a uint8 workspace
+// ALiBi (the attribute alibi) runs each kernel's ALiBi variant (alibi_tile.cuh).
+// Scratch (the spans; the backward's softmax delta, the sm_90a dQ sum and ALiBi's partial
+// sums) lives in a uint8 workspace
 // result that XLA allocates, sized by fusedattn/ops/backends/flash.py
 // (_cuda_workspace_bytes): the handlers allocate nothing.
 #include <cstdint>
@@ -191,9 +193,6 @@ ffi::Error check_kernel_support(const char* op, const AttentionParams& p, ffi::D
     return invalid(op, "no " FA_FFI_PLATFORM " flash kernel for head dim " + std::to_string(p.head_dim) +
                            " in this build (built: mask " + std::to_string(kBuiltHeadDims) + " of 64/128/256)");
   }
-  if (p.alibi) {
-    return invalid(op, "ALiBi is not yet in the " FA_FFI_PLATFORM " flash kernels (the host build serves it)");
-  }
   return ffi::Error::Success();
 }
 
@@ -207,8 +206,10 @@ ffi::Error check_no_bias(const char* op, const ffi::AnyBuffer& bias, int32_t bia
   return ffi::Error::Success();
 }
 
-// The workspace's layout: the spans, then (backward) the softmax delta and, for the sm_90a
-// backward, the float32 dQ accumulator [B, Sq, H, D], each 256-byte aligned.
+// The workspace's layout: the spans, then (backward) the softmax delta, for the sm_90a
+// backward the float32 dQ accumulator [B, Sq, H, D] and, with ALiBi, the slope gradient's
+// partial sums [B, H, slots] (slots: sm80_slope_slots or sm90::slope_slots), each 256-byte
+// aligned.
 int64_t align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
 int64_t span_bytes(const AttentionParams& p) {
@@ -228,6 +229,15 @@ int64_t dq_accum_bytes(const AttentionParams& p) {
 #endif
 }
 
+// The slope gradient's partial sums per (b, h) of the backward kernel; 0 without ALiBi.
+int64_t slope_slot_count(const AttentionParams& p, BackwardKernel kernel) {
+  if (!p.alibi) return 0;
+#ifdef FUSEDATTN_FLASH_SM90
+  if (kernel == BackwardKernel::kSm90) return sm90::slope_slots(p.seqlen_kv);
+#endif
+  return sm80_slope_slots(p.seqlen_q);
+}
+
 ffi::Error check_workspace(const char* op, ffi::Result<ffi::AnyBuffer>& workspace, int64_t bytes) {
   if (workspace->element_type() != ffi::DataType::U8 || workspace->dimensions().size() != 1 ||
       workspace->dimensions()[0] < bytes) {
@@ -240,7 +250,8 @@ ffi::Error check_workspace(const char* op, ffi::Result<ffi::AnyBuffer>& workspac
 FlashArgs common_args(const AttentionParams& p, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                       const ffi::AnyBuffer& v, const ffi::AnyBuffer& q_seg, const ffi::AnyBuffer& q_pos,
                       const ffi::AnyBuffer& q_diag, const ffi::AnyBuffer& kv_seg, const ffi::AnyBuffer& kv_pos,
-                      const ffi::AnyBuffer& softmax_offset, const ffi::AnyBuffer& seed) {
+                      const ffi::AnyBuffer& softmax_offset, const ffi::AnyBuffer& seed,
+                      const ffi::AnyBuffer& alibi_slopes) {
   FlashArgs a{};
   a.p = p;
   a.q = static_cast<const uint16_t*>(q.untyped_data());
@@ -253,6 +264,7 @@ FlashArgs common_args(const AttentionParams& p, const ffi::AnyBuffer& q, const f
   a.kv_pos = kv_pos.typed_data<int32_t>();
   a.offset = softmax_offset.typed_data<float>();
   a.seed = seed.typed_data<uint32_t>();
+  a.slopes = alibi_slopes.typed_data<float>();
   return a;
 }
 
@@ -286,7 +298,7 @@ ffi::Error FlashFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   if (auto e = check_forward_results(kOp, p, lead, q.element_type(), o, lse); e.failure()) return e;
   if (p.batch == 0 || p.heads == 0 || p.seqlen_q == 0) return ffi::Error::Success();
   if (auto e = check_workspace(kOp, workspace, span_bytes(p)); e.failure()) return e;
-  FlashArgs a = common_args(p, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed);
+  FlashArgs a = common_args(p, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed, alibi_slopes);
   a.o = static_cast<uint16_t*>(o->untyped_data());
   a.lse = lse->typed_data<float>();
   ForwardKernel kernel;
@@ -326,8 +338,13 @@ ffi::Error FlashBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   BackwardKernel kernel;
   if (auto e = backward_kernel_of(kOp, p, named_kernel, deterministic, &kernel); e.failure()) return e;
   const int64_t accum_bytes = kernel == BackwardKernel::kSm90 ? dq_accum_bytes(p) : 0;
-  if (auto e = check_workspace(kOp, workspace, span_bytes(p) + delta_bytes(p) + accum_bytes); e.failure()) return e;
-  FlashArgs a = common_args(p, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed);
+  const int64_t slots = slope_slot_count(p, kernel);
+  const int64_t slope_bytes = align256(p.batch * p.heads * slots * static_cast<int64_t>(sizeof(float)));
+  if (auto e = check_workspace(kOp, workspace, span_bytes(p) + delta_bytes(p) + accum_bytes + slope_bytes);
+      e.failure()) {
+    return e;
+  }
+  FlashArgs a = common_args(p, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed, alibi_slopes);
   a.o = static_cast<uint16_t*>(const_cast<void*>(o.untyped_data()));
   a.lse = const_cast<float*>(lse.typed_data<float>());
   a.dout = static_cast<const uint16_t*>(dout.untyped_data());
@@ -335,9 +352,12 @@ ffi::Error FlashBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   a.dk = static_cast<uint16_t*>(dk->untyped_data());
   a.dv = static_cast<uint16_t*>(dv->untyped_data());
   a.d_offset = d_offset->typed_data<float>();
+  a.d_slopes = d_slopes->typed_data<float>();
   summarise(stream, workspace->untyped_data(), &a);
   char* const scratch = static_cast<char*>(workspace->untyped_data());
   a.delta = reinterpret_cast<float*>(scratch + span_bytes(p));
+  a.slope_partials = reinterpret_cast<float*>(scratch + span_bytes(p) + delta_bytes(p) + accum_bytes);
+  a.slope_slots = slots;
   return launch_backward_kernel(kOp, stream, a, element_type_of(dt), kernel,
                                 reinterpret_cast<float*>(scratch + span_bytes(p) + delta_bytes(p)));
 }

@@ -1,6 +1,6 @@
 // The flash forward kernel (CUDA sm_80 and later; AMD CDNA through mfma.cuh):
-// o = softmax(scale * q k^T + mask) v with the softmax sink, dropout and lse of
-// fusedattn/softmax.h, for one head dim D.
+// o = softmax(scale * q k^T (+ ALiBi) + mask) v with the softmax sink, dropout and lse of
+// fusedattn/softmax.h, for one head dim D; kAlibi: the call has ALiBi (alibi_tile.cuh).
 //
 // A block owns kM = 64 queries of one (batch row, head), kWarpRows per warp (NVIDIA: 16 for
 // each of 4 warps; AMD: 32 for each of 2 wavefronts), and streams the key/value tiles that
@@ -9,6 +9,7 @@
 #ifndef FUSEDATTN_FLASH_FORWARD_CUH_
 #define FUSEDATTN_FLASH_FORWARD_CUH_
 
+#include "alibi_tile.cuh"
 #include "params.cuh"
 #include "pipeline.cuh"
 #include "softmax_tile.cuh"
@@ -27,7 +28,7 @@ struct ForwardTiles {
   static_assert(kM == kThreads / kWarpSize * kWarpRows, "one fragment of rows per warp");
 };
 
-template <ElementType ET, int D>
+template <ElementType ET, int D, bool kAlibi>
 __global__ void __launch_bounds__(ForwardTiles<D>::kThreads) forward_kernel(const FlashArgs a) {
   using T = ForwardTiles<D>;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -71,11 +72,20 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads) forward_kernel(cons
     load_tile<T::kN, T::kChunks, T::kThreads>(k_tile(s), a.k + kv_offset, kv_stride, j0, p.seqlen_kv);
     load_tile<T::kN, T::kChunks, T::kThreads>(v_tile(s), a.v + kv_offset, kv_stride, j0, p.seqlen_kv);
   };
+  const float alibi = kAlibi ? alibi_coefficient(a, b, h) : 0.0f;
+  float diagonal[kLaneRows];  // with ALiBi: the lane's rows' diagonals
+#pragma unroll
+  for (int r = 0; r < kLaneRows; ++r) diagonal[r] = kAlibi ? query_diagonal(c, at.row(kRowElems * r), p.seqlen_q) : 0.0f;
   const auto compute = [&](int t, int s, bool full) {
     float scores[T::kN / 8][4];
     zero(scores);
     warp_rows_times_rows<ET, D, T::kN>(scores, q_tile, kWarpRows * warp, k_tile(s));
     const FragmentCoords kv{at.row0, static_cast<int64_t>(t) * T::kN, at.lane};
+    if constexpr (kAlibi) {
+      add_alibi<T::kN>(scores, alibi, [&](int n, int e) {
+        return alibi_distance(diagonal[e / kRowElems], key_position(c, kv.col(n, e), p.seqlen_kv));
+      });
+    }
     softmax_tile<T::kN, D>(scores, o, state, a, c, query, h, kv, full);
     warp_regs_times_rows<ET, T::kN, D>(o, scores, v_tile(s), 0);
   };

@@ -25,7 +25,8 @@ void forward(gpuStream_t stream, const FlashArgs& a) {
   using T = ForwardTiles<D>;
   static_assert(T::kSharedBytes <= kMaxDynamicSharedBytes, "the forward's tiles exceed the shared memory");
   const int64_t blocks = (a.p.seqlen_q + T::kM - 1) / T::kM * a.p.heads * a.p.batch;
-  launch(forward_kernel<ET, D>, blocks, T::kThreads, T::kSharedBytes, stream, a);
+  launch(a.p.alibi ? forward_kernel<ET, D, true> : forward_kernel<ET, D, false>, blocks, T::kThreads,
+         T::kSharedBytes, stream, a);
 }
 
 // What every backward runs first (the sm_80 kernels and the sm_90a one): a.delta =
@@ -53,9 +54,12 @@ void backward(gpuStream_t stream, const FlashArgs& a) {
   static_assert(KV::kSharedBytes <= kMaxDynamicSharedBytes && Q::kSharedBytes <= kMaxDynamicSharedBytes,
                 "the backward's tiles exceed the shared memory");
   const int64_t kv_blocks = (p.seqlen_kv + KV::kN - 1) / KV::kN * p.kv_heads * p.batch * (D / KV::kOut);
-  launch(dkdv_kernel<ET, D>, kv_blocks, KV::kThreads, KV::kSharedBytes, stream, a);
+  launch(p.alibi ? dkdv_kernel<ET, D, true> : dkdv_kernel<ET, D, false>, kv_blocks, KV::kThreads,
+         KV::kSharedBytes, stream, a);
   const int64_t q_blocks = (p.seqlen_q + Q::kM - 1) / Q::kM * p.heads * p.batch;
-  launch(dq_kernel<ET, D>, q_blocks, Q::kThreads, Q::kSharedBytes, stream, a);
+  launch(p.alibi ? dq_kernel<ET, D, true> : dq_kernel<ET, D, false>, q_blocks, Q::kThreads, Q::kSharedBytes,
+         stream, a);
+  if (p.alibi) launch_slope_gradient(stream, a);  // a.slope_slots: sm80_slope_slots, every slot written
 }
 
 template <int D>

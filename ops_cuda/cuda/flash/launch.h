@@ -18,6 +18,14 @@ void launch_forward(gpuStream_t stream, const FlashArgs& a, ElementType type);
 template <int D>
 void launch_backward(gpuStream_t stream, const FlashArgs& a, ElementType type);
 
+// With ALiBi the backward also needs a.slope_partials, sm80_slope_slots(Sq) floats per (b, h):
+// one per warp of each dq_kernel block (kSlopeQueryTile queries, kSlopeWarpsPerQueryTile warps).
+constexpr int64_t kSlopeQueryTile = 64;
+constexpr int64_t kSlopeWarpsPerQueryTile = 128 / kWarpSize;
+FA_HOST_DEVICE inline int64_t sm80_slope_slots(int64_t seqlen_q) {
+  return (seqlen_q + kSlopeQueryTile - 1) / kSlopeQueryTile * kSlopeWarpsPerQueryTile;
+}
+
 }  // namespace flash
 }  // namespace fusedattn
 

@@ -39,6 +39,13 @@ struct FlashArgs {
   uint16_t* dk;
   uint16_t* dv;
   float* d_offset;  // [B, H]
+  // ALiBi (alibi_tile.cuh; last, so that the kernels without it see the same parameters):
+  // the slopes [L_slopes, H]; backward: d_slopes [B, H], from slope_slots partial sums per
+  // (b, h) in slope_partials [B, H, slope_slots]
+  const float* slopes;
+  float* d_slopes;
+  float* slope_partials;
+  int64_t slope_slots;
 };
 
 // One (batch row, head) of the call: token vectors, softmax sink, dropout key.

@@ -21,6 +21,15 @@ FA_HOST_DEVICE FA_INLINE float alibi_distance(int64_t diagonal, int32_t kv_pos) 
   return static_cast<float>(d < 0 ? -d : d);
 }
 
+// alibi_distance from the two positions as float32: equal to it while |kv_pos| and
+// |diagonal| are at most 2^24 (the conversions are exact and the difference is rounded
+// once, as alibi_distance's conversion is), as token positions are. The GPU kernels convert
+// each query's and key's position once and take this per (query, key) pair.
+FA_HOST_DEVICE FA_INLINE float alibi_distance(float diagonal, float kv_pos) {
+  const float d = kv_pos - diagonal;
+  return d < 0.0f ? -d : d;
+}
+
 // The term added to the scaled score: -slope * |distance|.
 FA_HOST_DEVICE FA_INLINE float alibi_term(float slope, int64_t diagonal, int32_t kv_pos) {
   return -slope * alibi_distance(diagonal, kv_pos);

@@ -10,7 +10,8 @@
 //     TMA into a ring of two stages on mbarriers, with the tile's rows of lse and delta
 //     (the warp's lanes), publishing the tile, whether every pair is visible and whether
 //     it may hold padding queries, and for a tile that is not all visible the keys each
-//     of its queries sees (the mask then reads shared memory); -1 ends the loop.
+//     of its queries sees (the mask then reads shared memory) and, with ALiBi (kAlibi), the
+//     diagonals of its queries; -1 ends the loop.
 //   warpgroups 1 and 2, the consumers, 64 keys each, per query tile:
 //     S^T = K Q^T and dP^T = V dO^T (wgmma, both operands in shared memory);
 //     P^T = exp(scale S^T - lse) (masked elements set to 0 by selection);
@@ -22,6 +23,8 @@
 //     head dim (wgmma, both operands in shared memory), stored to shared memory in the
 //     order of its registers and added to a float32 workspace by one bulk reduction of the
 //     warpgroup (cp.reduce.async.bulk ... add.f32): dQ is not bitwise repeatable.
+//     With ALiBi each warp sums its part of the slope's gradient per query head into its own
+//     slot (../alibi_tile.cuh; launch.h: slope_slots), added up by slope_gradient.cu.
 // A last kernel writes dq = scale * that sum in the element type (dq_convert_kernel reads
 // the workspace's order: DqAccumulator). Padding tokens (segment
 // id 0) have their K, V, Q and dO rows zeroed in shared memory, so that garbage there
@@ -31,6 +34,7 @@
 
 #include <cmath>
 
+#include "../alibi_tile.cuh"
 #include "../backward.cuh"
 #include "launch.h"
 #include "primitives.cuh"
@@ -58,6 +62,8 @@ struct BackwardControl {
   float delta[kStages][kM];
   // Of a tile that is not all visible: the keys each query sees (the consumers' mask).
   QueryRange sees[kStages][kM];
+  // With ALiBi: each query's diagonal (q_pos + q_diag; 0 past the end), as float32.
+  float diagonal[kStages][kM];
 };
 
 template <int D>
@@ -89,6 +95,8 @@ struct BackwardTiles {
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
   static_assert(kM == kAtomColumns, "dS^T is one swizzle atom wide");
+  static_assert(kN == kBackwardKeyTile && kConsumerThreads / 32 == kSlopeWarpsPerKeyTile,
+                "the slope-gradient slots of launch.h");
 };
 
 // The float32 dQ accumulator's order: per (batch row, head, query tile of kM, half of the
@@ -120,7 +128,7 @@ struct BackwardArgs {
 };
 
 // The producer: warp 0 (lane 0 issues the copies and publishes the tiles).
-template <int D>
+template <int D, bool kAlibi>
 __device__ __forceinline__ void produce_backward(const BackwardArgs& args, uint32_t base, typename BackwardTiles<D>::Control* control,
                                                  int64_t b, int64_t g, int64_t n0) {
   using T = BackwardTiles<D>;
@@ -185,6 +193,7 @@ __device__ __forceinline__ void produce_backward(const BackwardArgs& args, uint3
         if (!((scan.full >> (u - scan.first)) & 1u)) {
           control->sees[s][q] = query_range(p.mask, query_token(c, m0 + q, p.seqlen_q));
         }
+        if constexpr (kAlibi) control->diagonal[s][q] = query_diagonal(c, m0 + q, p.seqlen_q);
       }
     }
     __syncwarp();
@@ -234,9 +243,10 @@ __device__ __forceinline__ void store_scores_t(uint32_t ds, int row0, int lane, 
   }
 }
 
-// One consumer warpgroup (index cw, 0 or 1): keys n0 + 64 cw .. + 63. kDropout: p.dropout (a
-// template argument, so that the loop without dropout carries none of its registers).
-template <ElementType ET, int D, bool kDropout>
+// One consumer warpgroup (index cw, 0 or 1): keys n0 + 64 cw .. + 63. kDropout: p.dropout,
+// kAlibi: p.alibi (template arguments, so that the loop without them carries none of their
+// registers).
+template <ElementType ET, int D, bool kDropout, bool kAlibi>
 __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint32_t base, typename BackwardTiles<D>::Control* control,
                                                  int64_t b, int64_t g, int64_t n0, int cw) {
   using T = BackwardTiles<D>;
@@ -268,10 +278,27 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
   }
   const float scale_log2 = p.scale * kLog2e;
   const bool dq_issuer = consumer_thread % 128 == 0;  // issues the warpgroup's dQ reductions
+  // With ALiBi: the slope gradient of the query head in progress (the heads come in order:
+  // each is flushed to its warp's slot when it ends).
+  int slope_head = -1;
+  float slope_partial = 0.0f;
+  const auto flush_slope = [&] {
+    if (slope_head >= 0) {
+      store_warp_partial(slope_partial,
+                         head_slope_slots(a, b, slope_head) + n0 / T::kN * kSlopeWarpsPerKeyTile + 4 * cw + warp);
+    }
+    slope_partial = 0.0f;
+  };
   for (int i = 0;; ++i) {
     const int s = i % T::kStages;
     mbarrier_wait(smem_address(&control->full[s]), (i / T::kStages) & 1);
     const int64_t h = control->head[s], m0 = control->first[s];
+    if constexpr (kAlibi) {
+      if (h != slope_head) {
+        flush_slope();
+        slope_head = static_cast<int>(h);
+      }
+    }
     if (h < 0) break;
     const bool all_visible = control->all_visible[s] != 0;
     const uint32_t q_tile = base + T::kQOffset + s * T::kQueryBytes;
@@ -305,6 +332,13 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
 
     cute::warpgroup_wait<1>();
     fence_accumulators(st);
+    // The lane's keys' positions read again for each tile (registers: see context()).
+    const KeyRows keys_at = kAlibi ? key_rows(context(), at, p.seqlen_kv) : KeyRows{};
+    const float key_pos[2] = {static_cast<float>(keys_at.pos[0]), static_cast<float>(keys_at.pos[1])};
+    const auto distance = [&](int n, int e) {
+      return alibi_distance(control->diagonal[s][qc.col(n, e) - m0], key_pos[e / 2]);
+    };
+    if constexpr (kAlibi) add_alibi<T::kM>(st, alibi_coefficient(a, b, h), distance);
 #pragma unroll
     for (int n = 0; n < T::kM / 8; ++n) {
 #pragma unroll
@@ -341,6 +375,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
         for (int e = 0; e < 4; ++e) dpt[n][e] = st[n][e] * (dpt[n][e] - delta[8 * n + e % 2]);
       }
     }
+    if constexpr (kAlibi) slope_partial += alibi_slope_partial<T::kM>(dpt, distance);
     uint32_t weights[T::kM / 16][4], scores[T::kM / 16][4];  // (P o drop)^T and dS^T as A operands
     pack_operand<ET, T::kM>(st, weights);
     pack_operand<ET, T::kM>(dpt, scores);
@@ -403,7 +438,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
   store_rows<ET>(dv, {1.0f, 1.0f}, dv_row, kv_stride, at, p.seqlen_kv);
 }
 
-template <ElementType ET, int D, bool kDropout>
+template <ElementType ET, int D, bool kDropout, bool kAlibi>
 __global__ void __launch_bounds__(BackwardTiles<D>::kThreads, 1)
     backward_kernel(const __grid_constant__ BackwardArgs args) {
   using T = BackwardTiles<D>;
@@ -430,10 +465,10 @@ __global__ void __launch_bounds__(BackwardTiles<D>::kThreads, 1)
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     registers_decrease<T::kProducerRegisters>();
-    if (threadIdx.x < 32) produce_backward<D>(args, base, control, b, g, n0);
+    if (threadIdx.x < 32) produce_backward<D, kAlibi>(args, base, control, b, g, n0);
   } else {
     registers_increase<T::kConsumerRegisters>();
-    consume_backward<ET, D, kDropout>(args, base, control, b, g, n0, warpgroup - 1);
+    consume_backward<ET, D, kDropout, kAlibi>(args, base, control, b, g, n0, warpgroup - 1);
   }
 }
 

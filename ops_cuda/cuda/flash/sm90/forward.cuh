@@ -10,7 +10,8 @@
 //     "empty" mbarriers of their own (K once the tile's weights are computed). With each K
 //     it publishes the tile's index, whether every pair is visible and whether the tile may
 //     hold padding keys, and for a tile that is not all visible its keys' segment ids and
-//     positions (the mask reads them from shared memory); an index of -1 ends the loop.
+//     positions (the mask reads them from shared memory; with ALiBi, kAlibi, those of every
+//     tile: the term of ../alibi_tile.cuh reads the positions); an index of -1 ends the loop.
 //   warpgroups 1 and 2, the consumers, 64 queries each (consume): S = Q K^T by wgmma from
 //     shared memory, the online softmax of ../softmax_tile.cuh in float32 registers,
 //     O += P V by wgmma with P from registers and V from shared memory; tile i's S is
@@ -22,6 +23,7 @@
 #ifndef FUSEDATTN_FLASH_SM90_FORWARD_CUH_
 #define FUSEDATTN_FLASH_SM90_FORWARD_CUH_
 
+#include "../alibi_tile.cuh"
 #include "../softmax_tile.cuh"
 #include "primitives.cuh"
 #include "tiles.cuh"
@@ -44,8 +46,9 @@ struct Control {
   int32_t tile[kKeyStages];        // key tile of the K stage, -1: no more
   int32_t full[kKeyStages];        // every (query, key) pair of the tile is visible
   int32_t padded[kKeyStages];      // the tile may hold padding keys (segment id 0) within the sequence
-  // Of a tile that is not full: its keys' segment ids (0 past the end) and positions,
-  // for the consumers' mask (shared memory, not a global load per element).
+  // Of a tile that is not full (with ALiBi: of every tile): its keys' segment ids (0 past
+  // the end) and positions, for the consumers' mask (shared memory, not a global load per
+  // element).
   int32_t key_seg[kKeyStages][kMaxKeys];
   int32_t key_pos[kKeyStages][kMaxKeys];
 };
@@ -90,7 +93,7 @@ struct ForwardArgs {
 };
 
 // The producer: warp 0 (lane 0 issues the copies and publishes the tiles).
-template <int D>
+template <int D, bool kAlibi>
 __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, Control* control, int64_t b,
                                         int64_t h, int64_t m0) {
   using T = ForwardTiles<D>;
@@ -125,7 +128,7 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
     const int s = i % T::kKeyStages;
     // The parity of the release of tile i - kKeyStages.
     if (i >= T::kKeyStages) mbarrier_wait(smem_address(&control->k_empty[s]), (i / T::kKeyStages - 1) & 1);
-    if (t < n_tiles && !((scan.full >> (t - scan.first)) & 1u)) {  // the mask's key tokens, a lane a key
+    if (t < n_tiles && (kAlibi || !((scan.full >> (t - scan.first)) & 1u))) {  // the key tokens, a lane a key
 #pragma unroll
       for (int k = 0; k < T::kN / 32; ++k) {
         const int r = static_cast<int>(threadIdx.x % 32) + 32 * k;
@@ -176,7 +179,7 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
 // S = Q K^T is issued together with tile i - 1's O += P V, and its softmax runs while that
 // product does (O is rescaled once it is done). The first tile runs alone, so that the
 // loop always has the same products in flight (the compiler then keeps them asynchronous).
-template <ElementType ET, int D>
+template <ElementType ET, int D, bool kAlibi>
 __device__ __forceinline__ void consume(const FlashArgs& a, const CUtensorMap* o_map, uint32_t base, Control* control,
                                         int64_t b, int64_t h, int64_t m0, int cw) {
   using T = ForwardTiles<D>;
@@ -187,6 +190,10 @@ __device__ __forceinline__ void consume(const FlashArgs& a, const CUtensorMap* o
   // The keys the lane's two rows see (the mask of tiles that are not all visible).
   const QueryRange sees[2] = {query_range(p.mask, query_token(c, at.row(0), p.seqlen_q)),
                               query_range(p.mask, query_token(c, at.row(2), p.seqlen_q))};
+  // With ALiBi: the lane's two rows' diagonals, and the head's slope / scale.
+  const float diagonal[2] = {kAlibi ? query_diagonal(c, at.row(0), p.seqlen_q) : 0.0f,
+                             kAlibi ? query_diagonal(c, at.row(2), p.seqlen_q) : 0.0f};
+  const float alibi = kAlibi ? alibi_coefficient(a, b, h) : 0.0f;
   SoftmaxState state[2];
   state[0].init();
   state[1].init();
@@ -239,6 +246,11 @@ __device__ __forceinline__ void consume(const FlashArgs& a, const CUtensorMap* o
     fence_accumulators(scores);
     const int s = i % T::kKeyStages;
     const FragmentCoords kv{at.row0, static_cast<int64_t>(t) * T::kN, at.lane};
+    if constexpr (kAlibi) {
+      add_alibi<T::kN>(scores, alibi, [&](int n, int e) {
+        return alibi_distance(diagonal[e / kRowElems], static_cast<float>(control->key_pos[s][kv.col(n, e) - kv.col0]));
+      });
+    }
     if (!full) {  // the mask as bits, 64 elements a word (fragment_bits keeps few registers live)
       constexpr int kWords = (T::kN + 63) / 64, kWordTiles = T::kN / 8 / kWords;
       uint32_t seen[kWords];
@@ -323,7 +335,7 @@ __device__ __forceinline__ void consume(const FlashArgs& a, const CUtensorMap* o
   }
 }
 
-template <ElementType ET, int D>
+template <ElementType ET, int D, bool kAlibi>
 __global__ void __launch_bounds__(ForwardTiles<D>::kThreads, 1) forward_kernel(const __grid_constant__ ForwardArgs args) {
   using T = ForwardTiles<D>;
   extern __shared__ unsigned char smem[];
@@ -352,10 +364,10 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads, 1) forward_kernel(c
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     registers_decrease<T::kProducerRegisters>();
-    if (threadIdx.x < 32) produce<D>(args, base, control, b, h, m0);
+    if (threadIdx.x < 32) produce<D, kAlibi>(args, base, control, b, h, m0);
   } else {
     registers_increase<T::kConsumerRegisters>();
-    consume<ET, D>(args.a, &args.o_map, base, control, b, h, m0, warpgroup - 1);
+    consume<ET, D, kAlibi>(args.a, &args.o_map, base, control, b, h, m0, warpgroup - 1);
   }
 }
 

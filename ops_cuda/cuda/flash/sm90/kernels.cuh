@@ -26,7 +26,7 @@ std::string forward(gpuStream_t stream, const FlashArgs& a) {
   if (!error.empty()) return error;
   const int64_t blocks = (p.seqlen_q + T::kM - 1) / T::kM * p.heads * p.batch;
   if (blocks == 0) return "";
-  const auto kernel = forward_kernel<ET, D>;
+  const auto kernel = p.alibi ? forward_kernel<ET, D, true> : forward_kernel<ET, D, false>;
   gpuFuncSetAttribute(reinterpret_cast<const void*>(kernel), gpuFuncAttributeMaxDynamicSharedMemorySize,
                       T::kSharedBytes);
   kernel<<<static_cast<unsigned>(blocks), T::kThreads, T::kSharedBytes, stream>>>(args);
@@ -54,13 +54,17 @@ std::string backward(gpuStream_t stream, const FlashArgs& a, float* dq_accum) {
   flash::backward_prologue<ET, D>(stream, a);
   const int64_t floats = dq_accum_floats(p.batch, p.heads, p.seqlen_q, D);
   gpuMemsetAsync(dq_accum, 0, sizeof(float) * floats, stream);
+  // A query head that no query tile of a key block reaches leaves that block's slots unwritten.
+  if (p.alibi) gpuMemsetAsync(a.slope_partials, 0, sizeof(float) * p.batch * p.heads * a.slope_slots, stream);
   const int64_t blocks = (p.seqlen_kv + T::kN - 1) / T::kN * p.kv_heads * p.batch;
   if (blocks > 0) {
-    const auto kernel = p.dropout ? backward_kernel<ET, D, true> : backward_kernel<ET, D, false>;
+    const auto kernel = p.alibi ? (p.dropout ? backward_kernel<ET, D, true, true> : backward_kernel<ET, D, false, true>)
+                                : (p.dropout ? backward_kernel<ET, D, true, false> : backward_kernel<ET, D, false, false>);
     gpuFuncSetAttribute(reinterpret_cast<const void*>(kernel), gpuFuncAttributeMaxDynamicSharedMemorySize,
                         T::kSharedBytes);
     kernel<<<static_cast<unsigned>(blocks), T::kThreads, T::kSharedBytes, stream>>>(args);
   }
+  if (p.alibi) flash::launch_slope_gradient(stream, a);  // a.slope_slots: slope_slots(Skv)
   const int64_t convert_blocks = std::min<int64_t>(floats / DqAccumulator<D>::kBlockFloats, 65536);
   if (convert_blocks > 0) {
     dq_convert_kernel<ET, D><<<static_cast<unsigned>(convert_blocks), 256, 0, stream>>>(dq_accum, a.dq, p);

@@ -29,9 +29,18 @@ FA_HOST_DEVICE inline int64_t dq_accum_floats(int64_t batch, int64_t heads, int6
   return batch * heads * ((seqlen_q + kBackwardQueryTile - 1) / kBackwardQueryTile * kBackwardQueryTile) * head_dim;
 }
 
+// With ALiBi the backward also needs a.slope_partials, slope_slots(Skv) floats per (b, h),
+// zeroed by the launcher: one per consumer warp of each block of kBackwardKeyTile keys.
+constexpr int64_t kBackwardKeyTile = 128;
+constexpr int64_t kSlopeWarpsPerKeyTile = 8;
+FA_HOST_DEVICE inline int64_t slope_slots(int64_t seqlen_kv) {
+  return (seqlen_kv + kBackwardKeyTile - 1) / kBackwardKeyTile * kSlopeWarpsPerKeyTile;
+}
+
 // Launches the backward of head dim D (64 or 128: BackwardTiles) on a device of compute
 // capability 9.0: the prologue of every backward (a.delta, a.d_offset), the sm_90a kernel,
-// whose dQ sums in dq_accum (dq_accum_floats, zeroed here), and dq from that sum.
+// whose dQ sums in dq_accum (dq_accum_floats, zeroed here), dq from that sum and, with ALiBi,
+// a.d_slopes from the kernel's partial sums.
 // Needs a.spans summarised first and Sq, Skv > 0 (TMA describes no empty tensor). Returns ""
 // or why it could not launch; kernel errors surface through the stream's last error.
 template <int D>
