@@ -27,6 +27,7 @@ from fusedattn.ops.enums import BiasType
 # The slopes' gradient against the float64 reference (check's slopes_reference): float32
 # sums of many terms, relative to the largest |d_slope|.
 SLOPES_TOLERANCE = 2e-3
+SLOPES_NOISE = 2e-6
 
 
 def alibi_spec(kind: str, softmax: str = "vanilla", window=(-1, -1), dropout_rate: float = 0.0):
@@ -87,10 +88,24 @@ def check(rng, spec, args, scale=None, slopes_reference: bool = False):
         assert got["d_bias"].dtype == args.bias.dtype, "d_bias"
     if want["d_bias"] is not None and slopes_reference:
         exact = reference(args, spec, scale, do, slopes=args.bias, delta_from=got["o"])
-        assert_close(got["d_bias"], exact["d_slopes"], SLOPES_TOLERANCE, "d_slopes")
+        assert_slopes_close(got["d_bias"], exact)
     elif want["d_bias"] is not None:
         assert_close(got["d_bias"], want["d_bias"], max(tol, 1e-5), "d_bias")
     return got, want
+
+
+def assert_slopes_close(got, exact):
+    """The slopes' gradient against the float64 reference: within SLOPES_TOLERANCE of the
+    largest |d_slope|, plus per head SLOPES_NOISE times the root sum of squares of the parts
+    that cancel in it (float32 products and sums carry about 2e-7 of each part; the margin is
+    10x), so that a head whose gradient is zero in exact arithmetic (every row sees one key)
+    is held to its rounding noise, not to zero."""
+    got = np.asarray(got, np.float64)
+    assert np.all(np.isfinite(got)), "d_slopes: not finite"
+    bound = (SLOPES_TOLERANCE * np.max(np.abs(exact["d_slopes"]))
+             + SLOPES_NOISE * exact["d_slopes_noise"])
+    error = np.abs(got - exact["d_slopes"])
+    assert np.all(error <= bound), f"d_slopes: |error| {error} over {bound} (got {got}, exact {exact['d_slopes']})"
 
 
 def with_slopes(rng, args, given: bool):

@@ -185,9 +185,15 @@ def reference(args: CanonicalArgs, spec: AttentionSpec, scale: float, do, slopes
     dk = np.einsum("bhij,bihd->bjhd", g_scores, q).reshape(b, skv, h_kv, group, d).sum(3)
     dv_ = np.einsum("bhij,bihe->bjhe", weights, g_out).reshape(b, skv, h_kv, group, dv).sum(3)
     d_offset = -np.sum(sink_prob * row_dot, axis=(0, 2, 3))
+    # The slopes' gradient sums d_scores * distance, whose parts P dP and P delta cancel
+    # (exactly, where a row sees one key): per head the root sum of squares of those parts,
+    # the scale of a float32 kernel's rounding noise in that sum.
+    slope_terms = probs * (np.abs(g_probs) + np.abs(row_dot)) * distance
     return dict(o=out, lse=lse, empty=empty[:, 0, :, 0], dq=dq, dk=dk, dv=dv_,
                 d_offset=d_offset if str(spec.softmax) == "learnable" else None,
-                d_slopes=None if slopes is None else -np.sum(d_scores * distance, axis=(0, 2, 3)))
+                d_slopes=None if slopes is None else -np.sum(d_scores * distance, axis=(0, 2, 3)),
+                d_slopes_noise=None if slopes is None else np.sqrt(np.sum(slope_terms ** 2,
+                                                                          axis=(0, 2, 3))))
 
 
 # --------------------------------------------------------------------------- running
