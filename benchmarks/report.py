@@ -155,7 +155,28 @@ def chart_lm_train(results, out):
     return save(fig, out, "lm_train", data)
 
 
-CHARTS = (chart_cudnn, chart_flash, chart_small_seq, chart_layers, chart_lm_train)
+def chart_decode(results, out):
+    """Fraction of the HBM byte floor per decode case: ours paged (page 64) and contiguous,
+    FlashAttention-3 paged (page 64), jax.nn xla."""
+    data = load(results, "decode")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    impls = (("paged", 64, "fusedattn paged (page 64)"), ("contiguous", None, "fusedattn contiguous (cudnn)"),
+             ("fa3_paged", 64, "FA3 paged (page 64)"), ("jax_xla", None, "jax.nn xla"))
+    for ax, s_q in zip(axes, (1, 4)):
+        cases = sorted({(r["shape"]["b"], r["shape"]["s_kv"]) for r in data["rows"] if r["shape"]["s_q"] == s_q})
+        series = {}
+        for impl, page, legend in impls:
+            by_case = {(r["shape"]["b"], r["shape"]["s_kv"]): r["fraction_of_floor"] for r in data["rows"]
+                       if r["impl"] == impl and r["shape"]["s_q"] == s_q and r["shape"]["page"] == page}
+            series[legend] = [by_case.get(case) for case in cases]
+        grouped_bars(ax, [f"b{b} s_kv{s}" for b, s in cases], series, "fraction of the HBM byte floor",
+                     f"decode, {s_q} quer{'y' if s_q == 1 else 'ies'} per sequence, GQA 32/8 d128 bf16")
+    axes[0].set_ylim(0, 1)
+    axes[0].legend(fontsize=8)
+    return save(fig, out, "decode", data)
+
+
+CHARTS = (chart_cudnn, chart_flash, chart_small_seq, chart_layers, chart_lm_train, chart_decode)
 
 
 def main():
