@@ -77,7 +77,7 @@ constexpr int kMaxQueries = 8;       // queries of a sequence per pass (decode.p
 constexpr int kMinSplitKeys = 256;   // fewest keys a split is given
 constexpr int kCombineThreads = 128;
 constexpr int kTablePages = 512;     // page-table entries a CTA holds in shared memory
-constexpr int kRowThreads = 4;       // threads that copy one key row of a tile
+constexpr int kRowThreads = 8;       // threads that copy one key row of a tile
 constexpr int kCopyRows = kThreads / kRowThreads;  // key rows the block copies at once
 
 // The most query tiles (8 query rows each: the n side of the products) a CTA holds at head
