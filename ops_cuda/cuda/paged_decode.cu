@@ -6,7 +6,7 @@
 // head's group (heads x queries, in query tiles of 8 rows: one tile for a GQA-4 token, two
 // for four tokens; larger groups take several head chunks) and streams the sequence's
 // visible keys in tiles of 64 through shared memory: 16-byte cp.async copies of whole key
-// rows (four threads per row, so a thread looks up one page-table entry per four chunks),
+// rows (eight threads per row, so a thread looks up one page-table entry per two chunks),
 // kStages - 1 tiles in flight while one is computed, so each K/V byte of a sequence is read
 // once per head chunk. The page-table entries of the keys streamed next sit in shared
 // memory (a window of kTablePages entries, refilled by the block as the keys move past
