@@ -12,7 +12,7 @@ import pytest
 from conftest import assert_close
 from test_flash_host import make_args, make_spec
 
-from fusedattn.ops.backends import flash, xla
+from fusedattn.ops.backends import flash, flash_ffi, xla
 
 pytestmark = pytest.mark.gpu
 
@@ -36,19 +36,19 @@ def test_handlers_refuse_a_bias_with_the_reason(rng, bias_type):
     reason = (rf"bias arrays \(bias_type {bias_type}\) are not yet in the CUDA flash kernels "
               r"\(the host build serves them\)")
     with pytest.raises(Exception, match=reason):
-        jax.block_until_ready(flash._forward_call(static, args.q, args.k, args.v, offset, seed,
+        jax.block_until_ready(flash_ffi.forward_call(static, args.q, args.k, args.v, offset, seed,
                                                   tuple(args.tokens), bias=bias))
     o = jnp.zeros(args.q.shape, args.q.dtype)
     lse = jnp.zeros((2, 4, 70), jnp.float32)
     with pytest.raises(Exception, match=reason):
-        jax.block_until_ready(flash._op(static, True)(
-            args.q, args.k, args.v, *args.tokens, *flash._row_operands(offset, seed, offset),
+        jax.block_until_ready(flash_ffi.op(static, True)(
+            args.q, args.k, args.v, *args.tokens, *flash_ffi.row_operands(offset, seed, offset),
             bias, o, lse, o))
 
 
 def test_calls_without_a_bias_run(rng):
     """The unread placeholder passes the handlers' checks; the output matches xla."""
     static, args, spec, offset, seed, _ = _call(rng, 0)
-    o, _ = flash._forward_call(static, args.q, args.k, args.v, offset, seed, tuple(args.tokens))
+    o, _ = flash_ffi.forward_call(static, args.q, args.k, args.v, offset, seed, tuple(args.tokens))
     want = xla.BACKEND.attention(spec, args, 0.125)
     assert_close(np.asarray(o, np.float32), np.asarray(want, np.float32), 2e-2, "o")

@@ -18,7 +18,7 @@ import pytest
 from conftest import assert_close, poison_like, tolerance
 
 from fusedattn.ops import _library, philox
-from fusedattn.ops.backends import flash
+from fusedattn.ops.backends import flash, flash_ffi
 from fusedattn.ops.backends.base import CallShapes, CanonicalArgs, TokenInfo
 from fusedattn.ops.spec import AttentionSpec
 
@@ -377,8 +377,8 @@ def test_lse_and_empty_rows(rng):
     """lse is the float32 log-sum-exp with the sink; +inf marks rows with no key."""
     args = make_args(rng, kind="padding_causal", softmax="learnable")
     spec = make_spec("padding_causal", "learnable")
-    static = flash._Static(0.35, True, -1, -1, 2, 0.0, False)
-    o, lse = jax.jit(flash._forward_call, static_argnums=0)(
+    static = flash_ffi.Static(0.35, True, -1, -1, 2, 0.0, False)
+    o, lse = jax.jit(flash_ffi.forward_call, static_argnums=0)(
         static, args.q, args.k, args.v, args.softmax_offset, jnp.zeros((2,), jnp.uint32),
         tuple(args.tokens))
     want = reference(args, spec, 0.35, jnp.zeros(o.shape))
@@ -572,7 +572,7 @@ def _raw_forward(q, k, v, tokens, offset, seed, slopes=None, out_shapes=None, bi
     attributes.update(attrs)
     out_shapes = out_shapes or (jax.ShapeDtypeStruct((b, sq, h, v.shape[-1]), q.dtype),
                                 jax.ShapeDtypeStruct((b, h, sq), jnp.float32))
-    call = jax.ffi.ffi_call(flash.FWD_TARGET, out_shapes)
+    call = jax.ffi.ffi_call(flash_ffi.FWD_TARGET, out_shapes)
     return jax.block_until_ready(call(q, k, v, *tokens, offset, seed, slopes, bias,
                                       **attributes))
 

@@ -12,7 +12,7 @@ import pytest
 from conftest import make_config
 
 from fusedattn.ops import explain
-from fusedattn.ops.backends import flash, flash_gpu
+from fusedattn.ops.backends import flash, flash_ffi, flash_gpu
 from fusedattn.ops.backends.base import CallShapes
 from fusedattn.ops.spec import AttentionSpec
 
@@ -96,14 +96,14 @@ def test_the_workspace_holds_the_dq_accumulator_where_the_sm90_backward_runs(
     """flash.cu checks the workspace against the same rule: spans, delta, then (sm_90a
     backward only) float32 [b, h, sq rounded up to tiles of 64, d], each part 256-byte aligned."""
     device((9, 0), {128})
-    monkeypatch.setattr(flash, "current_platform", lambda: "cuda")
+    monkeypatch.setattr(flash_ffi, "current_platform", lambda: "cuda")
     b, sq, skv, h, d = 2, 300, 170, 4, 128
     q, k = jnp.zeros((b, sq, h, d), jnp.bfloat16), jnp.zeros((b, skv, 2, d), jnp.bfloat16)
     tokens = jnp.zeros((b, sq), jnp.int32)
     spans = 2 * ((-(-sq // 32) + -(-skv // 32)) * 32)  # two token rows of 32-byte summaries
     delta = -(-(b * h * sq * 4) // 256) * 256
-    (forward,) = flash._cuda_workspace(q, k, tokens, backward=False)
-    (backward,) = flash._cuda_workspace(q, k, tokens, backward=True, deterministic=deterministic)
+    (forward,) = flash_ffi.cuda_workspace(q, k, tokens, backward=False)
+    (backward,) = flash_ffi.cuda_workspace(q, k, tokens, backward=True, deterministic=deterministic)
     assert forward.shape == (-(-spans // 256) * 256,)
     accumulator = 0 if deterministic else b * h * 320 * d * 4  # 300 queries: 5 tiles of 64
     assert backward.shape == (forward.shape[0] + delta + accumulator,)
@@ -117,18 +117,18 @@ def test_the_workspace_holds_the_slope_partials_with_alibi(device, monkeypatch, 
     (sm90/launch.h: slope_slots), 4 of every 64 queries for the sm_80 one (launch.h:
     sm80_slope_slots), 256-byte aligned."""
     device(capability, {128})
-    monkeypatch.setattr(flash, "current_platform", lambda: "cuda")
+    monkeypatch.setattr(flash_ffi, "current_platform", lambda: "cuda")
     b, sq, skv, h, d = 2, 300, 170, 4, 128
     q, k = jnp.zeros((b, sq, h, d), jnp.bfloat16), jnp.zeros((b, skv, 2, d), jnp.bfloat16)
     tokens = jnp.zeros((b, sq), jnp.int32)
-    (plain,) = flash._cuda_workspace(q, k, tokens, backward=True, deterministic=deterministic)
-    (alibi,) = flash._cuda_workspace(q, k, tokens, backward=True, deterministic=deterministic,
+    (plain,) = flash_ffi.cuda_workspace(q, k, tokens, backward=True, deterministic=deterministic)
+    (alibi,) = flash_ffi.cuda_workspace(q, k, tokens, backward=True, deterministic=deterministic,
                                      alibi=True)
     sm90 = capability == (9, 0) and not deterministic
     slots = 2 * 8 if sm90 else 5 * 4  # 170 keys: 2 blocks of 128; 300 queries: 5 tiles of 64
     assert alibi.shape == (plain.shape[0] + -(-(b * h * slots * 4) // 256) * 256,)
-    (forward,) = flash._cuda_workspace(q, k, tokens, backward=False)
-    assert flash._cuda_workspace(q, k, tokens, backward=False, alibi=True)[0].shape == forward.shape
+    (forward,) = flash_ffi.cuda_workspace(q, k, tokens, backward=False)
+    assert flash_ffi.cuda_workspace(q, k, tokens, backward=False, alibi=True)[0].shape == forward.shape
 
 
 def test_kernel_text_says_alibi(device):
@@ -234,8 +234,8 @@ def test_the_named_kernel_travels_as_the_gpu_calls_attribute(monkeypatch, value,
     static = flash._static(AttentionSpec.from_config(make_config(backend="flash")), 0.1,
                            flash.SoftmaxType.VANILLA, False)
     assert static.sm80_named is named
-    monkeypatch.setattr(flash, "current_platform", lambda: "cuda")
+    monkeypatch.setattr(flash_ffi, "current_platform", lambda: "cuda")
     assert static.attributes(backward=False)["kernel"] == int(named)
     assert static.attributes(backward=True)["kernel"] == int(named)
-    monkeypatch.setattr(flash, "current_platform", lambda: "cpu")
+    monkeypatch.setattr(flash_ffi, "current_platform", lambda: "cpu")
     assert "kernel" not in static.attributes(backward=True)

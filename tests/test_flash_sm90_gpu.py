@@ -23,7 +23,7 @@ from test_flash_gpu import check, compare_thd_with_xla
 from test_flash_host import make_args, make_spec, reference, run_flash
 
 from fusedattn.ops import _library, explain, fused_attn
-from fusedattn.ops.backends import flash, flash_gpu
+from fusedattn.ops.backends import flash, flash_ffi, flash_gpu
 from fusedattn.ops.backends.base import compute_capability
 
 pytestmark = pytest.mark.gpu
@@ -110,7 +110,7 @@ def test_lse_for_the_backward_equals_the_reference(rng, softmax, kind):
     offset = (args.softmax_offset if args.softmax_offset is not None
               else jnp.zeros((4,), jnp.float32))
     poison_like(args.q, jnp.zeros((3, 4, 200), jnp.float32))
-    _, lse = jax.jit(flash._forward_call, static_argnums=0)(
+    _, lse = jax.jit(flash_ffi.forward_call, static_argnums=0)(
         flash._static(spec, scale, spec.softmax, False), args.q, args.k, args.v, offset,
         jnp.zeros((2,), jnp.uint32), tuple(args.tokens))
     lse = np.asarray(lse, np.float64)
@@ -135,7 +135,7 @@ def test_garbage_in_padding_keys_reaches_no_output(rng, kind):
     dirty = args._replace(k=jnp.where(padding, garbage, args.k).astype(args.k.dtype),
                           v=jnp.where(padding, -garbage, args.v).astype(args.v.dtype))
     spec = make_spec(kind)
-    forward = jax.jit(flash._forward_call, static_argnums=0)
+    forward = jax.jit(flash_ffi.forward_call, static_argnums=0)
     results = []
     for case in (clean, dirty):
         poison_like(case.q, jnp.zeros((3, 4, 190), jnp.float32))

@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import reference
 from conftest import assert_close, make_config, random_array
 from fusedattn.ops import AttentionSpec, SequenceDescriptor, fused_attn
-from fusedattn.ops.backends import cudnn, flash, partitioning, small_seq, xla
+from fusedattn.ops.backends import cudnn, flash_ffi, partitioning, small_seq, xla
 from fusedattn.ops.backends.cudnn import library as cudnn_library
 from fusedattn.ops.backends.base import CanonicalArgs
 from fusedattn.ops.sequence import dense_token_info
@@ -146,8 +146,8 @@ def test_flash_forward_and_gradients(rng, mesh_name, h_kv, mask, softmax):
     grads_specs = (QKV, QKV, QKV, P("model"))[:len(argnums)]
     hlo = check_sharded(run, (w, q, k, v, offset), (QKV, QKV, QKV, QKV, offset_spec), mesh,
                         (QKV, grads_specs))
-    assert kernel_shapes(hlo, flash.FWD_TARGET) == [hlo_shape("f32", local(q.shape, mesh))]
-    assert kernel_shapes(hlo, flash.BWD_TARGET) == [hlo_shape("f32", local(q.shape, mesh))]
+    assert kernel_shapes(hlo, flash_ffi.FWD_TARGET) == [hlo_shape("f32", local(q.shape, mesh))]
+    assert kernel_shapes(hlo, flash_ffi.BWD_TARGET) == [hlo_shape("f32", local(q.shape, mesh))]
 
 
 @pytest.mark.parametrize("mesh_name", MESHES)
@@ -171,8 +171,8 @@ def test_flash_alibi_shards_batch_and_heads(rng, mesh_name, given):
     hlo = check_sharded(run, (w, q, k, v, slopes),
                         (QKV, QKV, QKV, QKV, P("model") if given else None), mesh,
                         (QKV, grads_specs))
-    assert kernel_shapes(hlo, flash.FWD_TARGET) == [hlo_shape("f32", local(q.shape, mesh))]
-    assert kernel_shapes(hlo, flash.BWD_TARGET) == [hlo_shape("f32", local(q.shape, mesh))]
+    assert kernel_shapes(hlo, flash_ffi.FWD_TARGET) == [hlo_shape("f32", local(q.shape, mesh))]
+    assert kernel_shapes(hlo, flash_ffi.BWD_TARGET) == [hlo_shape("f32", local(q.shape, mesh))]
 
 
 @pytest.mark.parametrize("mesh_name", MESHES)
@@ -192,8 +192,8 @@ def test_flash_bias_shards_and_sums_its_gradient(rng, mesh_name, bias_shape):
     hlo = check_sharded(value_and_grads(attend, (0, 1, 2, 3)),
                         (random_array(rng, q.shape), q, k, v, bias),
                         (QKV, QKV, QKV, QKV, bias_spec), mesh, (QKV, (QKV, QKV, QKV, bias_spec)))
-    assert kernel_shapes(hlo, flash.FWD_TARGET) == [hlo_shape("f32", local(q.shape, mesh))]
-    assert kernel_shapes(hlo, flash.BWD_TARGET) == [hlo_shape("f32", local(q.shape, mesh))]
+    assert kernel_shapes(hlo, flash_ffi.FWD_TARGET) == [hlo_shape("f32", local(q.shape, mesh))]
+    assert kernel_shapes(hlo, flash_ffi.BWD_TARGET) == [hlo_shape("f32", local(q.shape, mesh))]
 
 
 @pytest.mark.parametrize("form", ["segment_ids", "seqlens_offsets", "seqlens"])
@@ -236,7 +236,7 @@ def test_flash_packed_and_padded_rows_shard_with_the_batch(rng, form):
 
     hlo = check_sharded(run, (w, q, k, v, sequence), (QKV, QKV, QKV, QKV, seq_specs), mesh,
                         (QKV, (QKV, QKV, QKV)))
-    assert kernel_shapes(hlo, flash.FWD_TARGET) == [hlo_shape("f32", local(q.shape, mesh))]
+    assert kernel_shapes(hlo, flash_ffi.FWD_TARGET) == [hlo_shape("f32", local(q.shape, mesh))]
 
 
 def test_flash_sbhd_layout_keeps_its_sharding(rng):
@@ -250,7 +250,7 @@ def test_flash_sbhd_layout_keeps_its_sharding(rng):
 
     hlo = check_sharded(value_and_grads(attend, (0, 1, 2)), (random_array(rng, q.shape), q, k, v),
                         (spec,) * 4, mesh, (spec, (spec,) * 3))
-    assert kernel_shapes(hlo, flash.FWD_TARGET) == [hlo_shape("f32", (2, 8, 2, 16))]
+    assert kernel_shapes(hlo, flash_ffi.FWD_TARGET) == [hlo_shape("f32", (2, 8, 2, 16))]
 
 
 def test_flash_kv_heads_that_do_not_split_stay_replicated(rng):
@@ -267,7 +267,7 @@ def test_flash_kv_heads_that_do_not_split_stay_replicated(rng):
                         (QKV, QKV, kv_spec, kv_spec), mesh, (None, (None, None, None)),
                         exact=False)
     # the batch still shards; the heads do not
-    assert kernel_shapes(hlo, flash.FWD_TARGET) == [hlo_shape("f32", (2, 8, 4, 16))]
+    assert kernel_shapes(hlo, flash_ffi.FWD_TARGET) == [hlo_shape("f32", (2, 8, 4, 16))]
 
 
 def test_flash_vmap_under_a_mesh_folds_into_one_sharded_call(rng):
@@ -290,8 +290,8 @@ def test_flash_vmap_under_a_mesh_folds_into_one_sharded_call(rng):
                         (spec, spec, spec, spec, P("model")), mesh,
                         (P(), (spec, spec, spec, P("model"))))
     folded = (n * q.shape[1],) + q.shape[2:]
-    assert kernel_shapes(hlo, flash.FWD_TARGET) == [hlo_shape("f32", local(folded, mesh))]
-    assert kernel_shapes(hlo, flash.BWD_TARGET) == [hlo_shape("f32", local(folded, mesh))]
+    assert kernel_shapes(hlo, flash_ffi.FWD_TARGET) == [hlo_shape("f32", local(folded, mesh))]
+    assert kernel_shapes(hlo, flash_ffi.BWD_TARGET) == [hlo_shape("f32", local(folded, mesh))]
 
 
 # --------------------------------------------------------------------------- dropout
@@ -308,7 +308,7 @@ def test_flash_dropout_with_one_key_runs_unsharded(rng):
 
     hlo = check_sharded(value_and_grads(attend, (0, 1, 2)), (random_array(rng, q.shape), q, k, v),
                         (QKV,) * 4, mesh, (QKV, (QKV,) * 3), exact=False)
-    assert kernel_shapes(hlo, flash.FWD_TARGET) == [hlo_shape("f32", q.shape)]
+    assert kernel_shapes(hlo, flash_ffi.FWD_TARGET) == [hlo_shape("f32", q.shape)]
     assert "all-gather" in hlo
 
 
@@ -320,7 +320,7 @@ def test_dropout_with_per_example_keys_shards_the_batch(rng, backend):
     if backend == "flash":
         config = make_config(backend="flash", mask="causal", dropout_rate=0.3)
         q, k, v = (x[:, None] for x in flash_inputs(rng, b=n))
-        target = flash.FWD_TARGET
+        target = flash_ffi.FWD_TARGET
     else:
         config = make_config(backend="small_seq", mask="no_mask", dropout_rate=0.3,
                              sequence={"max_seqlen_q": 1, "max_seqlen_kv": 16})
@@ -738,7 +738,7 @@ def test_gspmd_partitioner_shards_too(rng):
         hlo = check_sharded(value_and_grads(attend, (0, 1, 2)),
                             (random_array(rng, q.shape), q, k, v), (QKV,) * 4, mesh,
                             (QKV, (QKV,) * 3))
-    assert kernel_shapes(hlo, flash.FWD_TARGET) == [hlo_shape("f32", local(q.shape, mesh))]
+    assert kernel_shapes(hlo, flash_ffi.FWD_TARGET) == [hlo_shape("f32", local(q.shape, mesh))]
 
 
 def test_shardings_without_a_mesh_replicate(rng):
