@@ -123,7 +123,8 @@ def _bias(spec: AttentionSpec, given, q_shape, seqlen_kv: int) -> jax.Array:
     if given is None:
         b, sq, h, _ = q_shape
         raise ValueError(f"bias: config.bias {str(spec.bias)!r} needs a bias array of shape "
-                         f"[b or 1, h or 1, sq, skv] = [{b} or 1, {h} or 1, {sq}, {seqlen_kv}]")
+                         f"[b or 1, h or 1, sq, skv] = [{b} or 1, {h} or 1, {sq}, {seqlen_kv}]; "
+                         "pass it as bias=..., or set config.bias to 'no_bias'")
     return jnp.asarray(given).astype(jnp.float32)
 
 
@@ -156,8 +157,9 @@ def _block_row_operands(spec: AttentionSpec, args: CanonicalArgs):
 
 def attention_with_lse(spec: AttentionSpec, args: CanonicalArgs, scale: float):
     """One block of a larger attention (context parallelism): vanilla softmax, no sink, no
-    dropout, no ALiBi; the block's bias [b|1, h|1, sq, skv] where the call has one. Returns o [b, sq, h, dv] (q's dtype) and the float32 log-sum-exp
-    [b, h, sq], -inf for a query with no visible key (the kernels' +inf, flipped)."""
+    dropout, no ALiBi; the block's bias [b|1, h|1, sq, skv] where the call has one. Returns
+    o [b, sq, h, dv] (q's dtype) and the float32 log-sum-exp [b, h, sq], -inf for a query
+    with no visible key (the kernels' +inf, flipped)."""
     operands = (*args.tokens, *_block_row_operands(spec, args))
     o, lse = op(_static(spec, scale, SoftmaxType.VANILLA, False), False)(
         args.q, args.k, args.v, *operands)
