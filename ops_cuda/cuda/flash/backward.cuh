@@ -105,12 +105,12 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads) dkdv_kernel(const Flas
   using T = DkDvTiles<D>;
   extern __shared__ __align__(128) unsigned char smem[];
   const AttentionParams& p = a.p;
-  const int64_t n_kv_tiles = (p.seqlen_kv + T::kN - 1) / T::kN;
   constexpr int kColumnBlocks = D / T::kOut;
-  const int64_t column_block = blockIdx.x % kColumnBlocks;
-  const int64_t tile = blockIdx.x / kColumnBlocks;
-  const int64_t n0 = (tile % n_kv_tiles) * T::kN;
-  const int64_t bg = tile / n_kv_tiles, g = bg % p.kv_heads, b = bg / p.kv_heads;
+  // Key tiles from the first (causal: the longest); a tile's column blocks side by side.
+  const BlockTile block = tile_major_block(p.batch * p.kv_heads * kColumnBlocks);
+  const int64_t column_block = block.row % kColumnBlocks;
+  const int64_t n0 = block.tile * T::kN;
+  const int64_t bg = block.row / kColumnBlocks, g = bg % p.kv_heads, b = bg / p.kv_heads;
   const int64_t group = p.heads / p.kv_heads;
   const int warp = threadIdx.x / kWarpSize;
 
@@ -233,9 +233,9 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads) dq_kernel(const FlashArg
   extern __shared__ __align__(128) unsigned char smem[];
   const AttentionParams& p = a.p;
   const int64_t n_q_tiles = (p.seqlen_q + T::kM - 1) / T::kM;
-  const int64_t bh = blockIdx.x / n_q_tiles;
-  const int64_t m0 = (n_q_tiles - 1 - blockIdx.x % n_q_tiles) * T::kM;
-  const int64_t h = bh % p.heads, b = bh / p.heads, g = kv_head_of(h, p.heads, p.kv_heads);
+  const BlockTile block = tile_major_block(p.batch * p.heads);
+  const int64_t m0 = (n_q_tiles - 1 - block.tile) * T::kM;  // the last query tile first: causal, the longest
+  const int64_t h = block.row % p.heads, b = block.row / p.heads, g = kv_head_of(h, p.heads, p.kv_heads);
   const HeadContext c = head_context(a, b, h);
   const int warp = threadIdx.x / kWarpSize;
 

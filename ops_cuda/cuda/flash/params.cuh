@@ -48,6 +48,20 @@ struct FlashArgs {
   int64_t slope_slots;
 };
 
+// A block's tile and row (batch row x head) in a grid of tiles x rows blocks, the tile
+// varying slowest. Blocks start in index order, so when tile 0 is every row's longest
+// (the kernels number tiles so: under a causal mask the forward and dQ count query tiles
+// from the last, dK/dV key tiles from the first), all rows' long blocks start before any
+// short one and the short ones fill the tail: greedy longest-first over the whole grid.
+// (Rows varying slowest would start the last row's longest block near the end.)
+struct BlockTile {
+  int64_t tile, row;
+};
+
+__device__ __forceinline__ BlockTile tile_major_block(int64_t rows) {
+  return {static_cast<int64_t>(blockIdx.x) / rows, static_cast<int64_t>(blockIdx.x) % rows};
+}
+
 // One (batch row, head) of the call: token vectors, softmax sink, dropout key.
 struct HeadContext {
   const int32_t* q_seg;

@@ -430,7 +430,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
   }
   cute::warpgroup_wait<0>();  // the last dK
   fence_accumulators(dk);
-  if (dq_issuer) bulk_wait();
+  if (dq_issuer) bulk_wait_read();  // the reduction completes by the kernel's end
   const int64_t kv_stride = p.kv_heads * D;
   uint16_t* const dk_row = a.dk + (b * p.seqlen_kv * p.kv_heads + g) * D;
   uint16_t* const dv_row = a.dv + (b * p.seqlen_kv * p.kv_heads + g) * D;
@@ -447,10 +447,9 @@ __global__ void __launch_bounds__(BackwardTiles<D>::kThreads, 1)
   const uint32_t unaligned = smem_address(smem);
   const uint32_t base = (unaligned + 1023) & ~1023u;
   auto* control = reinterpret_cast<typename T::Control*>(smem + (base - unaligned) + T::kControlOffset);
-  // Key blocks in order of their index, every (batch row, K/V head) at once: under a causal
-  // mask the first ones see the most query tiles, so the longest blocks start first.
-  const int64_t rows = p.batch * p.kv_heads;
-  const int64_t bg = blockIdx.x % rows, n0 = blockIdx.x / rows * T::kN;
+  // Key tiles from the first: under a causal mask, the longest.
+  const BlockTile block = tile_major_block(p.batch * p.kv_heads);
+  const int64_t bg = block.row, n0 = block.tile * T::kN;
   const int64_t g = bg % p.kv_heads, b = bg / p.kv_heads;
 
   if (threadIdx.x == 0) {

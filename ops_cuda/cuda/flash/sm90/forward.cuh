@@ -331,7 +331,7 @@ __device__ __forceinline__ void consume(const FlashArgs& a, const CUtensorMap* o
       tma_store_4d(o_map, q_rows + atom * T::kM * kAtomRowBytes, atom * kAtomColumns, static_cast<int>(h),
                    static_cast<int>(m0) + T::kConsumerRows * cw, static_cast<int>(b));
     }
-    bulk_wait();
+    bulk_wait_read();  // the writes complete by the kernel's end; only the reads hold the block
   }
 }
 
@@ -344,9 +344,9 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads, 1) forward_kernel(c
   const uint32_t base = (unaligned + 1023) & ~1023u;
   Control* control = reinterpret_cast<Control*>(smem + (base - unaligned) + T::kControlOffset);
   const int64_t n_q_tiles = (p.seqlen_q + T::kM - 1) / T::kM;
-  const int64_t bh = blockIdx.x / n_q_tiles;
-  const int64_t m0 = (n_q_tiles - 1 - blockIdx.x % n_q_tiles) * T::kM;  // causal: longest rows first
-  const int64_t h = bh % p.heads, b = bh / p.heads;
+  const BlockTile block = tile_major_block(p.batch * p.heads);
+  const int64_t m0 = (n_q_tiles - 1 - block.tile) * T::kM;  // the last query tile first: causal, the longest
+  const int64_t h = block.row % p.heads, b = block.row / p.heads;
 
   if (threadIdx.x == 0) {
     mbarrier_init(smem_address(&control->q_full), 1);

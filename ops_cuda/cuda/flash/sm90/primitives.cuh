@@ -92,9 +92,6 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, uint32_t src, uint32
 // Waits until this thread's bulk groups have read their shared-memory sources.
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 
-// Waits until this thread's bulk groups have completed.
-__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
-
 __device__ __forceinline__ void store_shared_v4(uint32_t address, const float (&x)[4]) {
   asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "f"(x[0]), "f"(x[1]), "f"(x[2]),
                "f"(x[3])
