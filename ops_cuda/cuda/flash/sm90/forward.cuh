@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads, 1) forward_kernel(c
   const uint32_t base = (unaligned + 1023) & ~1023u;
   Control* control = reinterpret_cast<Control*>(smem + (base - unaligned) + T::kControlOffset);
   const int64_t n_q_tiles = (p.seqlen_q + T::kM - 1) / T::kM;
-  const BlockTile block = tile_major_block(p.batch * p.heads);
+  const BlockTile block = block_tile(p.mask, n_q_tiles, p.batch * p.heads);
   const int64_t m0 = (n_q_tiles - 1 - block.tile) * T::kM;  // the last query tile first: causal, the longest
   const int64_t h = block.row % p.heads, b = block.row / p.heads;
 
