@@ -448,8 +448,9 @@ __global__ void __launch_bounds__(BackwardTiles<D>::kThreads, 1)
   const uint32_t base = (unaligned + 1023) & ~1023u;
   auto* control = reinterpret_cast<typename T::Control*>(smem + (base - unaligned) + T::kControlOffset);
   // Key tiles from the first: under a causal mask, the longest.
-  const BlockTile block = block_tile(p.mask, (p.seqlen_kv + T::kN - 1) / T::kN, p.batch * p.kv_heads);
-  const int64_t bg = block.row, n0 = block.tile * T::kN;
+  const BlockTile block = block_tile(p.mask, blockIdx.x, static_cast<int>((p.seqlen_kv + T::kN - 1) / T::kN),
+                                     static_cast<int>(p.batch * p.kv_heads));
+  const int64_t bg = block.row, n0 = static_cast<int64_t>(block.tile) * T::kN;
   const int64_t g = bg % p.kv_heads, b = bg / p.kv_heads;
 
   if (threadIdx.x == 0) {

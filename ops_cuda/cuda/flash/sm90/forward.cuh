@@ -1,10 +1,14 @@
 // The flash forward kernel for Hopper (sm_90a): the same results as the sm_80 kernel
 // (../forward.cuh: o, and lse for the backward) from warpgroup matrix products.
 //
-// A block owns kM = 128 queries of one (batch row, head) and has three warpgroups:
+// The kernel is persistent: one block per SM takes work items in turn, each kM = 128
+// queries of one (batch row, head); the barriers' phases run on across items, and the
+// first K tile of an item loads while the previous item's O is stored. A block has three
+// warpgroups:
 //   warpgroup 0, the producer: one warp finds the K and V tiles that the queries can see
 //     (../spans.cuh; 32 tiles at a time, a lane each) and one thread loads the Q tile
-//     once, then those K and V tiles, with TMA into rings of three K and two V stages
+//     (once the previous item's O has left it), the K and V tiles, with TMA into rings
+//     of three K and two V stages
 //     (each pass publishes tile i's K and then loads tile i - 1's V); K and V
 //     complete on mbarriers of their own and are released by the consumers through
 //     "empty" mbarriers of their own (K once the tile's weights are computed). With each K
@@ -17,7 +21,7 @@
 //     O += P V by wgmma with P from registers and V from shared memory; tile i's S is
 //     issued with tile i - 1's P V, and its softmax runs while that product does. The two
 //     take turns issuing (named barriers), so that one's softmax overlaps the other's
-//     products. In a tile with padding keys they first zero those keys' V rows (garbage
+//     products; O leaves through their rows of the Q tile. In a tile with padding keys they first zero those keys' V rows (garbage
 //     there, even NaN, reaches no output; K's garbage is masked by selection).
 // setmaxnreg moves registers from the producer to the consumers.
 #ifndef FUSEDATTN_FLASH_SM90_FORWARD_CUH_
@@ -39,6 +43,7 @@ struct Control {
   static constexpr int kMaxKeys = 128;  // the largest tile
   static constexpr int kKeyStages = 3, kValueStages = 2;
   uint64_t q_full;
+  uint64_t q_empty;  // the previous work item's O has left the Q tile (one arrival per consumer warpgroup)
   uint64_t k_full[kKeyStages];
   uint64_t v_full[kValueStages];
   uint64_t k_empty[kKeyStages];   // released by the consumers once the tile's weights are computed
@@ -71,8 +76,9 @@ struct ForwardTiles {
   static constexpr int kControlOffset = kVOffset + kValueStages * kTileBytes;
   // 1024: room to align the start (the swizzle atoms need 1024-byte alignment).
   static constexpr int kSharedBytes = kControlOffset + static_cast<int>(sizeof(Control)) + 1024;
-  static constexpr int kProducerRegisters = 24;
-  static constexpr int kConsumerRegisters = 240;
+  // The producer's loop over work items needs 56 (24 spilled); 56 x 128 + 224 x 256 threads fit 64K.
+  static constexpr int kProducerRegisters = 56;
+  static constexpr int kConsumerRegisters = 224;
   static_assert(kN <= Control::kMaxKeys && kN % 32 == 0, "the staged key tokens: whole warps");
 };
 
@@ -92,98 +98,147 @@ struct ForwardArgs {
   FlashArgs a;
 };
 
-// The producer: warp 0 (lane 0 issues the copies and publishes the tiles).
+// A ring of kStages buffers filled and released in turn, across work items: the stage in
+// use and the parity of its current fill. Waiting on an "empty" barrier with the parity
+// flipped passes on a fresh barrier, so the first kStages fills do not wait.
+template <int kStages>
+struct Ring {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
+// A work item: kM queries of one (batch row, head). The block takes items blockIdx.x,
+// + gridDim.x, ... (persistent: one block per SM), numbered by block_tile.
+struct QueryBlock {
+  int b, h, m0;
+};
+
+template <int D>
+__device__ __forceinline__ int work_items(const AttentionParams& p) {
+  return static_cast<int>((p.seqlen_q + ForwardTiles<D>::kM - 1) / ForwardTiles<D>::kM * p.heads * p.batch);
+}
+
+template <int D>
+__device__ __forceinline__ QueryBlock query_block(const AttentionParams& p, int item) {
+  const int n_q_tiles = static_cast<int>((p.seqlen_q + ForwardTiles<D>::kM - 1) / ForwardTiles<D>::kM);
+  const int heads = static_cast<int>(p.heads);
+  const BlockTile block = block_tile(p.mask, item, n_q_tiles, static_cast<int>(p.batch) * heads);
+  // The last query tile first: under a causal mask, the longest.
+  return {block.row / heads, block.row % heads, (n_q_tiles - 1 - block.tile) * ForwardTiles<D>::kM};
+}
+
+// The producer: warp 0 (lane 0 issues the copies and publishes the tiles). Per work item
+// it publishes the first K tile before it waits for the Q tile to be free (the previous
+// item's O leaves through it), so that K's load overlaps the consumers' epilogue.
 template <int D, bool kAlibi>
-__device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, Control* control, int64_t b,
-                                        int64_t h, int64_t m0) {
+__device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, Control* control) {
   using T = ForwardTiles<D>;
   const FlashArgs& a = args.a;
   const AttentionParams& p = a.p;
-  const HeadContext c = head_context(a, b, h);
-  const int g = static_cast<int>(kv_head_of(h, p.heads, p.kv_heads));
   const bool leader = threadIdx.x == 0;
   if (leader) {
     prefetch_tensor_map(&args.q_map);
     prefetch_tensor_map(&args.k_map);
     prefetch_tensor_map(&args.v_map);
-    mbarrier_arrive_expect_tx(smem_address(&control->q_full), T::kQBytes);
-#pragma unroll
-    for (int atom = 0; atom < T::kAtoms; ++atom) {
-      tma_load_4d(base + atom * T::kM * kAtomRowBytes, &args.q_map, smem_address(&control->q_full),
-                  atom * kAtomColumns, static_cast<int>(h), static_cast<int>(m0), static_cast<int>(b));
-    }
   }
-  const Span q_span = tile_span(c.q_spans, c.n_q_spans, m0, T::kM);
+  Ring<T::kKeyStages> keys;
+  Ring<T::kValueStages> values;
   const int n_tiles = static_cast<int>((p.seqlen_kv + T::kN - 1) / T::kN);
-  TileScan scan{-32, 0u, 0u, 0u};
-  // Pass i publishes tile i's K, then loads tile i - 1's V (`previous`), so that a K load
-  // never waits behind the release of a V stage.
-  int t = -1, previous = -1;
-  for (int i = 0;; ++i) {
-    t = next_visible(scan, t, n_tiles, [&](int tile, bool* complete) {
-      const Span kv = tile_span(c.kv_spans, c.n_kv_spans, static_cast<int64_t>(tile) * T::kN, T::kN);
-      *complete = kv.complete != 0;
-      return relate(p.mask, q_span, kv);
-    });
-    const int s = i % T::kKeyStages;
-    // The parity of the release of tile i - kKeyStages.
-    if (i >= T::kKeyStages) mbarrier_wait(smem_address(&control->k_empty[s]), (i / T::kKeyStages - 1) & 1);
-    if (t < n_tiles && (kAlibi || !((scan.full >> (t - scan.first)) & 1u))) {  // the key tokens, a lane a key
+  uint32_t q_phase = 0;
+  for (int item = blockIdx.x; item < work_items<D>(p); item += gridDim.x, q_phase ^= 1u) {
+    const QueryBlock w = query_block<D>(p, item);
+    const HeadContext c = head_context(a, w.b, w.h);
+    const int g = static_cast<int>(kv_head_of(w.h, p.heads, p.kv_heads));
+    const Span q_span = tile_span(c.q_spans, c.n_q_spans, w.m0, T::kM);
+    TileScan scan{-32, 0u, 0u, 0u};
+    // Pass i publishes tile i's K, then loads tile i - 1's V (`previous`), so that a K load
+    // never waits behind the release of a V stage.
+    int t = -1, previous = -1;
+    for (int i = 0;; ++i) {
+      t = next_visible(scan, t, n_tiles, [&](int tile, bool* complete) {
+        const Span kv = tile_span(c.kv_spans, c.n_kv_spans, static_cast<int64_t>(tile) * T::kN, T::kN);
+        *complete = kv.complete != 0;
+        return relate(p.mask, q_span, kv);
+      });
+      const int s = keys.stage;
+      mbarrier_wait(smem_address(&control->k_empty[s]), keys.phase ^ 1u);
+      if (t < n_tiles && (kAlibi || !((scan.full >> (t - scan.first)) & 1u))) {  // the key tokens, a lane a key
 #pragma unroll
-      for (int k = 0; k < T::kN / 32; ++k) {
-        const int r = static_cast<int>(threadIdx.x % 32) + 32 * k;
-        const int64_t j = static_cast<int64_t>(t) * T::kN + r;
-        control->key_seg[s][r] = j < p.seqlen_kv ? c.kv_seg[j] : 0;
-        control->key_pos[s][r] = j < p.seqlen_kv ? c.kv_pos[j] : 0;
+        for (int k = 0; k < T::kN / 32; ++k) {
+          const int r = static_cast<int>(threadIdx.x % 32) + 32 * k;
+          const int64_t j = static_cast<int64_t>(t) * T::kN + r;
+          control->key_seg[s][r] = j < p.seqlen_kv ? c.kv_seg[j] : 0;
+          control->key_pos[s][r] = j < p.seqlen_kv ? c.kv_pos[j] : 0;
+        }
+        __syncwarp();  // before the leader's arrival publishes them
       }
-      __syncwarp();  // before the leader's arrival publishes them
-    }
-    if (leader && t >= n_tiles) {
-      control->tile[s] = -1;
-      mbarrier_arrive(smem_address(&control->k_full[s]));
-    } else if (leader) {
-      const int bit = t - scan.first;
-      control->tile[s] = t;
-      control->full[s] = (scan.full >> bit) & 1u;
-      control->padded[s] = (scan.padded >> bit) & 1u;
-      const uint32_t k_dst = base + T::kKOffset + s * T::kTileBytes;
-      mbarrier_arrive_expect_tx(smem_address(&control->k_full[s]), T::kTileBytes);
-#pragma unroll
-      for (int atom = 0; atom < T::kAtoms; ++atom) {
-        tma_load_4d(k_dst + atom * T::kN * kAtomRowBytes, &args.k_map, smem_address(&control->k_full[s]),
-                    atom * kAtomColumns, g, t * T::kN, static_cast<int>(b));
-      }
-    }
-    if (previous >= 0) {  // tile i - 1's V, into the stage of the release of tile i - 1 - kValueStages
-      const int v = (i - 1) % T::kValueStages;
-      if (i - 1 >= T::kValueStages) {
-        mbarrier_wait(smem_address(&control->v_empty[v]), ((i - 1) / T::kValueStages - 1) & 1);
-      }
-      if (leader) {
-        const uint32_t v_dst = base + T::kVOffset + v * T::kTileBytes;
-        mbarrier_arrive_expect_tx(smem_address(&control->v_full[v]), T::kTileBytes);
+      if (leader && t >= n_tiles) {
+        control->tile[s] = -1;
+        mbarrier_arrive(smem_address(&control->k_full[s]));
+      } else if (leader) {
+        const int bit = t - scan.first;
+        control->tile[s] = t;
+        control->full[s] = (scan.full >> bit) & 1u;
+        control->padded[s] = (scan.padded >> bit) & 1u;
+        const uint32_t k_dst = base + T::kKOffset + s * T::kTileBytes;
+        mbarrier_arrive_expect_tx(smem_address(&control->k_full[s]), T::kTileBytes);
 #pragma unroll
         for (int atom = 0; atom < T::kAtoms; ++atom) {
-          tma_load_4d(v_dst + atom * T::kN * kAtomRowBytes, &args.v_map, smem_address(&control->v_full[v]),
-                      atom * kAtomColumns, g, previous * T::kN, static_cast<int>(b));
+          tma_load_4d(k_dst + atom * T::kN * kAtomRowBytes, &args.k_map, smem_address(&control->k_full[s]),
+                      atom * kAtomColumns, g, t * T::kN, static_cast<int>(w.b));
         }
       }
+      keys.advance();
+      if (leader && i == 0) {  // the Q tile, once the previous item's O has left it
+        mbarrier_wait(smem_address(&control->q_empty), q_phase ^ 1u);
+        mbarrier_arrive_expect_tx(smem_address(&control->q_full), T::kQBytes);
+#pragma unroll
+        for (int atom = 0; atom < T::kAtoms; ++atom) {
+          tma_load_4d(base + atom * T::kM * kAtomRowBytes, &args.q_map, smem_address(&control->q_full),
+                      atom * kAtomColumns, static_cast<int>(w.h), static_cast<int>(w.m0), static_cast<int>(w.b));
+        }
+      }
+      if (previous >= 0) {  // tile i - 1's V
+        const int v = values.stage;
+        mbarrier_wait(smem_address(&control->v_empty[v]), values.phase ^ 1u);
+        if (leader) {
+          const uint32_t v_dst = base + T::kVOffset + v * T::kTileBytes;
+          mbarrier_arrive_expect_tx(smem_address(&control->v_full[v]), T::kTileBytes);
+#pragma unroll
+          for (int atom = 0; atom < T::kAtoms; ++atom) {
+            tma_load_4d(v_dst + atom * T::kN * kAtomRowBytes, &args.v_map, smem_address(&control->v_full[v]),
+                        atom * kAtomColumns, g, previous * T::kN, static_cast<int>(w.b));
+          }
+        }
+        values.advance();
+      }
+      __syncwarp();  // the lanes stay in step (next_visible is warp-wide)
+      if (t >= n_tiles) break;
+      previous = t;
     }
-    __syncwarp();  // the lanes stay in step (next_visible is warp-wide)
-    if (t >= n_tiles) return;
-    previous = t;
   }
 }
 
-// One consumer warpgroup (index cw, 0 or 1): queries m0 + 64 cw .. + 63. Tile i's
-// S = Q K^T is issued together with tile i - 1's O += P V, and its softmax runs while that
-// product does (O is rescaled once it is done). The first tile runs alone, so that the
-// loop always has the same products in flight (the compiler then keeps them asynchronous).
+// One consumer warpgroup (index cw, 0 or 1) on one work item: queries m0 + 64 cw .. + 63.
+// Tile i's S = Q K^T is issued together with tile i - 1's O += P V, and its softmax runs
+// while that product does (O is rescaled once it is done). The first tile runs alone, so
+// that the loop always has the same products in flight (the compiler then keeps them
+// asynchronous). Every K and V stage it takes is released, and the Q tile once O has left
+// it, for the block's next item.
 template <ElementType ET, int D, bool kAlibi>
-__device__ __forceinline__ void consume(const FlashArgs& a, const CUtensorMap* o_map, uint32_t base, Control* control,
-                                        int64_t b, int64_t h, int64_t m0, int cw) {
+__device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorMap* o_map, uint32_t base,
+                                             Control* control, const QueryBlock& w, uint32_t q_phase, int cw,
+                                             Ring<ForwardTiles<D>::kKeyStages>& keys,
+                                             Ring<ForwardTiles<D>::kValueStages>& values) {
   using T = ForwardTiles<D>;
   const AttentionParams& p = a.p;
+  const int64_t b = w.b, h = w.h, m0 = w.m0;
   const HeadContext c = head_context(a, b, h);
   const int warp = (threadIdx.x / 32) % 4;
   const FragmentCoords at{m0 + T::kConsumerRows * cw + 16 * warp, 0, static_cast<int>(threadIdx.x % 32)};
@@ -203,19 +258,24 @@ __device__ __forceinline__ void consume(const FlashArgs& a, const CUtensorMap* o
   const uint32_t q_rows = base + cw * T::kConsumerRows * kAtomRowBytes;
   const auto v_tile = [&](int s) { return base + T::kVOffset + s * T::kTileBytes; };
 
-  // Waits for tile i's K; returns its index (-1: no more) and reads its flags.
-  const auto next_tile = [&](int i, bool* full, bool* padded) {
-    const int s = i % T::kKeyStages;
-    mbarrier_wait(smem_address(&control->k_full[s]), (i / T::kKeyStages) & 1);
+  // Waits for the next K tile; returns its index (-1: no more, its stage released at
+  // once) and reads its stage and flags.
+  const auto next_tile = [&](int* stage, bool* full, bool* padded) {
+    const int s = keys.stage;
+    mbarrier_wait(smem_address(&control->k_full[s]), keys.phase);
+    keys.advance();
+    *stage = s;
     *full = control->full[s] != 0;
     *padded = control->padded[s] != 0;
-    return control->tile[s];
+    const int t = control->tile[s];
+    if (t < 0) mbarrier_arrive(smem_address(&control->k_empty[s]));
+    return t;
   };
-  // Waits for tile i's V (tile index t) and zeroes its padding rows, both warpgroups
+  // Waits for the next V tile (tile index t) and zeroes its padding rows, both warpgroups
   // before either multiplies.
-  const auto ready_values = [&](int i, int t, bool padded) {
-    const int s = i % T::kValueStages;
-    mbarrier_wait(smem_address(&control->v_full[s]), (i / T::kValueStages) & 1);
+  const auto ready_values = [&](int t, bool padded) {
+    const int s = values.stage;
+    mbarrier_wait(smem_address(&control->v_full[s]), values.phase);
     if (padded) {
       zero_padding_rows<T::kN, T::kAtoms, T::kConsumerThreads>(v_tile(s), c.kv_seg, static_cast<int64_t>(t) * T::kN,
                                                                p.seqlen_kv, static_cast<int>(threadIdx.x) - 128);
@@ -223,9 +283,9 @@ __device__ __forceinline__ void consume(const FlashArgs& a, const CUtensorMap* o
       named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
     }
   };
-  // Takes this warpgroup's turn and issues S = Q K^T of tile i (one commit group).
-  const auto issue_scores = [&](int i, float (&scores)[T::kN / 8][4]) {
-    const uint32_t k_tile = base + T::kKOffset + (i % T::kKeyStages) * T::kTileBytes;
+  // Takes this warpgroup's turn and issues S = Q K^T of the K tile in stage ks (one commit group).
+  const auto issue_scores = [&](int ks, float (&scores)[T::kN / 8][4]) {
+    const uint32_t k_tile = base + T::kKOffset + ks * T::kTileBytes;
     fence_accumulators(scores);
     fence_accumulators(o);
     named_barrier_sync(kTurnBarrier + cw, T::kConsumerThreads);
@@ -233,18 +293,24 @@ __device__ __forceinline__ void consume(const FlashArgs& a, const CUtensorMap* o
     gmma_rows_times_rows<ET, T::kN, D>(q_rows, T::kM * kAtomRowBytes, k_tile, T::kN * kAtomRowBytes, scores);
     cute::warpgroup_commit_batch();
   };
-  // O += P V of tile i (one commit group).
-  const auto issue_values = [&](int i) {
-    const uint64_t v0 = mn_major_descriptor(v_tile(i % T::kValueStages), T::kN * kAtomRowBytes);
+  // O += P V of the V tile made ready (one commit group).
+  const auto issue_values = [&] {
+    const uint64_t v0 = mn_major_descriptor(v_tile(values.stage), T::kN * kAtomRowBytes);
 #pragma unroll
     for (int ks = 0; ks < T::kN / 16; ++ks) gmma_rs<ET, D>(weights[ks], descriptor_plus(v0, ks * 16 * kAtomRowBytes), o);
     cute::warpgroup_commit_batch();
   };
-  // Tile t's scores (done) -> weights; K of tile i (and its key tokens) released. O is
+  // Once O += P V is done: its V stage released.
+  const auto release_values = [&] {
+    cute::warpgroup_wait<0>();
+    fence_accumulators(o);
+    mbarrier_arrive(smem_address(&control->v_empty[values.stage]));
+    values.advance();
+  };
+  // Tile t's scores (done) -> weights; its K stage s (and key tokens) released. O is
   // rescaled after `retire` has waited for the product in flight.
-  const auto soften = [&](int i, int t, bool full, float (&scores)[T::kN / 8][4], auto retire) {
+  const auto soften = [&](int s, int t, bool full, float (&scores)[T::kN / 8][4], auto retire) {
     fence_accumulators(scores);
-    const int s = i % T::kKeyStages;
     const FragmentCoords kv{at.row0, static_cast<int64_t>(t) * T::kN, at.lane};
     if constexpr (kAlibi) {
       add_alibi<T::kN>(scores, alibi, [&](int n, int e) {
@@ -279,44 +345,39 @@ __device__ __forceinline__ void consume(const FlashArgs& a, const CUtensorMap* o
     }
   };
 
-  if (cw == 1) named_barrier_arrive(kTurnBarrier, T::kConsumerThreads);  // warpgroup 0 starts
-  mbarrier_wait(smem_address(&control->q_full), 0);
+  mbarrier_wait(smem_address(&control->q_full), q_phase);
   bool full, padded;
-  int t = next_tile(0, &full, &padded);
+  int ks;
+  int t = next_tile(&ks, &full, &padded);
   if (t >= 0) {
     float scores[T::kN / 8][4];
-    issue_scores(0, scores);
+    issue_scores(ks, scores);
     named_barrier_arrive(kTurnBarrier + 1 - cw, T::kConsumerThreads);  // the other's turn
     cute::warpgroup_wait<0>();
-    soften(0, t, full, scores, [] {});
+    soften(ks, t, full, scores, [] {});
   }
-  int i = 1;
-  for (; t >= 0; ++i) {
-    ready_values(i - 1, t, padded);
+  while (t >= 0) {
+    ready_values(t, padded);
     const int previous = t;
-    t = next_tile(i, &full, &padded);
+    t = next_tile(&ks, &full, &padded);
     if (t < 0) {
       t = previous;  // the last tile, whose O += P V follows
       break;
     }
     float scores[T::kN / 8][4];
-    issue_scores(i, scores);
-    issue_values(i - 1);
-    // The other warpgroup's turn (warpgroup 1's last turn is never taken).
+    issue_scores(ks, scores);
+    issue_values();
+    // The other warpgroup's turn (after the block's last tile, warpgroup 1's turn passes to
+    // warpgroup 0's first of the next item).
     named_barrier_arrive(kTurnBarrier + 1 - cw, T::kConsumerThreads);
     cute::warpgroup_wait<1>();
-    soften(i, t, full, scores, [&] {
-      cute::warpgroup_wait<0>();
-      fence_accumulators(o);
-      mbarrier_arrive(smem_address(&control->v_empty[(i - 1) % T::kValueStages]));
-    });
+    soften(ks, t, full, scores, release_values);
   }
   if (t >= 0) {  // the last tile's O += P V (its V made ready at the loop's last pass)
     fence_accumulators(o);
     cute::warpgroup_arrive();
-    issue_values(i - 1);
-    cute::warpgroup_wait<0>();
-    fence_accumulators(o);
+    issue_values();
+    release_values();
   }
   // O / denominator through this warpgroup's rows of the Q tile, then TMA stores (rows past
   // the end are not written); the copies must have read shared memory before the block ends.
@@ -331,7 +392,23 @@ __device__ __forceinline__ void consume(const FlashArgs& a, const CUtensorMap* o
       tma_store_4d(o_map, q_rows + atom * T::kM * kAtomRowBytes, atom * kAtomColumns, static_cast<int>(h),
                    static_cast<int>(m0) + T::kConsumerRows * cw, static_cast<int>(b));
     }
-    bulk_wait_read();  // the writes complete by the kernel's end; only the reads hold the block
+    bulk_wait_read();  // the writes complete by the kernel's end; the next Q waits for the reads
+    mbarrier_arrive(smem_address(&control->q_empty));
+  }
+}
+
+// One consumer warpgroup over the block's work items.
+template <ElementType ET, int D, bool kAlibi>
+__device__ __forceinline__ void consume(const ForwardArgs& args, uint32_t base, Control* control, int cw) {
+  using T = ForwardTiles<D>;
+  const AttentionParams& p = args.a.p;
+  Ring<T::kKeyStages> keys;
+  Ring<T::kValueStages> values;
+  if (cw == 1) named_barrier_arrive(kTurnBarrier, T::kConsumerThreads);  // warpgroup 0 starts
+  uint32_t q_phase = 0;
+  for (int item = blockIdx.x; item < work_items<D>(p); item += gridDim.x, q_phase ^= 1u) {
+    consume_item<ET, D, kAlibi>(args.a, &args.o_map, base, control, query_block<D>(p, item), q_phase, cw, keys,
+                                values);
   }
 }
 
@@ -339,17 +416,13 @@ template <ElementType ET, int D, bool kAlibi>
 __global__ void __launch_bounds__(ForwardTiles<D>::kThreads, 1) forward_kernel(const __grid_constant__ ForwardArgs args) {
   using T = ForwardTiles<D>;
   extern __shared__ unsigned char smem[];
-  const AttentionParams& p = args.a.p;
   const uint32_t unaligned = smem_address(smem);
   const uint32_t base = (unaligned + 1023) & ~1023u;
   Control* control = reinterpret_cast<Control*>(smem + (base - unaligned) + T::kControlOffset);
-  const int64_t n_q_tiles = (p.seqlen_q + T::kM - 1) / T::kM;
-  const BlockTile block = block_tile(p.mask, n_q_tiles, p.batch * p.heads);
-  const int64_t m0 = (n_q_tiles - 1 - block.tile) * T::kM;  // the last query tile first: causal, the longest
-  const int64_t h = block.row % p.heads, b = block.row / p.heads;
 
   if (threadIdx.x == 0) {
     mbarrier_init(smem_address(&control->q_full), 1);
+    mbarrier_init(smem_address(&control->q_empty), 2);
     for (int s = 0; s < T::kKeyStages; ++s) {
       mbarrier_init(smem_address(&control->k_full[s]), 1);
       mbarrier_init(smem_address(&control->k_empty[s]), T::kConsumerThreads);
@@ -364,10 +437,10 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads, 1) forward_kernel(c
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     registers_decrease<T::kProducerRegisters>();
-    if (threadIdx.x < 32) produce<D, kAlibi>(args, base, control, b, h, m0);
+    if (threadIdx.x < 32) produce<D, kAlibi>(args, base, control);
   } else {
     registers_increase<T::kConsumerRegisters>();
-    consume<ET, D, kAlibi>(args.a, &args.o_map, base, control, b, h, m0, warpgroup - 1);
+    consume<ET, D, kAlibi>(args, base, control, warpgroup - 1);
   }
 }
 

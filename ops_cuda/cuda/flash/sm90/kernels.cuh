@@ -24,8 +24,15 @@ std::string forward(gpuStream_t stream, const FlashArgs& a) {
   if (error.empty()) error = encode_tile_map(&args.v_map, a.v, p.batch, p.seqlen_kv, p.kv_heads, D, T::kN);
   if (error.empty()) error = encode_tile_map(&args.o_map, a.o, p.batch, p.seqlen_q, p.heads, D, T::kConsumerRows);
   if (!error.empty()) return error;
-  const int64_t blocks = (p.seqlen_q + T::kM - 1) / T::kM * p.heads * p.batch;
-  if (blocks == 0) return "";
+  // Persistent: at most one block per SM (one fits), each taking work items in turn.
+  const int64_t items = (p.seqlen_q + T::kM - 1) / T::kM * p.heads * p.batch;
+  if (items == 0) return "";
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0) {
+    return "the flash forward could not read the device's SM count";
+  }
+  const int64_t blocks = std::min<int64_t>(items, sms);
   const auto kernel = p.alibi ? forward_kernel<ET, D, true> : forward_kernel<ET, D, false>;
   gpuFuncSetAttribute(reinterpret_cast<const void*>(kernel), gpuFuncAttributeMaxDynamicSharedMemorySize,
                       T::kSharedBytes);
