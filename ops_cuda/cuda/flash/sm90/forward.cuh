@@ -113,8 +113,11 @@ struct Ring {
   }
 };
 
-// A work item: kM queries of one (batch row, head). The block takes items blockIdx.x,
-// + gridDim.x, ... (persistent: one block per SM), numbered by block_tile.
+// A work item: kM queries of one (batch row, head), numbered by block_tile (under a
+// causal mask, longest first). Persistent blocks (one per SM) take them in rounds: in
+// round r the G = gridDim.x blocks take items r G .. r G + G - 1, in order on even rounds
+// and reversed on odd ones, so that a block that took a long item takes a short one next
+// and the blocks' totals even out (block_item).
 struct QueryBlock {
   int b, h, m0;
 };
@@ -122,6 +125,13 @@ struct QueryBlock {
 template <int D>
 __device__ __forceinline__ int work_items(const AttentionParams& p) {
   return static_cast<int>((p.seqlen_q + ForwardTiles<D>::kM - 1) / ForwardTiles<D>::kM * p.heads * p.batch);
+}
+
+// The block's item of round r, or -1 (past the last).
+__device__ __forceinline__ int block_item(int r, int items) {
+  const int g = static_cast<int>(gridDim.x), c = static_cast<int>(blockIdx.x);
+  const int item = r * g + ((r & 1) ? g - 1 - c : c);
+  return item < items ? item : -1;
 }
 
 template <int D>
@@ -151,7 +161,10 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
   Ring<T::kValueStages> values;
   const int n_tiles = static_cast<int>((p.seqlen_kv + T::kN - 1) / T::kN);
   uint32_t q_phase = 0;
-  for (int item = blockIdx.x; item < work_items<D>(p); item += gridDim.x, q_phase ^= 1u) {
+  const int items = work_items<D>(p);
+  for (int r = 0; r * static_cast<int>(gridDim.x) < items; ++r) {
+    const int item = block_item(r, items);
+    if (item < 0) continue;
     const QueryBlock w = query_block<D>(p, item);
     const HeadContext c = head_context(a, w.b, w.h);
     const int g = static_cast<int>(kv_head_of(w.h, p.heads, p.kv_heads));
@@ -222,6 +235,7 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
       if (t >= n_tiles) break;
       previous = t;
     }
+    q_phase ^= 1u;
   }
 }
 
@@ -406,9 +420,13 @@ __device__ __forceinline__ void consume(const ForwardArgs& args, uint32_t base, 
   Ring<T::kValueStages> values;
   if (cw == 1) named_barrier_arrive(kTurnBarrier, T::kConsumerThreads);  // warpgroup 0 starts
   uint32_t q_phase = 0;
-  for (int item = blockIdx.x; item < work_items<D>(p); item += gridDim.x, q_phase ^= 1u) {
+  const int items = work_items<D>(p);
+  for (int r = 0; r * static_cast<int>(gridDim.x) < items; ++r) {
+    const int item = block_item(r, items);
+    if (item < 0) continue;
     consume_item<ET, D, kAlibi>(args.a, &args.o_map, base, control, query_block<D>(p, item), q_phase, cw, keys,
                                 values);
+    q_phase ^= 1u;
   }
 }
 
