@@ -11,6 +11,7 @@ docs/benchmarks.md's charts.
 import argparse
 import json
 import pathlib
+import textwrap
 
 import matplotlib
 
@@ -176,7 +177,77 @@ def chart_decode(results, out):
     return save(fig, out, "decode", data)
 
 
-CHARTS = (chart_cudnn, chart_flash, chart_small_seq, chart_layers, chart_lm_train, chart_decode)
+def chart_fp8(results, out):
+    """FP8 attention (cudnn backend) against bf16 and JAX's private cuDNN FP8 call, TF/s per shape."""
+    data = load(results, "fp8")
+    legends = {"fp8": "fusedattn fp8 (scaling managed)", "fp8_inputs": "fusedattn fp8, fp8 inputs",
+               "fp8_graph": "cuDNN FP8 graph alone", "bf16": "fusedattn bf16 (cudnn)",
+               "jax_fp8": "JAX private cuDNN FP8"}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
+    for ax, pass_ in zip(axes, PASSES):
+        rows = [r for r in data["rows"] if r["pass"] == pass_ and "impl" in r]
+        shapes = list(dict.fromkeys(tuple(r["shape"].values()) for r in rows))
+        tflops = {(tuple(r["shape"].values()), r["impl"]): r["tflops"] for r in rows}
+        series = {legend: [tflops.get((shape, impl)) for shape in shapes] for impl, legend in legends.items()}
+        labels = [f"b{b} s{s_} h{h} d{d}" + (" causal" if causal else "") for b, s_, h, d, causal in shapes]
+        grouped_bars(ax, labels, series, "TF/s", f"FP8 attention, {pass_}")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper center", ncol=3, fontsize=8)
+    return save(fig, out, "fp8", data, top=0.86)
+
+
+def chart_masked_values(results, out):
+    """What config.guard_masked_values costs: guarded over unguarded time, minus one, per call."""
+    data = load(results, "masked_values")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
+    for ax, pass_ in zip(axes, PASSES):
+        rows = [r for r in data["rows"] if r["pass"] == pass_ and "guard_cost" in r]
+        shapes = list(dict.fromkeys(tuple(r["shape"].values()) for r in rows))
+        cost = {(tuple(r["shape"].values()), r["impl"]): 100 * r["guard_cost"] for r in rows}
+        series = {backend: [cost.get((shape, f"{backend}_unguarded")) for shape in shapes]
+                  for backend in ("cudnn", "flash")}
+        labels = [f"b{b} s{s_} h{h} d{d}" + (" causal" if causal else "") for b, s_, h, d, causal in shapes]
+        grouped_bars(ax, labels, series, "% more time with the guard", f"guard_masked_values, {pass_}")
+    axes[0].legend(fontsize=8)
+    return save(fig, out, "masked_values", data)
+
+
+def chart_context_parallel(results, out):
+    """Scaling efficiency of context parallelism (causal, load-balanced, flash per block) on 2 and 4
+    H200s: one GPU's time / (time x GPUs), the latest row of each case, against the 0.85 target."""
+    files = ("context_parallel", "context_parallel_4xh200")
+    latest = {}
+    for name in files:
+        for r in load(results, name)["rows"]:
+            if "scaling_efficiency" in r and r.get("load_balance") in (None, "on"):
+                latest[(r["devices"], r["seqlen"], r["pass"], r["impl"])] = r["scaling_efficiency"]
+    cases = sorted({key[:3] for key in latest})
+    fig, ax = plt.subplots(figsize=(9, 4))
+    series = {impl: [latest.get(case + (impl,)) for case in cases] for impl in ("ring", "all_gather")}
+    grouped_bars(ax, [f"{n} GPUs s={s} {pass_}" for n, s, pass_ in cases], series, "scaling efficiency",
+                 "context parallelism, b1 h16 d128 bf16 causal, load-balanced")
+    ax.axhline(0.85, color="gray", linestyle="--", label="target 0.85")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    return save(fig, out, "context_parallel", load(results, files[-1]))
+
+
+def chart_lm_mesh(results, out):
+    """The LM trainer's GPU config on meshes of 1, 2 and 4 H200s: steady tokens/s (intervals after step 20)."""
+    runs = [run for name in ("lm_mesh", "lm_mesh_4xh200") for run in load(results, name)["runs"]]
+    rates = [np.mean([i["tokens_per_s"] for i in run["intervals"] if i["step"] > 20]) / 1e3 for run in runs]
+    fig, ax = plt.subplots(figsize=(10, 5.5))
+    labels = [textwrap.fill(run["run"].split(";")[0], 36) for run in runs]
+    ax.barh(labels, rates, color=[f"C{i}" for i in range(len(runs))])
+    ax.invert_yaxis()
+    ax.tick_params(axis="y", labelsize=7)
+    ax.set_xlabel("thousand tokens/s (steady: intervals after step 20)")
+    ax.set_title("LM trainer configs/lm_nnx.py:gpu on data x context meshes", fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    return save(fig, out, "lm_mesh", load(results, "lm_mesh_4xh200"))
+
+
+CHARTS = (chart_cudnn, chart_flash, chart_small_seq, chart_layers, chart_lm_train, chart_decode, chart_fp8,
+          chart_masked_values, chart_context_parallel, chart_lm_mesh)
 
 
 def main():
