@@ -19,7 +19,9 @@ for shape in "${shapes[@]}"; do
     > "$report.txt" 2>&1
   ncu -i "$report.ncu-rep" --page details >> "$report.txt" 2>&1
   ncu -i "$report.ncu-rep" --page source --csv --print-source sass > "${report}_sass.csv" 2>&1
+  python3 benchmarks/probes/sass_stalls.py "${report}_sass.csv" >> "$report.txt" 2>&1
   echo "== decode $shape"
   grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Block Limit|Registers Per|Warp Cycles Per Issued|Issue Slots Busy|Eligible Warps|Stall|L2 Hit|Waves Per SM|Grid Size" \
     "$report.txt" | head -40
+  tail -16 "$report.txt"
 done

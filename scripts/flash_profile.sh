@@ -2,7 +2,8 @@
 # On the GPU machine, after scripts/device.sh built the project: the flash kernels' SASS
 # instruction mix, and Nsight Compute reports (speed of light, warp stalls, pipes) of one
 # forward and one backward at each shape given (default: the shape below). Output
-# under $OUT: flash.sass.gz, ncu_<shape>.txt (and .ncu-rep, _sass.csv: stall samples per
+# under $OUT: flash.sass.gz, ncu_<shape>.txt (ending with the instructions of most stall samples,
+# benchmarks/probes/sass_stalls.py; and .ncu-rep, _sass.csv: stall samples per
 # instruction); a short summary prints last.
 #   usage: [KERNELS=forward|backward] bash scripts/flash_profile.sh ["b,s,h,h_kv,d[,causal]" ...]
 set -uo pipefail
@@ -44,7 +45,9 @@ for shape in "${shapes[@]}"; do
   ncu -i "${report%.txt}.ncu-rep" --page details >> "$report" 2>&1
   # Per SASS instruction: executions and stall samples by reason (where the time goes).
   ncu -i "${report%.txt}.ncu-rep" --page source --csv --print-source sass > "${report%.txt}_sass.csv" 2>&1
+  python3 benchmarks/probes/sass_stalls.py "${report%.txt}_sass.csv" >> "$report" 2>&1
   echo "== $shape"
   grep -E "^\s+void fusedattn|^\s+fusedattn|Duration|Compute \(SM\) Throughput|tensor|inst_executed.sum|Warp Cycles Per Issued|Issue Slots Busy|Eligible|stalled" \
     "$report" | awk '$NF != "0" && $NF != "0.00"' | head -90
+  tail -31 "$report"
 done
