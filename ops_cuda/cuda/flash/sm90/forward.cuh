@@ -381,7 +381,7 @@ __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorM
     float scores[T::kN / 8][4];
     issue_scores(ks, scores);
     issue_values();
-    // The other warpgroup's turn (after the block's last tile, warpgroup 1's turn passes to
+    // The other warpgroup's turn (after an item's last tile, warpgroup 1's turn passes to
     // warpgroup 0's first of the next item).
     named_barrier_arrive(kTurnBarrier + 1 - cw, T::kConsumerThreads);
     cute::warpgroup_wait<1>();
