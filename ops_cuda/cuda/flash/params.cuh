@@ -49,14 +49,14 @@ struct FlashArgs {
 };
 
 // The tile and row (batch row x head) of block `index` of a grid of tiles x rows blocks;
-// blocks start in index order. Under a causal mask the tile varies slowest: tile 0 is every row's
-// longest (the forward and dQ number query tiles from the last, dK/dV key tiles from the
-// first), so all rows' long blocks start before any short one and the short ones fill the
-// tail, greedy longest-first over the grid (+5% at s=8192, where rows varying slowest
-// started the last row's longest block near the end). Otherwise every block of a row has
-// the same work and the row varies slowest: its blocks run side by side and share its
-// K/V in L2 (the forward measured 2-7% faster so than tile-major).
-// (32-bit: a grid's block count fits, and the division is a few instructions.)
+// blocks start in index order. Under a causal mask the tile varies slowest: tile 0 is
+// every row's longest (the forward and dQ number query tiles from the last, dK/dV key
+// tiles from the first), so all rows' long blocks start before any short one and the
+// short ones fill the tail, greedy longest-first over the grid (+5% at s=8192, where rows
+// varying slowest started the last row's longest block near the end). Otherwise every
+// block of a row has the same work and the row varies slowest: its blocks run side by
+// side and share its K/V in L2 (the forward measured 2-7% faster than tile-major).
+// 32-bit: a grid's block count fits, and the division is a few instructions.
 struct BlockTile {
   int tile, row;
 };
