@@ -31,14 +31,15 @@ for shape in "${shapes[@]}"; do
   [[ $shape == *,causal ]] && causal=(--causal)
   dims=${shape%,causal}
   report="$OUT/ncu_${shape//,/_}.txt"
-  # The probe calls forward, then forward+backward, twice: profile the second round's kernels.
+  # The probe calls forward, then forward+backward, twice: profile the second round's
+  # kernels once each (the forward of the forward call; the backward).
   case ${KERNELS:-both} in
-    forward) kernels=forward; skip=2 ;;
-    backward) kernels=backward; skip=1 ;;
-    *) kernels="(forward|backward)"; skip=3 ;;
+    forward) kernels=forward; skip=2; count=1 ;;
+    backward) kernels=backward; skip=1; count=1 ;;
+    *) kernels="(forward|backward)"; skip=4; count=2 ;;
   esac
   timeout 300 ncu --clock-control none --kernel-name-base demangled --kernel-name regex:"sm90::${kernels}_kernel" \
-    --launch-skip $skip -c $skip \
+    --launch-skip $skip -c $count \
     --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters \
     --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,regex:sm__pipe_.*tensor.*cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" \
     -o "${report%.txt}" -f python3 benchmarks/probes/flash_kernel_profile.py --shape "$dims" "${causal[@]}" > "$report" 2>&1

@@ -107,8 +107,8 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads) dkdv_kernel(const Flas
   const AttentionParams& p = a.p;
   constexpr int kColumnBlocks = D / T::kOut;
   // Key tiles from the first (causal: the longest); a tile's column blocks side by side.
-  const BlockTile block = block_tile(p.mask, blockIdx.x, static_cast<int>((p.seqlen_kv + T::kN - 1) / T::kN),
-                                     static_cast<int>(p.batch * p.kv_heads) * kColumnBlocks);
+  const int rows = static_cast<int>(p.batch * p.kv_heads) * kColumnBlocks;
+  const BlockTile block = block_tile(p.mask, blockIdx.x, static_cast<int>((p.seqlen_kv + T::kN - 1) / T::kN), rows, rows);
   const int64_t column_block = block.row % kColumnBlocks;
   const int64_t n0 = static_cast<int64_t>(block.tile) * T::kN;
   const int64_t bg = block.row / kColumnBlocks, g = bg % p.kv_heads, b = bg / p.kv_heads;
@@ -234,7 +234,8 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads) dq_kernel(const FlashArg
   extern __shared__ __align__(128) unsigned char smem[];
   const AttentionParams& p = a.p;
   const int64_t n_q_tiles = (p.seqlen_q + T::kM - 1) / T::kM;
-  const BlockTile block = block_tile(p.mask, blockIdx.x, static_cast<int>(n_q_tiles), static_cast<int>(p.batch * p.heads));
+  const int rows = static_cast<int>(p.batch * p.heads);
+  const BlockTile block = block_tile(p.mask, blockIdx.x, static_cast<int>(n_q_tiles), rows, rows);
   const int64_t m0 = (n_q_tiles - 1 - block.tile) * T::kM;  // the last query tile first: causal, the longest
   const int64_t h = block.row % p.heads, b = block.row / p.heads, g = kv_head_of(h, p.heads, p.kv_heads);
   const HeadContext c = head_context(a, b, h);

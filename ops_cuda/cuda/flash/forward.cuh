@@ -34,7 +34,8 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads) forward_kernel(cons
   extern __shared__ __align__(128) unsigned char smem[];
   const AttentionParams& p = a.p;
   const int64_t n_q_tiles = (p.seqlen_q + T::kM - 1) / T::kM;
-  const BlockTile block = block_tile(p.mask, blockIdx.x, static_cast<int>(n_q_tiles), static_cast<int>(p.batch * p.heads));
+  const int rows = static_cast<int>(p.batch * p.heads);
+  const BlockTile block = block_tile(p.mask, blockIdx.x, static_cast<int>(n_q_tiles), rows, rows);
   const int64_t m0 = (n_q_tiles - 1 - block.tile) * T::kM;  // the last query tile first: causal, the longest
   const int64_t h = block.row % p.heads, b = block.row / p.heads, g = kv_head_of(h, p.heads, p.kv_heads);
   const HeadContext c = head_context(a, b, h);

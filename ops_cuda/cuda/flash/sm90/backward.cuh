@@ -447,9 +447,12 @@ __global__ void __launch_bounds__(BackwardTiles<D>::kThreads, 1)
   const uint32_t unaligned = smem_address(smem);
   const uint32_t base = (unaligned + 1023) & ~1023u;
   auto* control = reinterpret_cast<typename T::Control*>(smem + (base - unaligned) + T::kControlOffset);
-  // Key tiles from the first: under a causal mask, the longest.
-  const BlockTile block = block_tile(p.mask, blockIdx.x, static_cast<int>((p.seqlen_kv + T::kN - 1) / T::kN),
-                                     static_cast<int>(p.batch * p.kv_heads));
+  // Key tiles from the first: under a causal mask, the longest; in sections of K/V heads
+  // whose queries' Q and dO fit in L2.
+  const int rows = static_cast<int>(p.batch * p.kv_heads);
+  const BlockTile block =
+      block_tile(p.mask, blockIdx.x, static_cast<int>((p.seqlen_kv + T::kN - 1) / T::kN), rows,
+                 l2_section(rows, p.seqlen_q * (p.head_dim + p.head_dim_v) * 2 * (p.heads / p.kv_heads)));
   const int64_t bg = block.row, n0 = static_cast<int64_t>(block.tile) * T::kN;
   const int64_t g = bg % p.kv_heads, b = bg / p.kv_heads;
 

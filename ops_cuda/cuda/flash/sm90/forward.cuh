@@ -137,8 +137,8 @@ __device__ __forceinline__ int block_item(int r, int items) {
 template <int D>
 __device__ __forceinline__ QueryBlock query_block(const AttentionParams& p, int item) {
   const int n_q_tiles = static_cast<int>((p.seqlen_q + ForwardTiles<D>::kM - 1) / ForwardTiles<D>::kM);
-  const int heads = static_cast<int>(p.heads);
-  const BlockTile block = block_tile(p.mask, item, n_q_tiles, static_cast<int>(p.batch) * heads);
+  const int heads = static_cast<int>(p.heads), rows = static_cast<int>(p.batch) * heads;
+  const BlockTile block = block_tile(p.mask, item, n_q_tiles, rows, rows);
   // The last query tile first: under a causal mask, the longest.
   return {block.row / heads, block.row % heads, (n_q_tiles - 1 - block.tile) * ForwardTiles<D>::kM};
 }
