@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-
 from fusedattn.ops import context_parallel, masked_values
 from fusedattn.ops.backends import cudnn, decode, flash, small_seq, xla
 from fusedattn.ops.backends.base import Backend, CallShapes, current_platform  # noqa: F401

@@ -20,11 +20,15 @@ even); `reorder_causal_load_balancing` puts a batch into that order and
 layout is the natural order. The SequenceDescriptor and a bias array [b|1, h|1, sq, skv]
 always describe the natural order; the op reorders their per-token vectors itself.
 
-Blocks. Each device's shard is cut into `pieces` (its two chunks under load balancing,
-else one); every (query piece, key piece) pair whose mask has no visible entry (causal
-future, outside the sliding window, other documents only) is skipped with
-`jax.lax.cond`, so under load-balanced causal masks an off-diagonal step does half the
-work. A pair runs the backend's log-sum-exp entry point: xla (every feature) or flash
+Blocks. For the xla backend, which computes every score it is given, each device's shard
+is cut into `pieces` (its two chunks under load balancing, else one) and every (query
+piece, key piece) pair whose mask has no visible entry (causal future, outside the
+sliding window, other documents only) is skipped with `jax.lax.cond`, so under
+load-balanced causal masks an off-diagonal step does half the work. The flash kernels
+skip invisible tiles themselves (from the tokens' positions and segments, in any order),
+so they take a device's whole shard against a whole block in one call (one piece), and
+only blocks with no visible entry are skipped. A pair runs the backend's log-sum-exp
+entry point: xla (every feature) or flash
 (host build: bias arrays included; no ALiBi, and no dropout, its masks being keyed
 by block-local indices). Softmax sinks (off_by_one, learnable) join once per query after the merge;
 dropout masks are drawn at the global query and key indices, so every result equals the

@@ -60,7 +60,7 @@ class _Plan:
     scale: float
     mesh: jax.sharding.AbstractMesh
     size: int      # devices along the axis
-    pieces: int    # pieces per device shard (2 under load balancing)
+    pieces: int    # calls per device shard and block side (2: xla under load balancing)
 
     @property
     def axis(self) -> str:
@@ -80,10 +80,13 @@ def _plan_and_operands(spec: AttentionSpec, backend_name: str, args: CanonicalAr
     """The plan of a context-parallel call and its operands (tokens in device order)."""
     mesh = _mesh(spec.context_axis)
     size = mesh.shape[spec.context_axis]
-    pieces = 2 if spec.context_load_balance else 1
+    chunks = 2 if spec.context_load_balance else 1
+    # xla computes every pair it is given: a call per chunk pair, so that the invisible
+    # ones are skipped; flash skips invisible tiles itself, so one call serves a block.
+    pieces = chunks if backend_name == "xla" else 1
     sq, skv = args.q.shape[1], args.k.shape[1]
-    _check_divisible(sq, size * pieces, "q")
-    _check_divisible(skv, size * pieces, "k/v")
+    _check_divisible(sq, size * chunks, "q")
+    _check_divisible(skv, size * chunks, "k/v")
     q_index, kv_index = np.arange(sq, dtype=np.int32), np.arange(skv, dtype=np.int32)
     if spec.context_load_balance:
         q_index, kv_index = load_balance_permutation(sq, size), load_balance_permutation(skv, size)
