@@ -311,6 +311,30 @@ def gathered_float_shapes(hlo: str) -> list[str]:
                                             hlo)]
 
 
+@pytest.mark.parametrize("backend,chunks_per_call", [("xla", 1), ("flash", 2)])
+def test_load_balanced_calls_per_block(rng, monkeypatch, backend, chunks_per_call):
+    """Under load balancing a device's shard is two chunks: xla, which computes every score
+    it is given, gets a call per chunk pair (so that invisible pairs are skipped); the flash
+    kernels skip invisible tiles themselves and get the whole shard in one call."""
+    kernel = context_parallel.plan._KERNELS[backend]
+    original, widths = kernel.attention_with_lse, []
+
+    def recording(spec, args, *rest):
+        widths.append((args.q.shape[1], args.k.shape[1]))
+        return original(spec, args, *rest)
+
+    monkeypatch.setattr(kernel, "attention_with_lse", recording)
+    overrides, inputs = build(rng, backend, CASES["causal"])
+    mesh = make_mesh()
+    sharded = {name: jax.device_put(reorder_causal_load_balancing(x, 4),
+                                    NamedSharding(mesh, P(None, "cp")))
+               if name in ("q", "k", "v", "w") else x for name, x in inputs.items()}
+    with jax.set_mesh(mesh):
+        loss_and_grads(overrides, sharded, dict(axis="cp", strategy="ring", load_balance=True))
+    chunk = inputs["q"].shape[1] // 8
+    assert widths and set(widths) == {(chunks_per_call * chunk, chunks_per_call * chunk)}
+
+
 def test_ring_never_gathers_kv_and_all_gather_does(rng):
     overrides, inputs = build(rng, "xla", CASES["causal"])
     mesh = make_mesh()
