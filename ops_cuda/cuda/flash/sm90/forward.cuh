@@ -76,7 +76,8 @@ struct ForwardTiles {
   static constexpr int kControlOffset = kVOffset + kValueStages * kTileBytes;
   // 1024: room to align the start (the swizzle atoms need 1024-byte alignment).
   static constexpr int kSharedBytes = kControlOffset + static_cast<int>(sizeof(Control)) + 1024;
-  // The producer's loop over work items needs 56 (24 spilled); 56 x 128 + 224 x 256 threads fit 64K.
+  // The producer's loop over work items needs 56 registers (with 24 it spilled); 56 x 128 + 224 x 256
+  // threads fit 64K.
   static constexpr int kProducerRegisters = 56;
   static constexpr int kConsumerRegisters = 224;
   static_assert(kN <= Control::kMaxKeys && kN % 32 == 0, "the staged key tokens: whole warps");
