@@ -69,10 +69,11 @@ __device__ __forceinline__ BlockTile block_tile(const MaskParams& mask, int inde
   return BlockTile{in_section / section_rows, first_row + in_section % section_rows};
 }
 
-// Sections whose blocks in flight share their streamed operands in L2: the rows (of
-// rows) whose row_bytes each fit in 32 MB of the H100/H200's 50 MB L2. The sm90 backward
-// (Q and dO streamed per K/V head) measured 3-5% faster at causal 2k-4k tokens with them;
-// the persistent forward, whose static rounds balance over the whole grid, 5-13% slower.
+// Rows per section, so that the blocks in flight share their streamed operands in L2: as
+// many rows (of `rows`) as fit 32 MB of the H100/H200's 50 MB L2 at row_bytes each. With
+// them the sm90 backward (Q and dO per K/V head) measured 1.5-4% faster at causal 2k-4k
+// tokens; the persistent forward, whose static rounds balance over the whole grid, 5-13%
+// slower.
 __device__ __forceinline__ int l2_section(int rows, int64_t row_bytes) {
   const int64_t fit = (int64_t{32} << 20) / row_bytes;
   return fit < 1 ? 1 : fit > rows ? rows : static_cast<int>(fit);
