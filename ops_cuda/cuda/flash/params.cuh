@@ -93,10 +93,38 @@ struct HeadContext {
   uint32_t seed0, seed1, philox_batch;
 };
 
-__device__ __forceinline__ HeadContext head_context(const FlashArgs& a, int64_t b, int64_t h) {
+// The rows of the broadcast inputs (token vectors, softmax offsets, dropout seeds) that
+// batch row b reads (broadcast_row / broadcast_inner of layout.h): in 32 bits (batch and
+// row counts fit) and without a division where the input has one row or one per batch
+// row, the usual cases (a 64-bit division is about 70 instructions, eight of them a
+// work item before).
+struct HeadRows {
+  int64_t tokens, offset, seed, philox_batch;
+};
+
+// broadcast_row and broadcast_inner of batch row b for an input of `rows` rows.
+struct BroadcastRow {
+  int row, inner;
+};
+
+__device__ __forceinline__ BroadcastRow broadcast_row32(int b, int batch, int rows) {
+  if (rows == batch) return {b, 0};
+  if (rows == 1) return {0, b};
+  const int per = batch / rows;
+  return {b / per, b % per};
+}
+
+__device__ __forceinline__ HeadRows head_rows(const AttentionParams& p, int64_t b) {
+  const int b32 = static_cast<int>(b), batch = static_cast<int>(p.batch);
+  const BroadcastRow seed = broadcast_row32(b32, batch, static_cast<int>(p.seed_rows));
+  return HeadRows{broadcast_row32(b32, batch, static_cast<int>(p.token_rows)).row,
+                  broadcast_row32(b32, batch, static_cast<int>(p.offset_rows)).row, seed.row, seed.inner};
+}
+
+__device__ __forceinline__ HeadContext head_context(const FlashArgs& a, const HeadRows& rows, int64_t h) {
   const AttentionParams& p = a.p;
   HeadContext c;
-  const int64_t tr = broadcast_row(b, p.batch, p.token_rows);
+  const int64_t tr = rows.tokens;
   c.q_seg = a.q_seg + tr * p.seqlen_q;
   c.q_pos = a.q_pos + tr * p.seqlen_q;
   c.q_diag = a.q_diag + tr * p.seqlen_q;
@@ -106,12 +134,15 @@ __device__ __forceinline__ HeadContext head_context(const FlashArgs& a, int64_t 
   c.n_kv_spans = span_count(p.seqlen_kv);
   c.q_spans = a.spans + tr * (c.n_q_spans + c.n_kv_spans);
   c.kv_spans = c.q_spans + c.n_q_spans;
-  c.sink = softmax_sink_logit(p.softmax_type, a.offset[broadcast_row(b, p.batch, p.offset_rows) * p.heads + h]);
-  const int64_t sr = broadcast_row(b, p.batch, p.seed_rows);
-  c.seed0 = a.seed[2 * sr];
-  c.seed1 = a.seed[2 * sr + 1];
-  c.philox_batch = static_cast<uint32_t>(broadcast_inner(b, p.batch, p.seed_rows));
+  c.sink = softmax_sink_logit(p.softmax_type, a.offset[rows.offset * p.heads + h]);
+  c.seed0 = a.seed[2 * rows.seed];
+  c.seed1 = a.seed[2 * rows.seed + 1];
+  c.philox_batch = static_cast<uint32_t>(rows.philox_batch);
   return c;
+}
+
+__device__ __forceinline__ HeadContext head_context(const FlashArgs& a, int64_t b, int64_t h) {
+  return head_context(a, head_rows(a.p, b), h);
 }
 
 // Query token i of the row (seg 0, never visible, past the end).
