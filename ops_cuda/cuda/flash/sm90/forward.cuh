@@ -8,9 +8,8 @@
 //   warpgroup 0, the producer: one warp finds the K and V tiles that the queries can see
 //     (../spans.cuh; 32 tiles at a time, a lane each) and one thread loads the Q tile
 //     (once the previous item's O has left it), the K and V tiles, with TMA into rings
-//     of three K and two V stages (each pass publishes tile i's K and then loads tile
-//     i - 1's V; an item's first visible tile is found while the item before loads,
-//     ItemPlan); K and V
+//     of three K and two V stages
+//     (each pass publishes tile i's K and then loads tile i - 1's V); K and V
 //     complete on mbarriers of their own and are released by the consumers through
 //     "empty" mbarriers of their own (K once the tile's weights are computed). With each K
 //     it publishes the tile's index, whether every pair is visible and whether the tile may
@@ -77,11 +76,10 @@ struct ForwardTiles {
   static constexpr int kControlOffset = kVOffset + kValueStages * kTileBytes;
   // 1024: room to align the start (the swizzle atoms need 1024-byte alignment).
   static constexpr int kSharedBytes = kControlOffset + static_cast<int>(sizeof(Control)) + 1024;
-  // The producer's loop over work items, which holds the next item's plan, needs 72
-  // registers (with 56 it spilled 120 bytes); 72 x 128 + 216 x 256 threads fit 64K (the
-  // consumers measured the same at 216 as at 224).
-  static constexpr int kProducerRegisters = 72;
-  static constexpr int kConsumerRegisters = 216;
+  // The producer's loop over work items needs 56 registers (with 24 it spilled); 56 x 128 + 224 x 256
+  // threads fit 64K.
+  static constexpr int kProducerRegisters = 56;
+  static constexpr int kConsumerRegisters = 224;
   static_assert(kN <= Control::kMaxKeys && kN % 32 == 0, "the staged key tokens: whole warps");
 };
 
@@ -146,46 +144,9 @@ __device__ __forceinline__ QueryBlock query_block(const AttentionParams& p, int 
   return {block.row / heads, block.row % heads, (n_q_tiles - 1 - block.tile) * ForwardTiles<D>::kM};
 }
 
-// The first key tile after `after` that queries of span q_span of the head (context c) may
-// see, or n_tiles; warp-wide (next_visible).
-template <int D>
-__device__ __forceinline__ int next_key_tile(const AttentionParams& p, const HeadContext& c, const Span& q_span,
-                                             TileScan& scan, int after, int n_tiles) {
-  return next_visible(scan, after, n_tiles, [&](int tile, bool* complete) {
-    const Span kv = tile_span(c.kv_spans, c.n_kv_spans, static_cast<int64_t>(tile) * ForwardTiles<D>::kN,
-                              ForwardTiles<D>::kN);
-    *complete = kv.complete != 0;
-    return relate(p.mask, q_span, kv);
-  });
-}
-
-// What the producer needs to start a work item: its coordinates, query span and first
-// visible key tile (with the scan that found it). It is planned while the item before
-// loads its tiles (two dependent global round trips: the spans of the queries, then those
-// of the keys), so that a new item's first K copy waits on no load: at short sequences
-// the producer's start of an item is on the kernel's critical path.
-struct ItemPlan {
-  QueryBlock w;
-  Span q_span;
-  TileScan scan;
-  int first;
-};
-
-template <int D>
-__device__ __forceinline__ ItemPlan plan_item(const FlashArgs& a, int item, int n_tiles) {
-  ItemPlan plan;
-  plan.w = query_block<D>(a.p, item);
-  const HeadContext c = head_context(a, plan.w.b, plan.w.h);
-  plan.q_span = tile_span(c.q_spans, c.n_q_spans, plan.w.m0, ForwardTiles<D>::kM);
-  plan.scan = TileScan{-32, 0u, 0u, 0u};
-  plan.first = next_key_tile<D>(a.p, c, plan.q_span, plan.scan, -1, n_tiles);
-  return plan;
-}
-
 // The producer: warp 0 (lane 0 issues the copies and publishes the tiles). Per work item
 // it publishes the first K tile before it waits for the Q tile to be free (the previous
-// item's O leaves through it), so that K's load overlaps the consumers' epilogue; once
-// the item's first K, V and second K are on their way it plans the next item.
+// item's O leaves through it), so that K's load overlaps the consumers' epilogue.
 template <int D, bool kAlibi>
 __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, Control* control) {
   using T = ForwardTiles<D>;
@@ -202,21 +163,23 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
   const int n_tiles = static_cast<int>((p.seqlen_kv + T::kN - 1) / T::kN);
   uint32_t q_phase = 0;
   const int items = work_items<D>(p);
-  ItemPlan plan;
-  if (block_item(0, items) >= 0) plan = plan_item<D>(a, block_item(0, items), n_tiles);
-  for (int r = 0; block_item(r, items) >= 0; ++r) {
-    const ItemPlan item = plan;
-    const QueryBlock w = item.w;
-    const int next = block_item(r + 1, items);
-    bool planned = next < 0;
+  for (int r = 0; r * static_cast<int>(gridDim.x) < items; ++r) {
+    const int item = block_item(r, items);
+    if (item < 0) continue;
+    const QueryBlock w = query_block<D>(p, item);
     const HeadContext c = head_context(a, w.b, w.h);
     const int g = static_cast<int>(kv_head_of(w.h, p.heads, p.kv_heads));
-    TileScan scan = item.scan;
+    const Span q_span = tile_span(c.q_spans, c.n_q_spans, w.m0, T::kM);
+    TileScan scan{-32, 0u, 0u, 0u};
     // Pass i publishes tile i's K, then loads tile i - 1's V (`previous`), so that a K load
     // never waits behind the release of a V stage.
-    int t = item.first, previous = -1;
+    int t = -1, previous = -1;
     for (int i = 0;; ++i) {
-      if (i > 0) t = next_key_tile<D>(p, c, item.q_span, scan, t, n_tiles);
+      t = next_visible(scan, t, n_tiles, [&](int tile, bool* complete) {
+        const Span kv = tile_span(c.kv_spans, c.n_kv_spans, static_cast<int64_t>(tile) * T::kN, T::kN);
+        *complete = kv.complete != 0;
+        return relate(p.mask, q_span, kv);
+      });
       const int s = keys.stage;
       mbarrier_wait(smem_address(&control->k_empty[s]), keys.phase ^ 1u);
       if (t < n_tiles && (kAlibi || !((scan.full >> (t - scan.first)) & 1u))) {  // the key tokens, a lane a key
@@ -270,10 +233,6 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
         values.advance();
       }
       __syncwarp();  // the lanes stay in step (next_visible is warp-wide)
-      if (!planned && (i >= 1 || t >= n_tiles)) {
-        plan = plan_item<D>(a, next, n_tiles);
-        planned = true;
-      }
       if (t >= n_tiles) break;
       previous = t;
     }
