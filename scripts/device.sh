@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU machine (see ../shared/device/README.md): build fusedattn, run the
 # whole test suite including GPU tests, then the benchmarks named as arguments.
-# Logs and results go under $OUT; the short summary prints last. Each step also prints
+# Results go under $OUT (a benchmark's JSON), the logs under $LOGS (default
+# /tmp/device-logs) and, packed, in $OUT/logs.tar.gz: the device tool brings back at most
+# 8 files, so the logs travel as one. The short summary prints last. Each step also prints
 # a progress line with the seconds so far as it ends, so a call cut short by its
 # time limit still shows how far it got.
 #   usage: bash scripts/device.sh [benchmark-name ...]   e.g. small_seq
@@ -9,7 +11,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fusedattn-out}
-mkdir -p "$OUT"
+LOGS=${LOGS:-/tmp/device-logs}
+mkdir -p "$OUT" "$LOGS"
+pack_logs() { tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .; }
 summary=()
 started=$(date +%s)
 # Adds a line to the summary and prints it now, with the seconds since the start.
@@ -17,15 +21,15 @@ note() { summary+=("$1"); echo "[device.sh +$(( $(date +%s) - started ))s] $1"; 
 
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$LOGS/gpu.txt" 2>&1
 
-if ! python3 -m pip install -v --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
-  tail -60 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
+if ! python3 -m pip install -v --no-build-isolation --no-deps -e . > "$LOGS/build.log" 2>&1; then
+  tail -60 "$LOGS/build.log"; echo "BUILD FAILED"; pack_logs; exit 1
 fi
-note "build: ok ($(grep -c 'Building CUDA' "$OUT/build.log") CUDA objects)"
+note "build: ok ($(grep -c 'Building CUDA' "$LOGS/build.log") CUDA objects)"
 # The GPU libraries are built by default where a GPU JAX plugin or a GPU is seen (here: the
 # CUDA plugin of the machine's python3 and its GPU); the configure says what it decided.
-note "$(grep -oE 'fusedattn: (host op library only|GPU op libraries);.*' "$OUT/build.log" | head -1)"
+note "$(grep -oE 'fusedattn: (host op library only|GPU op libraries);.*' "$LOGS/build.log" | head -1)"
 
 # PYTEST_ARGS picks the tests (default: the whole suite); all of them run with the GPU
 # as JAX's default device, so the compiled backends run their CUDA kernels.
@@ -34,7 +38,7 @@ note "$(grep -oE 'fusedattn: (host op library only|GPU op libraries);.*' "$OUT/b
 # The tests run in SHARDS pytest processes side by side (default 4).
 note "tests on the GPU (${PYTEST_ARGS:-tests}), by shard:"
 while read -r line; do note "  $line"; done < <(
-  LOG_DIR="$OUT" bash scripts/pytest_shards.sh ${PYTEST_ARGS:-tests})
+  LOG_DIR="$LOGS" bash scripts/pytest_shards.sh ${PYTEST_ARGS:-tests})
 gpu_tests=$(python3 -m pytest -q -p no:cacheprovider --collect-only -m gpu ${PYTEST_ARGS:-tests} 2>/dev/null | tail -1)
 note "GPU-marked tests among them (collected with -m gpu): ${gpu_tests}"
 
@@ -42,10 +46,11 @@ for name in "$@"; do
   script="benchmarks/$name.py"
   [ -f "$script" ] || script="benchmarks/probes/$name.py"
   timeout "${BENCH_TIMEOUT:-0}" python3 "$script" --out "$OUT/$name.json" ${BENCH_ARGS:-} \
-    > "$OUT/bench_$name.log" 2>&1
+    > "$LOGS/bench_$name.log" 2>&1
   note "benchmark $name: exit $? (table below)"
 done
 
-grep -hE '^(FAILED|ERROR)' "$OUT/tests.log" | head -30
-for name in "$@"; do echo "== $name"; tail -40 "$OUT/bench_$name.log"; done
+pack_logs
+grep -hE '^(FAILED|ERROR)' "$LOGS/tests.log" | head -30
+for name in "$@"; do echo "== $name"; tail -40 "$LOGS/bench_$name.log"; done
 printf '%s\n' "${summary[@]}"
