@@ -8,6 +8,8 @@
 # was (rebuild it before measuring it again; never `git checkout` it, which would drop
 # uncommitted changes). The ab_<n>.json of earlier calls are removed first, so that a run
 # that fails leaves none, never an older one.
+# With WITH=<the tree's own flash.py result file>, the A/B table of benchmarks/flash_compare.py
+# (that file first, then each ab_<n>.json) prints last.
 #   usage: BENCH_ARGS="--impls flash,cudnn --shapes ..." bash scripts/flash_ab.sh newest.patch older.patch
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,3 +38,8 @@ for patch in "$@"; do
   echo "== ab $n: without $(basename "$patch") and the patches before it (exit $?)"
   tail -20 "$LOGS/ab_$n.log"
 done
+if [ -n "${WITH:-}" ]; then
+  files=("$WITH"); names=(with)
+  for ((k = 1; k <= n; k++)); do files+=("$OUT/ab_$k.json"); names+=("ab_$k"); done
+  python3 benchmarks/flash_compare.py "${files[@]}" --names "$(IFS=,; echo "${names[*]}")"
+fi
