@@ -12,6 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fusedattn-out}
 LOGS=${LOGS:-/tmp/device-logs}
+rm -rf "$LOGS"  # an earlier call's logs, on a machine kept warm
 mkdir -p "$OUT" "$LOGS"
 pack_logs() { tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .; }
 summary=()
