@@ -21,12 +21,7 @@ import dataclasses
 import json
 import numbers
 import pathlib
-import collections
-import concurrent.futures
-import multiprocessing
-import queue
 import sys
-import threading
 import time
 from typing import Any, Callable
 
@@ -37,6 +32,9 @@ import optax
 from jax.experimental import checkify
 
 from examples.common.checkpoints import Checkpoints
+from examples.common.pipeline import Prefetch, StepProfiler
+from examples.common.plots import plot_losses
+from examples.common.trees import trained_part
 from examples.common.workdir import MetricsLog, WorkdirLock
 
 Batch = dict[str, np.ndarray]
@@ -96,101 +94,6 @@ class Task:
         return trained_part(params, self.overwrite_with_gradient)
 
 
-def trained_part(params: dict, overwrite_with_gradient: tuple[str, ...]) -> dict:
-    """The part of params the optimizer updates: all top-level keys but those named."""
-    return {k: v for k, v in params.items() if k not in overwrite_with_gradient}
-
-
-# ----------------------------------------------------------------------------- params
-
-
-def named_leaves(tree) -> tuple[dict, Callable[[dict], Any]]:
-    """A pytree's array leaves as a nested dict keyed by their path names, and its inverse.
-
-    Optimizer states and orbax checkpoints of a nested dict are plain and portable,
-    whichever framework (NNX state, Equinox module) the leaves came from.
-    """
-    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    paths = [tuple(_key_name(k) for k in path) for path, _ in with_path]
-    # NNX variables add a trailing ".value"; it names nothing.
-    paths = [p[:-1] if len(p) > 1 and p[-1] == "value" else p for p in paths]
-    named: dict = {}
-    for path, (_, leaf) in zip(paths, with_path):
-        node = named
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = leaf
-
-    def rebuild(named_tree: dict):
-        leaves = []
-        for path in paths:
-            node = named_tree
-            for part in path:
-                node = node[part]
-            leaves.append(node)
-        return jax.tree_util.tree_unflatten(treedef, leaves)
-
-    return named, rebuild
-
-
-def _key_name(key) -> str:
-    for attr in ("name", "key", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def count_params(tree) -> int:
-    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
-
-
-def cast_floating(tree, dtype):
-    """Casts the floating-point leaves of a pytree (mixed precision: f32 master weights)."""
-    return jax.tree.map(
-        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
-
-
-def compute_dtype(name: str):
-    dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-    if name not in dtypes:
-        raise ValueError(f"config.model.dtype: got {name!r}; expected one of {sorted(dtypes)}.")
-    return dtypes[name]
-
-
-def attention_train_flops(batch: int, seqlen_q: int, seqlen_kv: int, num_heads: int,
-                          head_dim: int, num_layers: int, causal: bool) -> float:
-    """FLOPs of the attention matmuls (QK^T and PV), forward plus backward (3x forward).
-
-    Dense count over the [seqlen_q, seqlen_kv] score matrix per row and head, halved for a
-    causal mask; packing and padding masks do not reduce it.
-    """
-    forward = 2 * 2 * seqlen_q * seqlen_kv * num_heads * head_dim
-    return 3.0 * forward * batch * num_layers * (0.5 if causal else 1.0)
-
-
-def explain_inputs(attention, batch: int, seqlen_q: int, seqlen_kv: int, num_heads: int,
-                   num_kv_heads: int, head_dim: int, dtype):
-    """(q, k, v ShapeDtypeStructs, config) as a layer calls fused_attn, for ops.explain.
-
-    Separate arrays in the layout family of attention.qkv_layout (SBHD: [s, b, h, d],
-    else [b, s, h, d]), and a copy of the config naming that family's separate layout
-    (a packed layout packs these same arrays, see fusedattn.layers.qkv_layout).
-    """
-    import ml_collections
-    from fusedattn.ops.spec import AttentionSpec
-
-    family = AttentionSpec.from_config(attention).qkv_layout.format
-
-    def struct(seqlen, heads):
-        lead = (seqlen, batch) if family == "sbhd" else (batch, seqlen)
-        return jax.ShapeDtypeStruct((*lead, heads, head_dim), dtype)
-
-    separate = ml_collections.ConfigDict(attention.to_dict())
-    separate.qkv_layout = "_".join([family] * 3)
-    kv = struct(seqlen_kv, num_kv_heads)
-    return (struct(seqlen_q, num_heads), kv, kv), separate
-
-
 # ----------------------------------------------------------------------------- optimizer
 
 
@@ -210,137 +113,6 @@ def make_optimizer(optim, num_steps: int):
         optax.adamw(schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps,
                     weight_decay=optim.weight_decay, mask=decay_mask),
     ), schedule
-
-
-# ----------------------------------------------------------------------------- plots
-
-
-def plot_losses(records: list[dict], path: pathlib.Path, title: str,
-                reference: dict[str, float]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    steps = [r["step"] for r in records]
-    ax.plot(steps, [r["loss"] for r in records], label="train loss")
-    evals = [r for r in records if "eval_loss" in r]
-    if evals:
-        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-",
-                label="eval loss")
-    if "eval_best_loss" in reference:
-        ax.axhline(reference["eval_best_loss"], color="k", ls="--", lw=1,
-                   label=f"best possible (eval) {reference['eval_best_loss']:.3f}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats)")
-    ax.set_yscale("log")
-    plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
-    ax.yaxis.set_major_formatter(plain)
-    ax.yaxis.set_minor_formatter(plain)
-    ax.set_title(title)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-# ----------------------------------------------------------------------------- data
-
-
-class Prefetch:
-    """Produces the placed batches of steps start..stop-1, in order, from a background thread.
-
-    With workers > 0 the thread keeps depth + workers steps in flight in that many worker
-    processes (task.train_batch is pure in the step, so any process can make any step) and
-    places each result: a data pipeline of pure Python would otherwise bound a fast GPU's
-    steps by one CPU core.
-    """
-
-    def __init__(self, task: Task, start: int, stop: int, depth: int, workers: int):
-        self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
-        self._stop = threading.Event()
-        self._pool = (concurrent.futures.ProcessPoolExecutor(
-            workers, mp_context=multiprocessing.get_context("spawn")) if workers else None)
-        ahead = max(depth, 1) + workers
-
-        def in_thread(steps):
-            return (task.train_batch(step) for step in steps)
-
-        def in_workers(steps):
-            pending: collections.deque = collections.deque()
-            for step in steps:
-                pending.append(self._pool.submit(task.train_batch, step))
-                if len(pending) >= ahead:
-                    yield pending.popleft().result()
-            while pending:
-                yield pending.popleft().result()
-
-        def put(item) -> None:
-            while not self._stop.is_set():
-                try:
-                    self._queue.put(item, timeout=0.1)
-                    return
-                except queue.Full:
-                    pass
-
-        def work():
-            made = in_thread if self._pool is None else in_workers
-            try:
-                for batch in made(range(start, stop)):
-                    if self._stop.is_set():
-                        return
-                    put(task.placed(batch))
-            except Exception as error:  # the step waiting for this batch raises it
-                put(error)
-
-        self._thread = threading.Thread(target=work, daemon=True)
-        self._thread.start()
-
-    def next(self) -> Batch:
-        item = self._queue.get()
-        if isinstance(item, Exception):
-            raise item
-        return item
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-# ----------------------------------------------------------------------------- loop
-
-
-class StepProfiler:
-    """Traces steps [start, start + steps) with jax.profiler into `directory` (steps 0: off).
-
-    Only the training steps: the trace stops when the last one has finished, before
-    any logging, evaluation or checkpoint. It includes a Perfetto JSON
-    (perfetto_trace.json.gz) that benchmarks/kernel_profile.py sums into device
-    time per kernel kind.
-    """
-
-    def __init__(self, directory: pathlib.Path, start: int, steps: int):
-        self.directory, self.start, self.end = directory, start, start + steps
-        self.active = False
-
-    def at_step(self, step: int) -> None:
-        if step == self.start and self.end > self.start:
-            jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
-            self.active = True
-
-    def after_step(self, done: int) -> None:
-        if done == self.end:
-            self.stop()
-
-    def stop(self) -> None:
-        if self.active:
-            jax.block_until_ready(jax.live_arrays())
-            jax.profiler.stop_trace()
-            self.active = False
 
 
 class TrainerError(RuntimeError):
@@ -369,17 +141,6 @@ def check_trainer_config(config) -> None:
     if not isinstance(workers, int) or workers < 0:
         raise ValueError(f"config.trainer.data_workers must be an int >= 0 (0: batches made in "
                          f"the trainer's own thread), got {workers!r}.")
-
-
-def head_dim(config) -> int:
-    """config.model.d_model // num_heads, after checking both (ValueError naming the key)."""
-    check_positive(config, "model.d_model", "model.num_heads")
-    d_model, num_heads = config.model.d_model, config.model.num_heads
-    if d_model % num_heads:
-        raise ValueError(f"config.model.d_model ({d_model}) must be a multiple of "
-                         f"config.model.num_heads ({num_heads}): each head gets "
-                         "d_model / num_heads features.")
-    return d_model // num_heads
 
 
 def train_and_evaluate(config, workdir: str | pathlib.Path, task: Task,

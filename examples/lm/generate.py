@@ -32,6 +32,7 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 from examples.common import trainer  # noqa: E402
+from examples.common import trees  # noqa: E402
 from examples.lm import data as lm_data  # noqa: E402
 from examples.lm import models, train  # noqa: E402
 from fusedattn.layers import paged  # noqa: E402
@@ -68,7 +69,7 @@ def load_params(config, workdir: pathlib.Path, train_steps: int):
         train.train_and_evaluate(config, workdir)
         checkpoints = trainer.Checkpoints(workdir / "checkpoints", keep=1)
     tx, _ = trainer.make_optimizer(config.optim, config.trainer.num_steps)
-    trained = trainer.trained_part(model.params, model.overwrite_with_gradient)
+    trained = trees.trained_part(model.params, model.overwrite_with_gradient)
     step, state = checkpoints.restore_latest(
         {"params": model.params, "opt_state": tx.init(trained)}, report=print)
     checkpoints.close()

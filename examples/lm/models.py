@@ -7,7 +7,7 @@ LayerNorm and an untied output projection. The attention core is configured
 entirely by config.model.attention (backend, mask, sequence format...).
 
 `build(model_config, attention_config, seed)` returns a `Model`: the trainable
-parameters as a nested dict (examples.common.trainer.named_leaves) and
+parameters as a nested dict (examples.common.trees.named_leaves) and
 `apply(params, inputs, positions, segment_ids, dropout_key) -> logits float32
 [b, s, vocab]`; for the NNX model also `paged_decoder(params, num_pages, page_size)`,
 a decoding step over a paged KV cache (fusedattn.layers.paged; examples/lm/generate.py).
@@ -21,7 +21,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from examples.common import trainer
+from examples.common import model_facts
+from examples.common import trees
 from fusedattn.ops import SequenceDescriptor
 from fusedattn.ops.enums import SequenceFormat
 from fusedattn.ops.spec import AttentionSpec
@@ -94,7 +95,7 @@ def _build_nnx(c, attention, seed: int) -> Model:
     from fusedattn.layers import nnx as fa_nnx
     from fusedattn.layers import paged as fa_paged
 
-    dtype = trainer.compute_dtype(c.dtype)
+    dtype = model_facts.compute_dtype(c.dtype)
 
     class Block(nnx.Module):
         def __init__(self, rngs: nnx.Rngs):
@@ -133,8 +134,8 @@ def _build_nnx(c, attention, seed: int) -> Model:
 
     model = Transformer(nnx.Rngs(params=seed))
     graphdef, params, fp8_state, rest = nnx.split(model, nnx.Param, fa_nnx.Fp8Meta, ...)
-    named, rebuild = trainer.named_leaves(params)
-    named_fp8, rebuild_fp8 = trainer.named_leaves(fp8_state)
+    named, rebuild = trees.named_leaves(params)
+    named_fp8, rebuild_fp8 = trees.named_leaves(fp8_state)
     dropout = AttentionSpec.from_config(attention).dropout_rate > 0
 
     def merged(named_params):
@@ -170,9 +171,9 @@ def _build_nnx(c, attention, seed: int) -> Model:
 
         return lambda tokens, pages: step(m, tokens, pages)
 
-    embedding = trainer.count_params([named["embed"], named["pos_embed"]])
+    embedding = trees.count_params([named["embed"], named["pos_embed"]])
     params = {**named, **({FP8_STATE: named_fp8} if named_fp8 else {})}
-    return Model(params, apply, trainer.count_params(named), embedding, paged_decoder,
+    return Model(params, apply, trees.count_params(named), embedding, paged_decoder,
                  overwrite_with_gradient=(FP8_STATE,) if named_fp8 else (),
                  apply_with_max_logit=apply_with_max_logit)
 
@@ -188,7 +189,7 @@ def _build_equinox(c, attention, seed: int) -> Model:
         raise ValueError("config.model.qk_clip: QK-clip is served by the 'nnx' model; use "
                          "configs/lm_nnx.py or set config.model.qk_clip = 0.")
 
-    dtype = trainer.compute_dtype(c.dtype)
+    dtype = model_facts.compute_dtype(c.dtype)
 
     class Block(eqx.Module):
         ln1: eqx.nn.LayerNorm
@@ -242,13 +243,13 @@ def _build_equinox(c, attention, seed: int) -> Model:
 
     model = Transformer(jax.random.key(seed))
     params_tree, static = eqx.partition(model, eqx.is_inexact_array)
-    named, rebuild = trainer.named_leaves(params_tree)
+    named, rebuild = trees.named_leaves(params_tree)
     dropout = AttentionSpec.from_config(attention).dropout_rate > 0
 
     def apply(named_params, inputs, positions, segment_ids, dropout_key=None):
         params = rebuild(named_params)
         if dtype != jnp.float32:   # mixed precision: float32 master weights, compute in dtype
-            params = trainer.cast_floating(params, dtype)
+            params = trees.cast_floating(params, dtype)
         m = eqx.combine(params, static)
         sequence = sequence_descriptor(attention, segment_ids, positions)
         keys = (None if not dropout or dropout_key is None
@@ -256,5 +257,5 @@ def _build_equinox(c, attention, seed: int) -> Model:
         return jax.vmap(m, in_axes=(0, 0, 0, None if keys is None else 0))(
             inputs, positions, sequence, keys)
 
-    embedding = trainer.count_params([named["embed"], named["pos_embed"]])
-    return Model(named, apply, trainer.count_params(named), embedding)
+    embedding = trees.count_params([named["embed"], named["pos_embed"]])
+    return Model(named, apply, trees.count_params(named), embedding)

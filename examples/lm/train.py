@@ -12,6 +12,7 @@ import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from examples.common import trainer
+from examples.common import model_facts
 from examples.lm import data as lm_data
 from examples.lm import models
 from examples.lm import qk_clip as qk_clip_lib
@@ -105,7 +106,7 @@ def make_task(config, verbose: bool = True) -> trainer.Task:
     trainer.check_trainer_config(c)
     trainer.check_positive(c, "data.batch_size", "data.seq_len", "model.num_layers",
                            "model.mlp_dim", "model.vocab_size", "model.max_len")
-    head_dim = trainer.head_dim(c)
+    head_dim = model_facts.head_dim(c)
     attention = attention_for_data(c)
     if c.model.max_len < c.data.seq_len:
         raise ValueError(f"config.model.max_len ({c.model.max_len}) must be >= "
@@ -157,7 +158,7 @@ def make_task(config, verbose: bool = True) -> trainer.Task:
                                              for b in eval_batches) / weights)}
     tokens = c.data.batch_size * c.data.seq_len
     flops = (6.0 * (model.num_params - model.num_embedding_params) * tokens
-             + trainer.attention_train_flops(c.data.batch_size, c.data.seq_len, c.data.seq_len,
+             + model_facts.attention_train_flops(c.data.batch_size, c.data.seq_len, c.data.seq_len,
                                              c.model.num_heads, head_dim, c.model.num_layers,
                                              causal=True))
     if verbose:
@@ -171,10 +172,10 @@ def make_task(config, verbose: bool = True) -> trainer.Task:
         print("example: " + lm_data.decode(first["inputs"][0][first["segment_ids"][0] == 1]))
         sequence = models.sequence_descriptor(attention, first["segment_ids"],
                                               first["positions"])
-        shapes, explained = trainer.explain_inputs(
+        shapes, explained = model_facts.explain_inputs(
             attention, c.data.batch_size, c.data.seq_len, c.data.seq_len, c.model.num_heads,
             c.model.num_kv_heads or c.model.num_heads, head_dim,
-            trainer.compute_dtype(c.model.dtype))
+            model_facts.compute_dtype(c.model.dtype))
         print(ops.explain(shapes, config=explained, sequence=sequence))
     return trainer.Task(
         params=model.params, loss_fn=loss_fn, eval_fn=eval_fn,

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from examples.common import trainer
+from examples.common import model_facts
+from examples.common import trees
 from examples.small_seq.data import MAX_HISTORY
 from fusedattn.layers import nnx as fa_nnx
 from fusedattn.ops import SequenceDescriptor
@@ -48,7 +49,7 @@ def build(c, attention, seed: int, num_items: int, num_contexts: int) -> Model:
     if c.framework != "nnx":
         raise ValueError(f"config.model.framework: the recommender is written in Flax NNX; got "
                          f"{c.framework!r}, expected 'nnx'.")
-    dtype = trainer.compute_dtype(c.dtype)
+    dtype = model_facts.compute_dtype(c.dtype)
 
     class Block(nnx.Module):
         def __init__(self, rngs: nnx.Rngs):
@@ -88,13 +89,13 @@ def build(c, attention, seed: int, num_items: int, num_contexts: int) -> Model:
 
     model = Recommender(nnx.Rngs(params=seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    named, rebuild = trainer.named_leaves(params)
+    named, rebuild = trees.named_leaves(params)
     dropout = AttentionSpec.from_config(attention).dropout_rate > 0
 
     def apply(named_params, batch, dropout_key=None):
         m = nnx.merge(graphdef, rebuild(named_params), rest)
         return m(batch, sequence_descriptor(attention, batch), dropout_key if dropout else None)
 
-    embedding = trainer.count_params(
+    embedding = trees.count_params(
         [named["item_embed"], named["recency_embed"], named["context_embed"]])
-    return Model(named, apply, trainer.count_params(named), embedding)
+    return Model(named, apply, trees.count_params(named), embedding)

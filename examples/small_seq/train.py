@@ -7,6 +7,7 @@ import ml_collections
 import optax
 
 from examples.common import trainer
+from examples.common import model_facts
 from examples.small_seq import data as ss_data
 from examples.small_seq import models
 from fusedattn import ops
@@ -44,7 +45,7 @@ def make_task(config, verbose: bool = True) -> trainer.Task:
     trainer.check_trainer_config(c)
     trainer.check_positive(c, "data.batch_size", "data.users_per_row", "data.num_items",
                            "model.num_layers", "model.mlp_dim")
-    head_dim = trainer.head_dim(c)
+    head_dim = model_facts.head_dim(c)
     attention = attention_for_data(c)
     family = "thd" if AttentionSpec.from_config(attention).qkv_layout.is_thd else "bshd"
     batches = ss_data.Batches(c.data, family)
@@ -79,7 +80,7 @@ def make_task(config, verbose: bool = True) -> trainer.Task:
     kv_params = L * 2 * d * kv_dim
     flops = (6.0 * (model.num_params - model.num_embedding_params - kv_params) * users
              + 6.0 * kv_params * kv_tokens
-             + trainer.attention_train_flops(users, 1, ss_data.MAX_HISTORY, c.model.num_heads,
+             + model_facts.attention_train_flops(users, 1, ss_data.MAX_HISTORY, c.model.num_heads,
                                              head_dim, L, causal=False))
     if verbose:
         first = batches.train(0)
@@ -90,9 +91,9 @@ def make_task(config, verbose: bool = True) -> trainer.Task:
               f"possible eval loss {reference['eval_best_loss']:.4f}, accuracy "
               f"{reference['eval_best_accuracy']:.4f}")
         (b, sq), skv = first["context"].shape, first["history"].shape[1]
-        shapes, explained = trainer.explain_inputs(
+        shapes, explained = model_facts.explain_inputs(
             attention, b, sq, skv, c.model.num_heads, c.model.num_kv_heads or c.model.num_heads,
-            head_dim, trainer.compute_dtype(c.model.dtype))
+            head_dim, model_facts.compute_dtype(c.model.dtype))
         print(ops.explain(shapes, config=explained,
                           sequence=models.sequence_descriptor(attention, first)))
     return trainer.Task(
