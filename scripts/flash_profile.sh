@@ -4,7 +4,9 @@
 # forward and one backward at each shape given (default: the shape below). Output
 # under $OUT: flash.sass.gz, ncu_<shape>.txt (ending with the instructions of most stall samples,
 # benchmarks/probes/sass_stalls.py; and .ncu-rep, _sass.csv: stall samples per
-# instruction); a short summary prints last.
+# instruction); a short summary prints last. smsp__inst_executed / smsp__issue_active .max
+# against .min: how much busier the busiest scheduler is (the producer warp shares
+# scheduler 0 with one warp of each consumer warpgroup).
 #   usage: [KERNELS=forward|backward] bash scripts/flash_profile.sh ["b,s,h,h_kv,d[,causal]" ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,14 +43,14 @@ for shape in "${shapes[@]}"; do
   timeout 300 ncu --clock-control none --kernel-name-base demangled --kernel-name regex:"sm90::${kernels}_kernel" \
     --launch-skip $skip -c $count \
     --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters \
-    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,regex:sm__pipe_.*tensor.*cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,regex:sm__pipe_.*tensor.*cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum,smsp__inst_executed.max,smsp__inst_executed.min,smsp__issue_active.max,smsp__issue_active.min" \
     -o "${report%.txt}" -f python3 benchmarks/probes/flash_kernel_profile.py --shape "$dims" "${causal[@]}" > "$report" 2>&1
   ncu -i "${report%.txt}.ncu-rep" --page details >> "$report" 2>&1
   # Per SASS instruction: executions and stall samples by reason (where the time goes).
   ncu -i "${report%.txt}.ncu-rep" --page source --csv --print-source sass > "${report%.txt}_sass.csv" 2>&1
   python3 benchmarks/probes/sass_stalls.py "${report%.txt}_sass.csv" >> "$report" 2>&1
   echo "== $shape"
-  grep -E "^\s+void fusedattn|^\s+fusedattn|Duration|Compute \(SM\) Throughput|tensor|inst_executed.sum|Warp Cycles Per Issued|Issue Slots Busy|Eligible|stalled" \
+  grep -E "^\s+void fusedattn|^\s+fusedattn|Duration|Compute \(SM\) Throughput|tensor|inst_executed|issue_active|Warp Cycles Per Issued|Issue Slots Busy|Eligible|stalled" \
     "$report" | awk '$NF != "0" && $NF != "0.00"' | head -90
   tail -31 "$report"
 done
