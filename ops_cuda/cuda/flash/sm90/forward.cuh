@@ -8,10 +8,10 @@
 //   warpgroup 0, the producer: one warp finds the K and V tiles that the queries can see
 //     (../spans.cuh; 32 tiles at a time, a lane each) and one thread loads the Q tile
 //     (once the previous item's O has left it), the K and V tiles, with TMA into rings
-//     of three K and two V stages
-//     (each pass publishes tile i's K and then loads tile i - 1's V); K and V
-//     complete on mbarriers of their own and are released by the consumers through
-//     "empty" mbarriers of their own (K once the tile's weights are computed). With each K
+//     of three K and two V stages (each pass publishes tile i's K and then loads tile
+//     i - 1's V); K and V complete on mbarriers of their own and are released by the
+//     consumers through "empty" mbarriers of their own (K once the tile's weights are
+//     computed). With each K
 //     it publishes the tile's index, whether every pair is visible and whether the tile may
 //     hold padding keys, and for a tile that is not all visible its keys' segment ids and
 //     positions (the mask reads them from shared memory; with ALiBi, kAlibi, those of every
@@ -21,8 +21,9 @@
 //     O += P V by wgmma with P from registers and V from shared memory; tile i's S is
 //     issued with tile i - 1's P V, and its softmax runs while that product does. The two
 //     take turns issuing (named barriers), so that one's softmax overlaps the other's
-//     products; O leaves through their rows of the Q tile. In a tile with padding keys they first zero those keys' V rows (garbage
-//     there, even NaN, reaches no output; K's garbage is masked by selection).
+//     products; O leaves through their rows of the Q tile. In a tile with padding keys
+//     they first zero those keys' V rows (garbage there, even NaN, reaches no output; K's
+//     garbage is masked by selection).
 // setmaxnreg moves registers from the producer to the consumers.
 #ifndef FUSEDATTN_FLASH_SM90_FORWARD_CUH_
 #define FUSEDATTN_FLASH_SM90_FORWARD_CUH_
