@@ -31,8 +31,7 @@ _ROOT = pathlib.Path(__file__).resolve().parents[2]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from examples.common import trainer  # noqa: E402
-from examples.common import trees  # noqa: E402
+from examples.common import trainer, trees  # noqa: E402
 from examples.lm import data as lm_data  # noqa: E402
 from examples.lm import models, train  # noqa: E402
 from fusedattn.layers import paged  # noqa: E402

@@ -21,8 +21,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from examples.common import model_facts
-from examples.common import trees
+from examples.common import model_facts, trees
 from fusedattn.ops import SequenceDescriptor
 from fusedattn.ops.enums import SequenceFormat
 from fusedattn.ops.spec import AttentionSpec

@@ -11,8 +11,7 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from examples.common import trainer
-from examples.common import model_facts
+from examples.common import model_facts, trainer
 from examples.lm import data as lm_data
 from examples.lm import models
 from examples.lm import qk_clip as qk_clip_lib
@@ -159,8 +158,8 @@ def make_task(config, verbose: bool = True) -> trainer.Task:
     tokens = c.data.batch_size * c.data.seq_len
     flops = (6.0 * (model.num_params - model.num_embedding_params) * tokens
              + model_facts.attention_train_flops(c.data.batch_size, c.data.seq_len, c.data.seq_len,
-                                             c.model.num_heads, head_dim, c.model.num_layers,
-                                             causal=True))
+                                                 c.model.num_heads, head_dim, c.model.num_layers,
+                                                 causal=True))
     if verbose:
         first = batches.train(0)
         print(f"model: {c.model.framework}, {model.num_params / 1e6:.2f}M parameters "

@@ -20,8 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from examples.common import model_facts
-from examples.common import trees
+from examples.common import model_facts, trees
 from examples.small_seq.data import MAX_HISTORY
 from fusedattn.layers import nnx as fa_nnx
 from fusedattn.ops import SequenceDescriptor

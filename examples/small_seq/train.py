@@ -6,8 +6,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from examples.common import trainer
-from examples.common import model_facts
+from examples.common import model_facts, trainer
 from examples.small_seq import data as ss_data
 from examples.small_seq import models
 from fusedattn import ops
@@ -81,7 +80,7 @@ def make_task(config, verbose: bool = True) -> trainer.Task:
     flops = (6.0 * (model.num_params - model.num_embedding_params - kv_params) * users
              + 6.0 * kv_params * kv_tokens
              + model_facts.attention_train_flops(users, 1, ss_data.MAX_HISTORY, c.model.num_heads,
-                                             head_dim, L, causal=False))
+                                                 head_dim, L, causal=False))
     if verbose:
         first = batches.train(0)
         print(f"model: recommender ({c.model.framework}), {model.num_params / 1e6:.2f}M "
