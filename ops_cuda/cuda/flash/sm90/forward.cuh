@@ -201,35 +201,20 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
         control->tile[s] = t;
         control->full[s] = (scan.full >> bit) & 1u;
         control->padded[s] = (scan.padded >> bit) & 1u;
-        const uint32_t k_dst = base + T::kKOffset + s * T::kTileBytes;
-        mbarrier_arrive_expect_tx(smem_address(&control->k_full[s]), T::kTileBytes);
-#pragma unroll
-        for (int atom = 0; atom < T::kAtoms; ++atom) {
-          tma_load_4d(k_dst + atom * T::kN * kAtomRowBytes, &args.k_map, smem_address(&control->k_full[s]),
-                      atom * kAtomColumns, g, t * T::kN, static_cast<int>(w.b));
-        }
+        tma_load_tile<T::kN, T::kAtoms>(base + T::kKOffset + s * T::kTileBytes, &args.k_map,
+                                        smem_address(&control->k_full[s]), g, t * T::kN, w.b);
       }
       keys.advance();
       if (leader && i == 0) {  // the Q tile, once the previous item's O has left it
         mbarrier_wait(smem_address(&control->q_empty), q_phase ^ 1u);
-        mbarrier_arrive_expect_tx(smem_address(&control->q_full), T::kQBytes);
-#pragma unroll
-        for (int atom = 0; atom < T::kAtoms; ++atom) {
-          tma_load_4d(base + atom * T::kM * kAtomRowBytes, &args.q_map, smem_address(&control->q_full),
-                      atom * kAtomColumns, static_cast<int>(w.h), static_cast<int>(w.m0), static_cast<int>(w.b));
-        }
+        tma_load_tile<T::kM, T::kAtoms>(base, &args.q_map, smem_address(&control->q_full), w.h, w.m0, w.b);
       }
       if (previous >= 0) {  // tile i - 1's V
         const int v = values.stage;
         mbarrier_wait(smem_address(&control->v_empty[v]), values.phase ^ 1u);
         if (leader) {
-          const uint32_t v_dst = base + T::kVOffset + v * T::kTileBytes;
-          mbarrier_arrive_expect_tx(smem_address(&control->v_full[v]), T::kTileBytes);
-#pragma unroll
-          for (int atom = 0; atom < T::kAtoms; ++atom) {
-            tma_load_4d(v_dst + atom * T::kN * kAtomRowBytes, &args.v_map, smem_address(&control->v_full[v]),
-                        atom * kAtomColumns, g, previous * T::kN, static_cast<int>(w.b));
-          }
+          tma_load_tile<T::kN, T::kAtoms>(base + T::kVOffset + v * T::kTileBytes, &args.v_map,
+                                          smem_address(&control->v_full[v]), g, previous * T::kN, w.b);
         }
         values.advance();
       }

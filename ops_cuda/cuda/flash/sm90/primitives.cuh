@@ -115,6 +115,19 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
+// One thread's load of a tile of kRows rows in kAtoms swizzle atoms (64 columns each, one
+// after another from dst): announces the tile's bytes on barrier bar, then copies atom a
+// from the box at (64 a, c1, c2, c3) of the map.
+template <int kRows, int kAtoms>
+__device__ __forceinline__ void tma_load_tile(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c1, int c2,
+                                              int c3) {
+  mbarrier_arrive_expect_tx(bar, kRows * kAtoms * kAtomRowBytes);
+#pragma unroll
+  for (int atom = 0; atom < kAtoms; ++atom) {
+    tma_load_4d(dst + atom * kRows * kAtomRowBytes, map, bar, atom * kAtomColumns, c1, c2, c3);
+  }
+}
+
 // Copies the box of a 4-d tensor map at coordinates (c0 innermost .. c3) from shared memory
 // at src, as one bulk group of this thread; elements outside the tensor are not written.
 __device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2, int c3) {
