@@ -157,9 +157,11 @@ def loss_and_grads(overrides: dict, inputs: dict, context=None):
 
 
 def check_matches_unsharded(overrides, inputs, strategy, load_balance, mesh, axis="cp",
-                            tol=TOL, batch_axis=None):
-    """The sharded call (device layout) equals the unsharded one, output and gradients."""
-    value, out, grads = loss_and_grads(overrides, inputs)
+                            tol=TOL, batch_axis=None, reference=None):
+    """The sharded call (device layout) equals the unsharded one, output and gradients;
+    `reference` names the unsharded call's backend (default: the sharded call's)."""
+    value, out, grads = loss_and_grads(
+        overrides if reference is None else {**overrides, "backend": reference}, inputs)
     n = mesh.shape[axis]
     seq_arrays = ("q", "k", "v", "w")
     to_device = ((lambda x: reorder_causal_load_balancing(x, n)) if load_balance
@@ -425,14 +427,20 @@ EIGHT_DEVICES = textwrap.dedent("""
 
 
 def test_eight_devices(seed):
-    """A few cases and the memory bound on an 8-device mesh (a subprocess: the device count
-    is fixed at start)."""
+    """A few cases and the memory bound on an 8-device mesh."""
+    run_on_host_devices(EIGHT_DEVICES.format(seed=seed), 8)
+
+
+def run_on_host_devices(script: str, count: int) -> None:
+    """Runs `script` (which prints "ok" at its end) in a subprocess with `count` host
+    devices (the device count is fixed when JAX starts); the tests' folder is importable."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
-                              env.get("XLA_FLAGS", "")) + " --xla_force_host_platform_device_count=8"
+                              env.get("XLA_FLAGS", "")) + (
+        f" --xla_force_host_platform_device_count={count}")
     here = os.path.dirname(__file__)
     env["PYTHONPATH"] = os.pathsep.join([here, env.get("PYTHONPATH", "")])
-    result = subprocess.run([sys.executable, "-c", EIGHT_DEVICES.format(seed=seed)], env=env,
+    result = subprocess.run([sys.executable, "-c", script], env=env,
                             capture_output=True, text=True, timeout=600, cwd=here)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-4000:]
 

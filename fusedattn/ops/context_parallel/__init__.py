@@ -27,12 +27,17 @@ sliding window, other documents only) is skipped with `jax.lax.cond`, so under
 load-balanced causal masks an off-diagonal step does half the work. The flash kernels
 skip invisible tiles themselves (from the tokens' positions and segments, in any order),
 so they take a device's whole shard against a whole block in one call (one piece), and
-only blocks with no visible entry are skipped. A pair runs the backend's log-sum-exp
-entry point: xla (every feature) or flash
+only blocks with no visible entry are skipped. cuDNN reads no token positions, so
+cudnn is called per chunk pair with the pair's own mask (blocks._pair_kind, from the
+pair's global chunk indices): "no_mask" where wholly visible, top-left "causal" on the
+diagonal, nothing where invisible; that serves dense "no_mask" and "causal" masks
+(one call per block without a causal mask), and verdict says why not the rest. A pair
+runs the backend's log-sum-exp entry point: xla (every feature), flash
 (host build: bias arrays included; no ALiBi, and no dropout, its masks being keyed
-by block-local indices). Softmax sinks (off_by_one, learnable) join once per query after the merge;
-dropout masks are drawn at the global query and key indices, so every result equals the
-unsharded call's (up to float32 rounding of the merge).
+by block-local indices) or cudnn (backends/cudnn/lse.py). Softmax sinks (off_by_one,
+learnable) join once per query after the merge; dropout masks are drawn at the global
+query and key indices, so every result equals the unsharded call's (up to float32
+rounding of the merge).
 
 The package, one job a module (each imports only the ones before it):
 

@@ -9,8 +9,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from fusedattn.ops.context_parallel.blocks import (_over_blocks, _over_pairs, _rows, _seq_slice,
-                                                   _seq_update, _visible_anywhere)
+from fusedattn.ops.context_parallel.blocks import (_over_blocks, _over_pairs, _pair_call, _rows,
+                                                   _seq_slice, _seq_update)
 from fusedattn.ops.context_parallel.plan import _KERNELS, _Plan
 from fusedattn.ops.enums import SoftmaxType
 
@@ -28,20 +28,19 @@ def _backward_local(plan: _Plan, operands: dict, out, lse, d_out):
     bias = operands.get("bias")
     zeros = functools.partial(jax.tree.map, lambda x: jnp.zeros(x.shape, jnp.float32))
 
-    def visit_pair(args, keep, rows, column, j, carry):
+    def visit_pair(args, keep, pair, carry):
         (d_k, d_v), (d_q, d_bias) = carry
+        rows, column, j = pair.rows, pair.column, pair.start
         whole = (_seq_slice(out, rows, width), jax.lax.dynamic_slice_in_dim(lse, rows, width, 2),
                  _seq_slice(d_out, rows, width))
 
-        def run():
-            dropout = (keep,) if plan.kernel == "xla" else ()  # flash serves no dropout here
-            grads = kernel.attention_backward_from_lse(plan.spec, args, plan.scale, *dropout,
-                                                       *whole)
+        def run(spec):
+            dropout = (keep,) if plan.kernel == "xla" else ()  # flash, cudnn: no dropout here
+            grads = kernel.attention_backward_from_lse(spec, args, plan.scale, *dropout, *whole)
             return jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
-        g_q, g_k, g_v, g_bias = jax.lax.cond(
-            _visible_anywhere(plan, args), run,
-            lambda: zeros((args.q, args.k, args.v, args.bias)))
+        g_q, g_k, g_v, g_bias = _pair_call(plan, args, pair, run,
+                                           lambda: zeros((args.q, args.k, args.v, args.bias)))
         if plan.bias_array:  # every (rows, columns) block is visited once
             d_bias = jax.lax.dynamic_update_slice_in_dim(
                 d_bias, jax.lax.dynamic_update_slice_in_dim(_rows(d_bias, rows, width), g_bias,

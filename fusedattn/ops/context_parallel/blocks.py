@@ -3,10 +3,15 @@
 _over_blocks visits every device's K/V block (ring: blocks circulate with ppermute and
 accumulators follow them one step behind; all_gather: blocks sliced from the gathered K/V,
 accumulators reduce-scattered); _over_pairs visits every (query piece, key piece) pair
-of a block as a canonical call, with its dropout mask drawn at global indices.
+of a block as a canonical call, with its dropout mask drawn at global indices and where
+it sits (_Pair); _pair_call runs a backend's call on a pair unless it sees nothing, with
+the mask the backend needs (the call's own, or the pair's kind for kernels that read no
+positions: _pair_kind).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +19,11 @@ import jax.numpy as jnp
 from fusedattn.ops import philox
 from fusedattn.ops.backends.base import CanonicalArgs, TokenInfo, visible_mask
 from fusedattn.ops.context_parallel.plan import _Plan
+from fusedattn.ops.enums import MaskType
+
+# The kinds of a chunk pair under a dense mask, which kernels without token positions
+# (plan.chunk_masked) are called by: no visible entry, every entry, the causal diagonal.
+SKIP, FULL, DIAGONAL = 0, 1, 2
 
 
 def _seq_slice(x: jax.Array, start, width: int) -> jax.Array:
@@ -98,12 +108,59 @@ def _ring(plan: _Plan, kv: tuple, zeros, state, visit):
     return _rotate(plan, held), state
 
 
+class _Pair(NamedTuple):
+    """Where a (query piece, key piece) pair sits, all traced int32 scalars.
+
+    rows: the query piece's first local row; column: the key piece's first device-layout
+    column; start: its first key within the block; kind: SKIP, FULL or DIAGONAL
+    (_pair_kind) where plan.chunk_masked, else None.
+    """
+
+    rows: jax.Array
+    column: jax.Array
+    start: jax.Array
+    kind: jax.Array | None
+
+
+def _pair_kind(plan: _Plan, q_first, kv_first, q_width: int, kv_width: int) -> jax.Array:
+    """SKIP, FULL or DIAGONAL (int32) of the chunk pair whose first query and key are the
+    natural-order tokens q_first and kv_first (traced), pieces q_width and kv_width long.
+
+    Without a causal mask every pair is FULL. Under one (verdict: sq == skv, so a piece is
+    one chunk of one length) query chunk c against key chunk d is FULL for c > d,
+    DIAGONAL for c == d (top-left causal within the pair) and SKIP for c < d.
+    """
+    if not plan.spec.mask.is_causal:
+        return jnp.int32(FULL)
+    q_chunk, kv_chunk = q_first // q_width, kv_first // kv_width
+    return jnp.where(q_chunk > kv_chunk, FULL,
+                     jnp.where(q_chunk == kv_chunk, DIAGONAL, SKIP)).astype(jnp.int32)
+
+
+def _pair_call(plan: _Plan, args: CanonicalArgs, pair: _Pair, call, skipped):
+    """call(spec) on a pair that sees anything, else skipped() (jax.lax control flow).
+
+    A kernel reading the tokens gets the call's spec, skipped where no entry is visible
+    (lax.cond); one that reads no positions (plan.chunk_masked) gets the pair's mask:
+    lax.switch over its kind, "no_mask" for FULL and top-left "causal" for DIAGONAL
+    (without a causal mask every pair is FULL: no switch, one call traced).
+    """
+    if not plan.chunk_masked:
+        return jax.lax.cond(jnp.any(visible_mask(plan.spec, args.tokens)),
+                            lambda: call(plan.spec), skipped)
+    if not plan.spec.mask.is_causal:
+        return call(plan.spec.replace(mask=MaskType.NO_MASK))
+    branches = {SKIP: skipped,
+                FULL: lambda: call(plan.spec.replace(mask=MaskType.NO_MASK)),
+                DIAGONAL: lambda: call(plan.spec.replace(mask=MaskType.CAUSAL))}
+    return jax.lax.switch(pair.kind, [branches[kind] for kind in sorted(branches)])
+
+
 def _over_pairs(plan: _Plan, operands: dict, source, kv: tuple, carry, visit):
-    """Runs visit(args, keep, rows, column, j, carry) -> carry over every (query piece, key
-    piece) pair of one block (a lax.scan: one copy of the pair's computation), where
-    rows is the query piece's first local row and j the key piece within the block
-    (both traced), column its first device-layout column; args is the pair's canonical
-    call and keep its dropout mask (None without dropout)."""
+    """Runs visit(args, keep, pair, carry) -> carry over every (query piece, key piece)
+    pair of one block (a lax.scan: one copy of the pair's computation), where args is
+    the pair's canonical call, keep its dropout mask (None without dropout) and pair
+    where it sits (_Pair)."""
     pieces = plan.pieces
     q_width, kv_width = operands["q"].shape[1] // pieces, kv[0].shape[1] // pieces
 
@@ -124,7 +181,9 @@ def _over_pairs(plan: _Plan, operands: dict, source, kv: tuple, carry, visit):
             keep = philox.dropout_keep_mask(operands["seed"], plan.spec.dropout_rate,
                                             (q.shape[0], q.shape[2], q_width, kv_width),
                                             q_index, kv_index)
-        return visit(args, keep, rows, column, start, carry), None
+        kind = (_pair_kind(plan, q_index[0], kv_index[0], q_width, kv_width)
+                if plan.chunk_masked else None)
+        return visit(args, keep, _Pair(rows, column, start, kind), carry), None
 
     carry, _ = jax.lax.scan(step, carry, jnp.arange(pieces * pieces))
     return carry
@@ -133,7 +192,3 @@ def _over_pairs(plan: _Plan, operands: dict, source, kv: tuple, carry, visit):
 def _rows(x: jax.Array, start, width: int) -> jax.Array:
     """Rows [start, start + width) of a bias-shaped [b, h, sq, skv] array."""
     return jax.lax.dynamic_slice_in_dim(x, start, width, 2)
-
-
-def _visible_anywhere(plan: _Plan, args: CanonicalArgs) -> jax.Array:
-    return jnp.any(visible_mask(plan.spec, args.tokens))

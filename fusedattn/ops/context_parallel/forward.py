@@ -7,8 +7,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fusedattn.ops.context_parallel.blocks import (_over_blocks, _over_pairs, _seq_slice,
-                                                   _seq_update, _visible_anywhere)
+from fusedattn.ops.context_parallel.blocks import (_over_blocks, _over_pairs, _pair_call,
+                                                   _seq_slice, _seq_update)
 from fusedattn.ops.context_parallel.plan import _KERNELS, _Plan
 from fusedattn.ops.enums import SoftmaxType
 
@@ -23,13 +23,14 @@ def _forward_local(plan: _Plan, operands: dict):
     empty = (jnp.zeros((b, width, h, dv), jnp.float32),
              jnp.full((b, h, width), -jnp.inf, jnp.float32))
 
-    def visit_pair(args, keep, rows, column, j, state):
-        def run():
+    def visit_pair(args, keep, pair, state):
+        def run(spec):
             extra = (keep,) if plan.kernel == "xla" else ()
-            o, lse = kernel.attention_with_lse(plan.spec, args, plan.scale, *extra)
+            o, lse = kernel.attention_with_lse(spec, args, plan.scale, *extra)
             return o.astype(jnp.float32), lse
 
-        o, lse = jax.lax.cond(_visible_anywhere(plan, args), run, lambda: empty)
+        o, lse = _pair_call(plan, args, pair, run, lambda: empty)
+        rows = pair.rows
         out, lse_all = state
         merged_out, merged_lse = _merge(_seq_slice(out, rows, width),
                                         jax.lax.dynamic_slice_in_dim(lse_all, rows, width, 2),

@@ -36,7 +36,7 @@ def max_logit(spec: AttentionSpec, args: CanonicalArgs, scale: float) -> jax.Arr
     plan, operands = _plan_and_operands(spec, "xla", args._replace(dropout_seed=None), scale)
 
     def local(operands):
-        def visit_pair(pair_args, keep, rows, column, j, largest):
+        def visit_pair(pair_args, keep, pair, largest):
             return jnp.maximum(largest, max_logit_pass.max_logit(plan.spec, pair_args,
                                                                  plan.scale))
 

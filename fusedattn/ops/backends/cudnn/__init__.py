@@ -60,7 +60,12 @@ What it serves (everything else is rejected by `supports` with the reason):
 - deterministic backward (config.deterministic_backward) through cuDNN's
   deterministic algorithm;
 - FP8 (config.fp8.enabled) through cuDNN's FP8 graphs on Hopper and newer: dense
-  "no_mask" and "causal" (fp8_calls.py, fp8_vjp.py; docs/fp8.md says what else).
+  "no_mask" and "causal" (fp8_calls.py, fp8_vjp.py; docs/fp8.md says what else);
+- context parallelism (config.context_parallel) per block through lse.py: cuDNN reads
+  no token positions, so each chunk pair is a "no_mask" or top-left "causal" call (or
+  skipped), which serves dense "no_mask" and "causal" masks (also "causal_bottom_right"
+  with sq == skv) with every softmax variant; context_parallel.verdict says why not
+  for the rest (padding, packing, windows, bias, ALiBi, dropout).
 
 Under jax.vmap the mapped axis folds into the batch (one cuDNN call); a vmap
 over dropout keys or softmax offsets runs one call per example instead, since
@@ -87,6 +92,9 @@ The package, one job a module (each imports only the ones before it):
                   the rows cuDNN cannot express
     ffi_calls.py  the two FFI calls and their operands, sharded and folded under vmap
     vjp.py        the custom_vjp over the FFI calls (the op)
+    lse.py        the log-sum-exp block entry points of context parallelism
+                  (attention_with_lse, attention_backward_from_lse: dense "no_mask" and
+                  top-left "causal" blocks, cuDNN's stats as the log-sum-exp)
     fp8_calls.py  the two FP8 FFI calls
     fp8_vjp.py    the FP8 op: the recipe of ops/fp8.py around them, a custom_vjp
     backend.py    CudnnBackend: supports() and its reasons, attention() (bias, ALiBi,
@@ -94,5 +102,6 @@ The package, one job a module (each imports only the ones before it):
 """
 
 from fusedattn.ops.backends.cudnn.backend import BACKEND, CudnnBackend
+from fusedattn.ops.backends.cudnn.lse import attention_backward_from_lse, attention_with_lse
 
-__all__ = ["BACKEND", "CudnnBackend"]
+__all__ = ["BACKEND", "CudnnBackend", "attention_backward_from_lse", "attention_with_lse"]
