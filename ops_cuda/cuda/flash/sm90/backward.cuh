@@ -90,6 +90,7 @@ struct BackwardTiles {
   using Control = BackwardControl<kStages, kM>;
   // 1024: room to align the start (the swizzle atoms need 1024-byte alignment).
   static constexpr int kSharedBytes = kControlOffset + static_cast<int>(sizeof(Control)) + 1024;
+  static_assert(kSharedBytes <= kMaxSharedBytes, "the tiles' shared memory exceeds a block's");
   // 24 + 2 x 240 = 3 x 168 (the registers at entry): setmaxnreg.inc waits until the
   // block's pool holds what it asks for, so a larger producer share would hang the block.
   static constexpr int kProducerRegisters = 24;

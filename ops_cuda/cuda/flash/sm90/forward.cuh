@@ -77,6 +77,7 @@ struct ForwardTiles {
   static constexpr int kControlOffset = kVOffset + kValueStages * kTileBytes;
   // 1024: room to align the start (the swizzle atoms need 1024-byte alignment).
   static constexpr int kSharedBytes = kControlOffset + static_cast<int>(sizeof(Control)) + 1024;
+  static_assert(kSharedBytes <= kMaxSharedBytes, "the tiles' shared memory exceeds a block's");
   // The producer's loop over work items needs 56 registers (with 24 it spilled); 56 x 128 + 224 x 256
   // threads fit 64K.
   static constexpr int kProducerRegisters = 56;

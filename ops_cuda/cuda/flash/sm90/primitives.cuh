@@ -24,6 +24,9 @@ namespace sm90 {
 
 constexpr int kAtomColumns = 64;  // 16-bit elements per 128-byte swizzle atom row
 constexpr int kAtomRowBytes = 128;
+// The most dynamic shared memory an sm_90 block may opt into; a launch asking for more
+// fails with a bare "invalid argument", so every kernel's layout is checked against it.
+constexpr int kMaxSharedBytes = 227 * 1024;
 
 // ---- mbarriers (shared-memory addresses) ------------------------------------
 
