@@ -60,14 +60,17 @@ def shape_label(name: str) -> str:
 
 
 def chart_tflops(results, out, name, series_keys, title):
-    """TF/s per shape, fwd and fwd+bwd panels; series_keys: {legend: summary key}."""
+    """TF/s per shape, fwd and fwd+bwd panels; series_keys: {legend: summary key} (a series
+    the file has no value of is left out)."""
     data = load(results, name)
+    measured = {legend: key for legend, key in series_keys.items()
+                if any(r.get(key) is not None for r in data["summary"])}
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
     for ax, pass_ in zip(axes, PASSES):
         rows = [r for r in data["summary"] if r["pass"] == pass_]
-        series = {legend: [r.get(key) for r in rows] for legend, key in series_keys.items()}
+        series = {legend: [r.get(key) for r in rows] for legend, key in measured.items()}
         grouped_bars(ax, [shape_label(r["name"]) for r in rows], series, "TF/s", f"{title}, {pass_}")
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper center", ncol=len(series_keys), fontsize=8)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper center", ncol=len(measured), fontsize=8)
     return save(fig, out, name, data, top=0.9)
 
 
@@ -81,13 +84,16 @@ def chart_cudnn(results, out):
 
 
 def chart_flash(results, out):
-    """The flash CUDA kernels against the cudnn backend, JAX's cuDNN call and FlashAttention-3."""
+    """The flash CUDA kernels (sm_90a, and the portable sm_80 text named) against the cudnn
+    backend, JAX's cuDNN call, FlashAttention-3 and the xla backend, where the file has them."""
     return chart_tflops(results, out, "flash", {
         "fusedattn flash": "flash_tflops",
+        "fusedattn flash, sm_80 kernels": "flash_sm80_tflops",
         "fusedattn cudnn": "cudnn_tflops",
         "jax.nn.dot_product_attention (cudnn)": "jax_cudnn_tflops",
         "FlashAttention-3": "fa3_tflops",
-    }, "flash kernels (d=256: no FA3 row)")
+        "fusedattn xla": "xla_tflops",
+    }, "flash kernels")
 
 
 def chart_small_seq(results, out):
