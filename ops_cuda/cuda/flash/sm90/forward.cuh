@@ -32,6 +32,7 @@
 #include "../softmax_tile.cuh"
 #include "primitives.cuh"
 #include "tiles.cuh"
+#include "trace.cuh"
 
 namespace fusedattn {
 namespace flash {
@@ -168,6 +169,7 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
   for (int r = 0; r * static_cast<int>(gridDim.x) < items; ++r) {
     const int item = block_item(r, items);
     if (item < 0) continue;
+    if (leader) trace_stamp(0, r, 0);
     const QueryBlock w = query_block<D>(p, item);
     const HeadContext c = head_context(a, w.b, w.h);
     const int g = static_cast<int>(kv_head_of(w.h, p.heads, p.kv_heads));
@@ -204,10 +206,13 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
         control->padded[s] = (scan.padded >> bit) & 1u;
         tma_load_tile<T::kN, T::kAtoms>(base + T::kKOffset + s * T::kTileBytes, &args.k_map,
                                         smem_address(&control->k_full[s]), g, t * T::kN, w.b);
+        if (i == 0) trace_stamp(0, r, 1);
       }
       keys.advance();
       if (leader && i == 0) {  // the Q tile, once the previous item's O has left it
+        trace_stamp(0, r, 2);
         mbarrier_wait(smem_address(&control->q_empty), q_phase ^ 1u);
+        trace_stamp(0, r, 3);
         tma_load_tile<T::kM, T::kAtoms>(base, &args.q_map, smem_address(&control->q_full), w.h, w.m0, w.b);
       }
       if (previous >= 0) {  // tile i - 1's V
@@ -223,8 +228,10 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
       if (t >= n_tiles) break;
       previous = t;
     }
+    if (leader) trace_stamp(0, r, 4);
     q_phase ^= 1u;
   }
+  if (leader) trace_dump(0, (items + gridDim.x - 1) / gridDim.x);
 }
 
 // One consumer warpgroup (index cw, 0 or 1) on one work item: queries m0 + 64 cw .. + 63.
@@ -232,12 +239,12 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
 // while that product does (O is rescaled once it is done). The first tile runs alone, so
 // that the loop always has the same products in flight (the compiler then keeps them
 // asynchronous). Every K and V stage it takes is released, and the Q tile once O has left
-// it, for the block's next item.
+// it, for the block's next item. `round`: the block's item count so far (the trace's index).
 template <ElementType ET, int D, bool kAlibi>
 __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorMap* o_map, uint32_t base,
                                              Control* control, const QueryBlock& w, uint32_t q_phase, int cw,
                                              Ring<ForwardTiles<D>::kKeyStages>& keys,
-                                             Ring<ForwardTiles<D>::kValueStages>& values) {
+                                             Ring<ForwardTiles<D>::kValueStages>& values, int round) {
   using T = ForwardTiles<D>;
   const AttentionParams& p = a.p;
   const int64_t b = w.b, h = w.h, m0 = w.m0;
@@ -347,7 +354,10 @@ __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorM
     }
   };
 
+  const bool tracer = threadIdx.x % 128 == 0;  // the warpgroup's trace stamps (trace.cuh)
+  if (tracer) trace_stamp(1 + cw, round, 0);
   mbarrier_wait(smem_address(&control->q_full), q_phase);
+  if (tracer) trace_stamp(1 + cw, round, 1);
   bool full, padded;
   int ks;
   int t = next_tile(&ks, &full, &padded);
@@ -357,6 +367,7 @@ __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorM
     named_barrier_arrive(kTurnBarrier + 1 - cw, T::kConsumerThreads);  // the other's turn
     cute::warpgroup_wait<0>();
     soften(ks, t, full, scores, [] {});
+    if (tracer) trace_stamp(1 + cw, round, 2);
   }
   while (t >= 0) {
     ready_values(t, padded);
@@ -380,6 +391,7 @@ __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorM
     cute::warpgroup_arrive();
     issue_values();
     release_values();
+    if (tracer) trace_stamp(1 + cw, round, 3);
   }
   // O / denominator through this warpgroup's rows of the Q tile, then TMA stores (rows past
   // the end are not written); the copies must have read shared memory before the block ends.
@@ -394,7 +406,9 @@ __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorM
       tma_store_4d(o_map, q_rows + atom * T::kM * kAtomRowBytes, atom * kAtomColumns, static_cast<int>(h),
                    static_cast<int>(m0) + T::kConsumerRows * cw, static_cast<int>(b));
     }
+    trace_stamp(1 + cw, round, 4);
     bulk_wait_read();  // the writes complete by the kernel's end; the next Q waits for the reads
+    trace_stamp(1 + cw, round, 5);
     mbarrier_arrive(smem_address(&control->q_empty));
   }
 }
@@ -413,9 +427,10 @@ __device__ __forceinline__ void consume(const ForwardArgs& args, uint32_t base, 
     const int item = block_item(r, items);
     if (item < 0) continue;
     consume_item<ET, D, kAlibi>(args.a, &args.o_map, base, control, query_block<D>(p, item), q_phase, cw, keys,
-                                values);
+                                values, r);
     q_phase ^= 1u;
   }
+  if (threadIdx.x % 128 == 0) trace_dump(1 + cw, (items + gridDim.x - 1) / gridDim.x);
 }
 
 template <ElementType ET, int D, bool kAlibi>

@@ -1,0 +1,109 @@
+"""Where the sm90 flash forward's time goes around its work items: block 0's clock stamps
+(ops_cuda/cuda/flash/sm90/trace.cuh) as phases in cycles, medians over the block's items.
+
+Needs a build with the stamps, which print from the kernel (never time that build):
+
+    CMAKE_ARGS="-DFUSEDATTN_CUDA_ARCHS=90 -DFUSEDATTN_FLASH_TRACE=ON" pip install -e .
+    python benchmarks/probes/flash_item_trace.py --shapes 16,512,16,128,causal/1,8192,16,128
+
+Each shape runs in a child process (the kernel's printf reaches the process's stdout) that
+calls the forward three times; the last call's stamps are read.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import parse_args, write_results  # noqa: E402
+
+_LINE = re.compile(r"fusedattn-trace role=(\d) item=(\d+) ((?:-?\d+ ?){6})")
+
+# phase: (what it measures, its cycles from one item's stamps and the previous item's).
+# P, C0, C1: this item's producer, consumer warpgroup 0 and 1 stamps; p, c0, c1: the previous item's.
+PHASES = {
+    "item": ("warpgroup 0's item start to the next item's start",
+             lambda P, C0, C1, p, c0, c1: C0[0] - c0[0]),
+    "idle_at_boundary": ("warpgroup 0: last P V done -> next Q landed (no product in flight)",
+                         lambda P, C0, C1, p, c0, c1: C0[1] - c0[3]),
+    "epilogue": ("warpgroup 0: last P V done -> O store issued",
+                 lambda P, C0, C1, p, c0, c1: c0[4] - c0[3]),
+    "store_read": ("warpgroup 0: O store issued -> its shared-memory reads done",
+                   lambda P, C0, C1, p, c0, c1: c0[5] - c0[4]),
+    "warpgroup_lag": ("warpgroup 1's store read done after warpgroup 0's",
+                      lambda P, C0, C1, p, c0, c1: c1[5] - c0[5]),
+    "producer_to_q": ("both stores read -> next Q issued",
+                      lambda P, C0, C1, p, c0, c1: P[3] - max(c0[5], c1[5])),
+    "q_load": ("next Q issued -> landed", lambda P, C0, C1, p, c0, c1: C0[1] - P[3]),
+    "first_tile": ("warpgroup 0: Q landed -> first tile's weights done",
+                   lambda P, C0, C1, p, c0, c1: C0[2] - C0[1]),
+    "producer_setup": ("producer: item taken -> first K issued",
+                       lambda P, C0, C1, p, c0, c1: P[1] - P[0]),
+}
+
+
+def read_stamps(text: str) -> dict[tuple[int, int], list[int]]:
+    """{(role, item): six stamps} from a run's output; a later line wins (the last call).
+    A block prints as many items as the busiest block has; its items past its own last
+    were never stamped (all zero) and are left out."""
+    stamps = {}
+    for role, item, values in _LINE.findall(text):
+        stamps[(int(role), int(item))] = [int(x) for x in values.split()]
+    return {key: value for key, value in stamps.items() if any(value)}
+
+
+def phases(stamps: dict[tuple[int, int], list[int]]) -> dict[str, int]:
+    """Median cycles of each of PHASES over the items that have an item before them and
+    stamps from all three roles."""
+    items = sorted({item for role, item in stamps if role == 0})
+    whole = [i for i in items if all((r, i) in stamps and (r, i - 1) in stamps for r in range(3))]
+    if not whole:
+        raise ValueError("flash_item_trace: fewer than two whole items of stamps in the output "
+                         "(is the library built with -DFUSEDATTN_FLASH_TRACE=ON?)")
+    return {name: round(statistics.median(
+        measure(*(stamps[(r, i)] for r in range(3)), *(stamps[(r, i - 1)] for r in range(3)))
+        for i in whole)) for name, (_, measure) in PHASES.items()}
+
+
+def child(shape: str) -> None:
+    """Three forward calls of backend 'flash' at b,s,h,d[,causal] (the kernel prints)."""
+    import jax
+    import jax.numpy as jnp
+
+    import fusedattn
+    from fusedattn.ops import fused_attn
+    b, s, h, d = (int(x) for x in shape.split(",")[:4])
+    config = fusedattn.configs.attention_config()
+    config.backend = "flash"
+    config.mask = "causal" if shape.endswith(",causal") else "no_mask"
+    q, k, v = (jax.random.normal(key, (b, s, h, d), jnp.float32).astype(jnp.bfloat16)
+               for key in jax.random.split(jax.random.key(0), 3))
+    call = jax.jit(lambda q, k, v: fused_attn((q, k, v), config=config))
+    for _ in range(3):
+        call(q, k, v).block_until_ready()
+
+
+def main():
+    if sys.argv[1:2] == ["--child"]:
+        return child(sys.argv[2])
+    args = parse_args("/tmp/flash_item_trace.json", lambda parser: parser.add_argument(
+        "--shapes", default="16,512,16,128/16,512,16,128,causal/1,8192,16,128",
+        help="b,s,h,d[,causal] separated by /"))
+    rows = []
+    for shape in args.shapes.split("/"):
+        run = subprocess.run([sys.executable, __file__, "--child", shape], capture_output=True,
+                             text=True, check=True)
+        rows.append({"shape": shape, **phases(read_stamps(run.stdout))})
+    print(f"{'shape':<26}" + "".join(f"{name:>17}" for name in PHASES))
+    for row in rows:
+        print(f"{row['shape']:<26}" + "".join(f"{row[name]:>17}" for name in PHASES))
+    write_results(args.out, rows, phases={name: what for name, (what, _) in PHASES.items()},
+                  units="cycles of one SM's clock, medians over block 0's items")
+
+
+if __name__ == "__main__":
+    main()
