@@ -65,3 +65,29 @@ def test_a_build_without_stamps_is_named():
         flash_item_trace.phases(flash_item_trace.read_stamps("no stamps here"))
     with pytest.raises(ValueError, match="fewer than two whole items"):
         flash_item_trace.phases(flash_item_trace.read_stamps(output(1)))
+
+
+def block_line(sm: int, block: int, tiles: int, start: int) -> str:
+    """A backward block's printout: K/V after 1000 cycles, the first tile 500 later, 800 per
+    tile, an epilogue of 1200."""
+    e = [start, start + 1_000, start + 1_500, start + 1_500 + 800 * tiles,
+         start + 2_700 + 800 * tiles]
+    return f"fusedattn-btrace sm={sm} block={block} tiles={tiles} " + " ".join(map(str, e))
+
+
+def test_backward_block_phases_and_the_gaps_between_blocks():
+    ends = 1_000 + 2_700 + 800 * 4  # the end of SM 0's first block
+    text = "\n".join([block_line(0, 0, 4, 1_000), block_line(1, 1, 4, 5_000),
+                      block_line(0, 2, 4, ends + 300), block_line(1, 3, 4, 5_000 + ends - 1_000 + 700)])
+    got = flash_item_trace.block_phases(text)
+    assert got == {"kv_load": 1_000, "first_q": 500, "loop": 3_200, "per_tile": 800,
+                   "epilogue": 1_200, "tiles": 4, "between_blocks": 500, "blocks": 4}
+
+
+def test_only_the_marked_call_is_read():
+    before = block_line(0, 0, 2, 1_000)
+    after = block_line(0, 0, 6, 90_000)
+    text = flash_item_trace.measured(f"{before}\n{flash_item_trace.MARK}\n{after}\n")
+    assert flash_item_trace.block_phases(text)["tiles"] == 6
+    with pytest.raises(ValueError, match="no backward block stamps"):
+        flash_item_trace.block_phases("nothing")

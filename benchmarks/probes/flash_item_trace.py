@@ -1,17 +1,22 @@
-"""Where the sm90 flash forward's time goes around its work items: block 0's clock stamps
-(ops_cuda/cuda/flash/sm90/trace.cuh) as phases in cycles, medians over the block's items.
+"""Where the sm90 flash kernels' time goes around their work: clock stamps
+(ops_cuda/cuda/flash/sm90/trace.cuh) as phases in cycles. Forward: block 0's work items
+(PHASES), medians over its items. Backward: the blocks that ran on SMs 0 and 1
+(BLOCK_PHASES), medians over the blocks, and the idle cycles between blocks on one SM.
 
 Needs a build with the stamps, which print from the kernel (never time that build):
 
     CMAKE_ARGS="-DFUSEDATTN_CUDA_ARCHS=90 -DFUSEDATTN_FLASH_TRACE=ON" pip install -e .
     python benchmarks/probes/flash_item_trace.py --shapes 16,512,16,128,causal/1,8192,16,128
 
-Each shape runs in a child process (the kernel's printf reaches the process's stdout) that
-calls the forward three times; the last call's stamps are read.
+Each shape runs in a child process (the kernels' printf reaches the process's stdout) that
+calls the forward and its gradient twice, then marks its output (MARK) and calls them once
+more: the stamps after the mark are read.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 import re
 import statistics
 import subprocess
@@ -22,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import parse_args, write_results  # noqa: E402
 
 _LINE = re.compile(r"fusedattn-trace role=(\d) item=(\d+) ((?:-?\d+ ?){6})")
+_BLOCK = re.compile(r"fusedattn-btrace sm=(\d+) block=(\d+) tiles=(\d+) ((?:-?\d+ ?){5})")
+MARK = "fusedattn-trace: the measured call"
 
 # phase: (what it measures, its cycles from one item's stamps and the previous item's).
 # P, C0, C1: this item's producer, consumer warpgroup 0 and 1 stamps; p, c0, c1: the previous item's.
@@ -44,6 +51,11 @@ PHASES = {
     "producer_setup": ("producer: item taken -> first K issued",
                        lambda P, C0, C1, p, c0, c1: P[1] - P[0]),
 }
+
+
+def measured(text: str) -> str:
+    """The output after the child's last MARK (all of it where there is none)."""
+    return text.rsplit(MARK, 1)[-1]
 
 
 def read_stamps(text: str) -> dict[tuple[int, int], list[int]]:
@@ -69,8 +81,39 @@ def phases(stamps: dict[tuple[int, int], list[int]]) -> dict[str, int]:
         for i in whole)) for name, (_, measure) in PHASES.items()}
 
 
+# Backward block phases from one block's stamps e (see trace.cuh) and its query tiles.
+BLOCK_PHASES = {
+    "kv_load": ("consumers start -> K and V landed", lambda e, tiles: e[1] - e[0]),
+    "first_q": ("K and V landed -> first query tile landed", lambda e, tiles: e[2] - e[1]),
+    "loop": ("first query tile landed -> last dK product done", lambda e, tiles: e[3] - e[2]),
+    "per_tile": ("the loop per query tile", lambda e, tiles: (e[3] - e[2]) // max(tiles, 1)),
+    "epilogue": ("last dK product done -> dK and dV stored", lambda e, tiles: e[4] - e[3]),
+    "tiles": ("query tiles of the block", lambda e, tiles: tiles),
+}
+
+
+def block_phases(text: str) -> dict[str, int]:
+    """Medians of BLOCK_PHASES over the traced backward blocks, and `between_blocks`: the
+    median cycles from one block's last stamp to the next block's first on the same SM."""
+    blocks = [(int(sm), int(tiles), [int(x) for x in values.split()])
+              for sm, _, tiles, values in _BLOCK.findall(text)]
+    if not blocks:
+        raise ValueError("flash_item_trace: no backward block stamps in the output (is the "
+                         "library built with -DFUSEDATTN_FLASH_TRACE=ON?)")
+    got = {name: round(statistics.median(measure(e, tiles) for _, tiles, e in blocks))
+           for name, (_, measure) in BLOCK_PHASES.items()}
+    gaps = []
+    for sm in {sm for sm, _, _ in blocks}:
+        run = sorted(e for s, _, e in blocks if s == sm)
+        gaps += [after[0] - before[4] for before, after in zip(run, run[1:])]
+    got["between_blocks"] = round(statistics.median(gaps)) if gaps else None
+    got["blocks"] = len(blocks)
+    return got
+
+
 def child(shape: str) -> None:
-    """Three forward calls of backend 'flash' at b,s,h,d[,causal] (the kernel prints)."""
+    """The forward and its gradient of backend 'flash' at b,s,h,d[,causal], three times,
+    MARK before the last (the kernels print)."""
     import jax
     import jax.numpy as jnp
 
@@ -82,9 +125,16 @@ def child(shape: str) -> None:
     config.mask = "causal" if shape.endswith(",causal") else "no_mask"
     q, k, v = (jax.random.normal(key, (b, s, h, d), jnp.float32).astype(jnp.bfloat16)
                for key in jax.random.split(jax.random.key(0), 3))
-    call = jax.jit(lambda q, k, v: fused_attn((q, k, v), config=config))
-    for _ in range(3):
-        call(q, k, v).block_until_ready()
+    forward = jax.jit(lambda q, k, v: fused_attn((q, k, v), config=config))
+    gradient = jax.jit(jax.grad(lambda q, k, v: forward(q, k, v).astype(jnp.float32).sum(),
+                                argnums=(0, 1, 2)))
+    for call in range(3):
+        if call == 2:  # the kernels' printf is in C's stdout buffer once a call is done
+            ctypes.CDLL(None).fflush(None)
+            os.write(1, f"{MARK}\n".encode())
+        forward(q, k, v).block_until_ready()
+        jax.block_until_ready(gradient(q, k, v))
+    ctypes.CDLL(None).fflush(None)
 
 
 def main():
@@ -97,12 +147,18 @@ def main():
     for shape in args.shapes.split("/"):
         run = subprocess.run([sys.executable, __file__, "--child", shape], capture_output=True,
                              text=True, check=True)
-        rows.append({"shape": shape, **phases(read_stamps(run.stdout))})
-    print(f"{'shape':<26}" + "".join(f"{name:>17}" for name in PHASES))
-    for row in rows:
-        print(f"{row['shape']:<26}" + "".join(f"{row[name]:>17}" for name in PHASES))
-    write_results(args.out, rows, phases={name: what for name, (what, _) in PHASES.items()},
-                  units="cycles of one SM's clock, medians over block 0's items")
+        text = measured(run.stdout)
+        rows.append({"shape": shape, "forward": phases(read_stamps(text)),
+                     "backward": block_phases(text)})
+    for part in ("forward", "backward"):
+        names = list(rows[0][part])
+        print(f"{part:<26}" + "".join(f"{name:>16}" for name in names))
+        for row in rows:
+            print(f"{row['shape']:<26}" + "".join(f"{row[part][name]!s:>16}" for name in names))
+    write_results(args.out, rows, forward_phases={n: what for n, (what, _) in PHASES.items()},
+                  backward_phases={n: what for n, (what, _) in BLOCK_PHASES.items()},
+                  units="cycles of one SM's clock; forward: medians over block 0's items; "
+                        "backward: medians over the blocks of SMs 0 and 1")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@
 #include "launch.h"
 #include "primitives.cuh"
 #include "tiles.cuh"
+#include "trace.cuh"
 
 namespace fusedattn {
 namespace flash {
@@ -259,6 +260,8 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
   const auto context = [&] { return head_context(a, b, g * group); };
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int consumer_thread = static_cast<int>(threadIdx.x) - 128;
+  long long stamps[kBlockEvents] = {trace_clock()};  // the block's trace (trace.cuh)
+  int tiles = 0;
   const FragmentCoords at{n0 + T::kConsumerKeys * cw + 16 * warp, 0, lane};  // rows: keys
   float dk[D / 8][4], dv[D / 8][4];
   zero(dk);
@@ -271,6 +274,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
                              (cw * T::kDqColumns % kAtomColumns) * 2;
 
   mbarrier_wait(smem_address(&control->kv_full), 0);
+  stamps[1] = trace_clock();
   if (const HeadContext c = context(); !tile_span(c.kv_spans, c.n_kv_spans, n0, T::kN).complete) {
     zero_padding_rows<T::kN, T::kAtoms, T::kConsumerThreads>(k_tile, c.kv_seg, n0, p.seqlen_kv, consumer_thread);
     zero_padding_rows<T::kN, T::kAtoms, T::kConsumerThreads>(v_tile, c.kv_seg, n0, p.seqlen_kv, consumer_thread);
@@ -293,6 +297,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
   for (int i = 0;; ++i) {
     const int s = i % T::kStages;
     mbarrier_wait(smem_address(&control->full[s]), (i / T::kStages) & 1);
+    if (i == 0) stamps[2] = trace_clock();
     const int64_t h = control->head[s], m0 = control->first[s];
     if constexpr (kAlibi) {
       if (h != slope_head) {
@@ -301,6 +306,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
       }
     }
     if (h < 0) break;
+    ++tiles;
     const bool all_visible = control->all_visible[s] != 0;
     const uint32_t q_tile = base + T::kQOffset + s * T::kQueryBytes;
     const uint32_t do_tile = base + T::kDoOffset + s * T::kQueryBytes;
@@ -431,12 +437,15 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
   }
   cute::warpgroup_wait<0>();  // the last dK
   fence_accumulators(dk);
+  stamps[3] = trace_clock();
   if (dq_issuer) bulk_wait_read();  // the reduction completes by the kernel's end
   const int64_t kv_stride = p.kv_heads * D;
   uint16_t* const dk_row = a.dk + (b * p.seqlen_kv * p.kv_heads + g) * D;
   uint16_t* const dv_row = a.dv + (b * p.seqlen_kv * p.kv_heads + g) * D;
   store_rows<ET>(dk, {p.scale, p.scale}, dk_row, kv_stride, at, p.seqlen_kv);
   store_rows<ET>(dv, {1.0f, 1.0f}, dv_row, kv_stride, at, p.seqlen_kv);
+  stamps[4] = trace_clock();
+  if (consumer_thread == 0) trace_block(stamps, tiles);
 }
 
 template <ElementType ET, int D, bool kDropout, bool kAlibi>
