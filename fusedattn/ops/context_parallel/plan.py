@@ -45,7 +45,8 @@ def verdict(name: str, spec: AttentionSpec, shapes: CallShapes) -> str | None:
     """Why backend `name` cannot serve this call under context parallelism (None: it can)."""
     if name not in _KERNELS:
         return (f"{name}: no log-sum-exp block entry point for context parallelism "
-                "(config.context_parallel.axis); use backend='xla' or 'flash'")
+                "(config.context_parallel.axis); use backend='xla' or 'flash' (or 'cudnn' "
+                "for dense 'no_mask' and 'causal' masks)")
     if name in _CHUNK_MASKED:
         return _cudnn_reason(spec, shapes)
     if name == "flash" and spec.bias == BiasType.ALIBI:
