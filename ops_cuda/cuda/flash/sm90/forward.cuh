@@ -3,26 +3,27 @@
 //
 // The kernel is persistent: one block per SM takes work items in turn, each kM = 128
 // queries of one (batch row, head); the barriers' phases run on across items, and the
-// first K tile of an item loads while the previous item's O is stored. A block has three
+// next item's Q (two stages) and first K tile load while an item runs. A block has three
 // warpgroups:
 //   warpgroup 0, the producer: one warp finds the K and V tiles that the queries can see
-//     (../spans.cuh; 32 tiles at a time, a lane each) and one thread loads the Q tile
-//     (once the previous item's O has left it), the K and V tiles, with TMA into rings
-//     of three K and two V stages (each pass publishes tile i's K and then loads tile
-//     i - 1's V); K and V complete on mbarriers of their own and are released by the
-//     consumers through "empty" mbarriers of their own (K once the tile's weights are
-//     computed). With each K
-//     it publishes the tile's index, whether every pair is visible and whether the tile may
-//     hold padding keys, and for a tile that is not all visible its keys' segment ids and
-//     positions (the mask reads them from shared memory; with ALiBi, kAlibi, those of every
-//     tile: the term of ../alibi_tile.cuh reads the positions); an index of -1 ends the loop.
+//     (../spans.cuh; 32 tiles at a time, a lane each, one tile ahead of the loads) and one
+//     thread loads, with TMA, the next item's Q tile in the middle of an item, and the K
+//     and V tiles into rings of three K (two at d128) and two V stages (each pass
+//     publishes tile i's K and then loads tile i - 1's V); K and V complete on mbarriers
+//     of their own and are released by the consumers through "empty" mbarriers of their
+//     own (K once the tile's weights are computed). With each K it publishes the tile's
+//     index, whether it is the item's last, whether every pair is visible and whether the
+//     tile may hold padding keys, and for a tile that is not all visible its keys' segment
+//     ids and positions (the mask reads them from shared memory; with ALiBi, kAlibi, those
+//     of every tile: the term of ../alibi_tile.cuh reads the positions); an item without a
+//     visible tile gets an index of -1.
 //   warpgroups 1 and 2, the consumers, 64 queries each (consume): S = Q K^T by wgmma from
 //     shared memory, the online softmax of ../softmax_tile.cuh in float32 registers,
 //     O += P V by wgmma with P from registers and V from shared memory; tile i's S is
 //     issued with tile i - 1's P V, and its softmax runs while that product does. The two
 //     take turns issuing (named barriers), so that one's softmax overlaps the other's
-//     products; O leaves through their rows of the Q tile. In a tile with padding keys
-//     they first zero those keys' V rows (garbage there, even NaN, reaches no output; K's
+//     products; O leaves through their rows of the item's Q stage. In a tile with padding
+//     keys they first zero those keys' V rows (garbage there, even NaN, reaches no output; K's
 //     garbage is masked by selection).
 // setmaxnreg moves registers from the producer to the consumers.
 #ifndef FUSEDATTN_FLASH_SM90_FORWARD_CUH_
@@ -39,18 +40,20 @@ namespace flash {
 namespace sm90 {
 
 // The barriers and the published tiles, after the operand tiles in shared memory.
-// K has three stages and V two: a tile's K is read first (S = Q K^T) and V one loop pass
-// later (its O += P V is issued with the next tile's S), so K's loads need the longer lead.
+// K has more stages than V (three, two at d128 where a third does not fit beside two Q
+// stages): a tile's K is read first (S = Q K^T) and V one loop pass later (its O += P V is
+// issued with the next tile's S), so K's loads need the longer lead.
 struct Control {
   static constexpr int kMaxKeys = 128;  // the largest tile
-  static constexpr int kKeyStages = 3, kValueStages = 2;
-  uint64_t q_full;
-  uint64_t q_empty;  // the previous work item's O has left the Q tile (one arrival per consumer warpgroup)
+  static constexpr int kQueryStages = 2, kKeyStages = 3, kValueStages = 2;
+  uint64_t q_full[kQueryStages];
+  uint64_t q_empty[kQueryStages];  // the item's O has left the Q tile (one arrival per consumer warpgroup)
   uint64_t k_full[kKeyStages];
   uint64_t v_full[kValueStages];
   uint64_t k_empty[kKeyStages];   // released by the consumers once the tile's weights are computed
   uint64_t v_empty[kValueStages];  // released once O += P V is done
-  int32_t tile[kKeyStages];        // key tile of the K stage, -1: no more
+  int32_t tile[kKeyStages];        // key tile of the K stage, -1: the item has none
+  int32_t last[kKeyStages];        // the item's last tile
   int32_t full[kKeyStages];        // every (query, key) pair of the tile is visible
   int32_t padded[kKeyStages];      // the tile may hold padding keys (segment id 0) within the sequence
   // Of a tile that is not full (with ALiBi: of every tile): its keys' segment ids (0 past
@@ -67,13 +70,17 @@ struct ForwardTiles {
   // Keys per tile. Registers per consumer thread: S kN/2 floats, P kN/4, O D/2 (d256 with
   // 64 keys spilled).
   static constexpr int kN = D == 256 ? 32 : 128;
-  static constexpr int kKeyStages = Control::kKeyStages, kValueStages = Control::kValueStages;
+  // Two Q stages: the next item's Q loads while this item runs. Beside them three K stages
+  // fit at d64 and d256; at d128 they would take 233,624 bytes, so K has two there.
+  static constexpr int kQueryStages = Control::kQueryStages;
+  static constexpr int kKeyStages = D == 128 ? 2 : Control::kKeyStages;
+  static constexpr int kValueStages = Control::kValueStages;
   static constexpr int kThreads = 384;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kAtoms = D / kAtomColumns;
   static constexpr int kQBytes = kM * D * 2;
   static constexpr int kTileBytes = kN * D * 2;  // one K or V tile
-  static constexpr int kKOffset = kQBytes;
+  static constexpr int kKOffset = kQueryStages * kQBytes;
   static constexpr int kVOffset = kKOffset + kKeyStages * kTileBytes;
   static constexpr int kControlOffset = kVOffset + kValueStages * kTileBytes;
   // 1024: room to align the start (the swizzle atoms need 1024-byte alignment).
@@ -147,9 +154,15 @@ __device__ __forceinline__ QueryBlock query_block(const AttentionParams& p, int 
   return {block.row / heads, block.row % heads, (n_q_tiles - 1 - block.tile) * ForwardTiles<D>::kM};
 }
 
-// The producer: warp 0 (lane 0 issues the copies and publishes the tiles). Per work item
-// it publishes the first K tile before it waits for the Q tile to be free (the previous
-// item's O leaves through it), so that K's load overlaps the consumers' epilogue.
+// The producer: warp 0 (lane 0 issues the copies and publishes the tiles). It loads the
+// next work item's Q tile in the middle of an item (after the tiles of its first
+// kQueryLead passes: they come first, and by then the O of the item before has left the
+// stage that Q takes), so that Q has landed when the consumers reach the next item; the
+// item boundary then waits on no load but the first K and V tiles'.
+// (Issued at the boundary, behind the last V and the next first K tile, a Q load took
+// 2,600-3,800 cycles to land: benchmarks/results/flash_item_boundary.json.)
+constexpr int kQueryLead = 2;  // passes of an item before the next item's Q load
+
 template <int D, bool kAlibi>
 __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, Control* control) {
   using T = ForwardTiles<D>;
@@ -164,8 +177,21 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
   Ring<T::kKeyStages> keys;
   Ring<T::kValueStages> values;
   const int n_tiles = static_cast<int>((p.seqlen_kv + T::kN - 1) / T::kN);
-  uint32_t q_phase = 0;
   const int items = work_items<D>(p);
+  // Round r's Q tile into stage r % kQueryStages, once the O of round r - kQueryStages has
+  // left that stage (the stage's (r / kQueryStages)-th fill).
+  const auto load_query = [&](int round) {
+    const int item = block_item(round, items);
+    if (!leader || item < 0) return;
+    const QueryBlock w = query_block<D>(p, item);
+    const int q = round % T::kQueryStages;
+    trace_stamp(0, round, 2);
+    mbarrier_wait(smem_address(&control->q_empty[q]), ((round / T::kQueryStages) & 1) ^ 1u);
+    trace_stamp(0, round, 3);
+    tma_load_tile<T::kM, T::kAtoms>(base + q * T::kQBytes, &args.q_map, smem_address(&control->q_full[q]), w.h,
+                                    w.m0, w.b);
+  };
+  load_query(0);
   for (int r = 0; r * static_cast<int>(gridDim.x) < items; ++r) {
     const int item = block_item(r, items);
     if (item < 0) continue;
@@ -175,18 +201,36 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
     const int g = static_cast<int>(kv_head_of(w.h, p.heads, p.kv_heads));
     const Span q_span = tile_span(c.q_spans, c.n_q_spans, w.m0, T::kM);
     TileScan scan{-32, 0u, 0u, 0u};
-    // Pass i publishes tile i's K, then loads tile i - 1's V (`previous`), so that a K load
-    // never waits behind the release of a V stage.
-    int t = -1, previous = -1;
-    for (int i = 0;; ++i) {
-      t = next_visible(scan, t, n_tiles, [&](int tile, bool* complete) {
+    const auto visible_after = [&](int after) {
+      return next_visible(scan, after, n_tiles, [&](int tile, bool* complete) {
         const Span kv = tile_span(c.kv_spans, c.n_kv_spans, static_cast<int64_t>(tile) * T::kN, T::kN);
         *complete = kv.complete != 0;
         return relate(p.mask, q_span, kv);
       });
+    };
+    const auto load_values = [&](int tile) {
+      const int v = values.stage;
+      mbarrier_wait(smem_address(&control->v_empty[v]), values.phase ^ 1u);
+      if (leader) {
+        tma_load_tile<T::kN, T::kAtoms>(base + T::kVOffset + v * T::kTileBytes, &args.v_map,
+                                        smem_address(&control->v_full[v]), g, tile * T::kN, w.b);
+      }
+      values.advance();
+    };
+    // Pass i publishes tile i's K, then loads tile i - 1's V (`previous`), so that a K load
+    // never waits behind the release of a V stage. The scan runs one tile ahead, so that
+    // the last tile is published as such (no stage is spent on an end marker, and the next
+    // item's first K tile takes the stage a tile earlier); an item without a visible tile
+    // publishes the end marker (tile -1).
+    int t = visible_after(-1), previous = -1;
+    for (int i = 0;; ++i) {
       const int s = keys.stage;
+      const bool empty = t >= n_tiles;
+      const int bit = t - scan.first;  // the tile's flags, before the scan moves past them
+      const uint32_t full = empty ? 0u : (scan.full >> bit) & 1u, padded = empty ? 0u : (scan.padded >> bit) & 1u;
+      const int next = empty ? n_tiles : visible_after(t);
       mbarrier_wait(smem_address(&control->k_empty[s]), keys.phase ^ 1u);
-      if (t < n_tiles && (kAlibi || !((scan.full >> (t - scan.first)) & 1u))) {  // the key tokens, a lane a key
+      if (!empty && (kAlibi || !full)) {  // the key tokens, a lane a key
 #pragma unroll
         for (int k = 0; k < T::kN / 32; ++k) {
           const int r = static_cast<int>(threadIdx.x % 32) + 32 * k;
@@ -196,40 +240,30 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
         }
         __syncwarp();  // before the leader's arrival publishes them
       }
-      if (leader && t >= n_tiles) {
+      if (leader && empty) {
         control->tile[s] = -1;
         mbarrier_arrive(smem_address(&control->k_full[s]));
       } else if (leader) {
-        const int bit = t - scan.first;
         control->tile[s] = t;
-        control->full[s] = (scan.full >> bit) & 1u;
-        control->padded[s] = (scan.padded >> bit) & 1u;
+        control->full[s] = full;
+        control->padded[s] = padded;
+        control->last[s] = next >= n_tiles;
         tma_load_tile<T::kN, T::kAtoms>(base + T::kKOffset + s * T::kTileBytes, &args.k_map,
                                         smem_address(&control->k_full[s]), g, t * T::kN, w.b);
         if (i == 0) trace_stamp(0, r, 1);
       }
       keys.advance();
-      if (leader && i == 0) {  // the Q tile, once the previous item's O has left it
-        trace_stamp(0, r, 2);
-        mbarrier_wait(smem_address(&control->q_empty), q_phase ^ 1u);
-        trace_stamp(0, r, 3);
-        tma_load_tile<T::kM, T::kAtoms>(base, &args.q_map, smem_address(&control->q_full), w.h, w.m0, w.b);
-      }
-      if (previous >= 0) {  // tile i - 1's V
-        const int v = values.stage;
-        mbarrier_wait(smem_address(&control->v_empty[v]), values.phase ^ 1u);
-        if (leader) {
-          tma_load_tile<T::kN, T::kAtoms>(base + T::kVOffset + v * T::kTileBytes, &args.v_map,
-                                          smem_address(&control->v_full[v]), g, previous * T::kN, w.b);
-        }
-        values.advance();
-      }
+      if (previous >= 0) load_values(previous);
+      const bool done = empty || next >= n_tiles;
+      if (!empty && done) load_values(t);  // the last tile's V
+      // The next item's Q once this item's first tiles are on their way (or at its end).
+      if (i == kQueryLead || (done && i < kQueryLead)) load_query(r + 1);
       __syncwarp();  // the lanes stay in step (next_visible is warp-wide)
-      if (t >= n_tiles) break;
+      if (done) break;
       previous = t;
+      t = next;
     }
     if (leader) trace_stamp(0, r, 4);
-    q_phase ^= 1u;
   }
   if (leader) trace_dump(0, (items + gridDim.x - 1) / gridDim.x);
 }
@@ -238,11 +272,12 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
 // Tile i's S = Q K^T is issued together with tile i - 1's O += P V, and its softmax runs
 // while that product does (O is rescaled once it is done). The first tile runs alone, so
 // that the loop always has the same products in flight (the compiler then keeps them
-// asynchronous). Every K and V stage it takes is released, and the Q tile once O has left
-// it, for the block's next item. `round`: the block's item count so far (the trace's index).
+// asynchronous). Every K and V stage it takes is released, and the item's Q stage once O
+// has left through it. `round`: the block's item count so far (the trace's index).
 template <ElementType ET, int D, bool kAlibi>
 __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorMap* o_map, uint32_t base,
-                                             Control* control, const QueryBlock& w, uint32_t q_phase, int cw,
+                                             Control* control, const QueryBlock& w,
+                                             const Ring<ForwardTiles<D>::kQueryStages>& queries, int cw,
                                              Ring<ForwardTiles<D>::kKeyStages>& keys,
                                              Ring<ForwardTiles<D>::kValueStages>& values, int round) {
   using T = ForwardTiles<D>;
@@ -264,18 +299,20 @@ __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorM
   float o[D / 8][4];
   zero(o);
   uint32_t weights[T::kN / 16][4];  // P of the previous tile, the A operand of its O += P V
-  const uint32_t q_rows = base + cw * T::kConsumerRows * kAtomRowBytes;
+  const uint32_t q_tile = base + queries.stage * T::kQBytes;  // the item's Q, then its O
+  const uint32_t q_rows = q_tile + cw * T::kConsumerRows * kAtomRowBytes;
   const auto v_tile = [&](int s) { return base + T::kVOffset + s * T::kTileBytes; };
 
-  // Waits for the next K tile; returns its index (-1: no more, its stage released at
-  // once) and reads its stage and flags.
-  const auto next_tile = [&](int* stage, bool* full, bool* padded) {
+  // Waits for the next K tile; returns its index (-1: the item has none, its stage
+  // released at once) and reads its stage and flags (last: the item's last tile).
+  const auto next_tile = [&](int* stage, bool* full, bool* padded, bool* last) {
     const int s = keys.stage;
     mbarrier_wait(smem_address(&control->k_full[s]), keys.phase);
     keys.advance();
     *stage = s;
     *full = control->full[s] != 0;
     *padded = control->padded[s] != 0;
+    *last = control->last[s] != 0;
     const int t = control->tile[s];
     if (t < 0) mbarrier_arrive(smem_address(&control->k_empty[s]));
     return t;
@@ -356,11 +393,11 @@ __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorM
 
   const bool tracer = threadIdx.x % 128 == 0;  // the warpgroup's trace stamps (trace.cuh)
   if (tracer) trace_stamp(1 + cw, round, 0);
-  mbarrier_wait(smem_address(&control->q_full), q_phase);
+  mbarrier_wait(smem_address(&control->q_full[queries.stage]), queries.phase);
   if (tracer) trace_stamp(1 + cw, round, 1);
-  bool full, padded;
+  bool full, padded, last;
   int ks;
-  int t = next_tile(&ks, &full, &padded);
+  int t = next_tile(&ks, &full, &padded, &last);
   if (t >= 0) {
     float scores[T::kN / 8][4];
     issue_scores(ks, scores);
@@ -371,12 +408,8 @@ __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorM
   }
   while (t >= 0) {
     ready_values(t, padded);
-    const int previous = t;
-    t = next_tile(&ks, &full, &padded);
-    if (t < 0) {
-      t = previous;  // the last tile, whose O += P V follows
-      break;
-    }
+    if (last) break;  // the item's last tile, whose O += P V follows
+    t = next_tile(&ks, &full, &padded, &last);
     float scores[T::kN / 8][4];
     issue_scores(ks, scores);
     issue_values();
@@ -397,7 +430,7 @@ __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorM
   // the end are not written); the copies must have read shared memory before the block ends.
   float inverse[kLaneRows];
   finish_statistics(state, p, c.sink, at, a.lse + (b * p.heads + h) * p.seqlen_q, inverse);
-  stage_rows<ET, D, T::kM>(o, inverse, base, T::kConsumerRows * cw + 16 * warp, at.lane);
+  stage_rows<ET, D, T::kM>(o, inverse, q_tile, T::kConsumerRows * cw + 16 * warp, at.lane);
   fence_proxy_async();
   named_barrier_sync(kWarpgroupBarrier + cw, 128);
   if (threadIdx.x % 128 == 0) {
@@ -409,7 +442,7 @@ __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorM
     trace_stamp(1 + cw, round, 4);
     bulk_wait_read();  // the writes complete by the kernel's end; the next Q waits for the reads
     trace_stamp(1 + cw, round, 5);
-    mbarrier_arrive(smem_address(&control->q_empty));
+    mbarrier_arrive(smem_address(&control->q_empty[queries.stage]));
   }
 }
 
@@ -421,14 +454,14 @@ __device__ __forceinline__ void consume(const ForwardArgs& args, uint32_t base, 
   Ring<T::kKeyStages> keys;
   Ring<T::kValueStages> values;
   if (cw == 1) named_barrier_arrive(kTurnBarrier, T::kConsumerThreads);  // warpgroup 0 starts
-  uint32_t q_phase = 0;
+  Ring<T::kQueryStages> queries;
   const int items = work_items<D>(p);
   for (int r = 0; r * static_cast<int>(gridDim.x) < items; ++r) {
     const int item = block_item(r, items);
     if (item < 0) continue;
-    consume_item<ET, D, kAlibi>(args.a, &args.o_map, base, control, query_block<D>(p, item), q_phase, cw, keys,
+    consume_item<ET, D, kAlibi>(args.a, &args.o_map, base, control, query_block<D>(p, item), queries, cw, keys,
                                 values, r);
-    q_phase ^= 1u;
+    queries.advance();
   }
   if (threadIdx.x % 128 == 0) trace_dump(1 + cw, (items + gridDim.x - 1) / gridDim.x);
 }
@@ -442,8 +475,10 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads, 1) forward_kernel(c
   Control* control = reinterpret_cast<Control*>(smem + (base - unaligned) + T::kControlOffset);
 
   if (threadIdx.x == 0) {
-    mbarrier_init(smem_address(&control->q_full), 1);
-    mbarrier_init(smem_address(&control->q_empty), 2);
+    for (int s = 0; s < T::kQueryStages; ++s) {
+      mbarrier_init(smem_address(&control->q_full[s]), 1);
+      mbarrier_init(smem_address(&control->q_empty[s]), 2);
+    }
     for (int s = 0; s < T::kKeyStages; ++s) {
       mbarrier_init(smem_address(&control->k_full[s]), 1);
       mbarrier_init(smem_address(&control->k_empty[s]), T::kConsumerThreads);
