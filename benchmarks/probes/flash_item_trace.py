@@ -1,7 +1,8 @@
 """Where the sm90 flash kernels' time goes around their work: clock stamps
 (ops_cuda/cuda/flash/sm90/trace.cuh) as phases in cycles. Forward: block 0's work items
 (PHASES), medians over its items. Backward: the blocks that ran on SMs 0 and 1
-(BLOCK_PHASES), medians over the blocks, and the idle cycles between blocks on one SM.
+(BLOCK_PHASES), medians over the blocks, and the cycles between blocks on one SM (an
+upper bound: they include the previous block's printf of its stamps).
 
 Needs a build with the stamps, which print from the kernel (never time that build):
 
@@ -94,7 +95,10 @@ BLOCK_PHASES = {
 
 def block_phases(text: str) -> dict[str, int]:
     """Medians of BLOCK_PHASES over the traced backward blocks, and `between_blocks`: the
-    median cycles from one block's last stamp to the next block's first on the same SM."""
+    median cycles from one block's last stamp to the next block's first on the same SM. The
+    trace build prints a block's stamps after its last one, so the gap includes that printf
+    (measured 56,000-65,000 cycles at d128, far more than the blocks' loops leave room for
+    in the untraced kernel's time): an upper bound, not the real gap."""
     blocks = [(int(sm), int(tiles), [int(x) for x in values.split()])
               for sm, _, tiles, values in _BLOCK.findall(text)]
     if not blocks:
