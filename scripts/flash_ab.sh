@@ -12,11 +12,7 @@
 # (that file first, then each ab_<n>.json) prints last.
 #   usage: BENCH_ARGS="--impls flash,cudnn --shapes ..." bash scripts/flash_ab.sh newest.patch older.patch
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/fusedattn-out}
-LOGS=${LOGS:-/tmp/device-logs}
-mkdir -p "$OUT" "$LOGS"
-export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+. "$(dirname "$0")/device_env.sh"
 reversed=()
 restore() {
   for ((i = ${#reversed[@]} - 1; i >= 0; i--)); do

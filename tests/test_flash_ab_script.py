@@ -39,7 +39,8 @@ def toy(tmp_path):
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
     (repo / "benchmarks").mkdir()
-    shutil.copy(ROOT / "scripts" / "flash_ab.sh", repo / "scripts")
+    for script in ("flash_ab.sh", "device_env.sh"):
+        shutil.copy(ROOT / "scripts" / script, repo / "scripts")
     shutil.copy(ROOT / "benchmarks" / "flash_compare.py", repo / "benchmarks")
     (repo / "speed.txt").write_text("100\n")
     git(repo, "init", "-q")
