@@ -11,6 +11,7 @@ candidates in separate runs read up to 4% apart on one tree (main's (16, 512, 16
 Each call is lowered and compiled once, with the candidate's targets in place; the probe
 checks that the compiled program calls them (and the tree's calls none), and that each
 candidate's outputs and gradients equal the tree's within bf16 rounding before it times.
+With --fa3, flash_attn3_jax (head dim 128) runs in the same rounds as a reference.
 
     python benchmarks/probes/flash_candidates.py --candidates a=/tmp/cand/a/libfusedattn_cuda.so,b=... \
         --shapes 4,2048,16,16,128/16,512,16,16,128 --out $OUT/flash_candidates.json
@@ -31,7 +32,7 @@ import numpy as np
 
 import _benchmarks_on_path  # noqa: F401  (benchmarks/ on sys.path)
 from common import interleaved_ms, parse_args, random_normal, write_results
-from flash import chosen_shapes, flops, ours
+from flash import chosen_shapes, fa3, flops, ours
 from fusedattn.ops import _library
 from fusedattn.ops.backends import flash_ffi
 
@@ -77,9 +78,10 @@ def lowering_with(name: str | None):
             setattr(flash_ffi, attr, value)
 
 
-def compiled_passes(attend, name: str | None, args: tuple) -> dict:
+def compiled_passes(attend, name: str | None, args: tuple, flash: bool = True) -> dict:
     """{"fwd", "fwd+bwd"}: the passes of `attend` compiled with candidate `name`'s targets (None:
-    the tree's); ValueError if the program calls any other build's flash targets."""
+    the tree's); ValueError if the program calls any other build's flash targets. flash=False:
+    a peer's `attend`, which calls no flash target."""
     q, k, v, do = args
 
     def forward(q, k, v, do):
@@ -95,6 +97,7 @@ def compiled_passes(attend, name: str | None, args: tuple) -> dict:
         for pass_name, fn in (("fwd", forward), ("fwd+bwd", forward_backward)):
             lowered = jax.jit(fn).lower(q, k, v, do)
             want = {TARGETS["FWD_TARGET"]} | ({TARGETS["BWD_TARGET"]} if pass_name == "fwd+bwd" else set())
+            want = want if flash else set()
             if name is not None:
                 want = {candidate_target(t, name) for t in want}
             got = flash_targets(lowered.as_text())
@@ -122,6 +125,8 @@ def add_arguments(parser):
     parser.add_argument("--shapes", default="", help="b,s,h,h_kv,d shapes separated by '/'")
     parser.add_argument("--masks", default="no_mask,causal", help="no_mask, causal or both")
     parser.add_argument("--platform", default="cuda", help="the libraries' platform (cpu: host builds)")
+    parser.add_argument("--fa3", action="store_true",
+                        help="also time flash_attn3_jax (head dim 128) in the same rounds, as a reference")
 
 
 def parse_candidates(text: str) -> dict[str, Path]:
@@ -158,14 +163,15 @@ def main():
             builds = {"flash": compiled_passes(ours("flash", causal), None, operands)}
             for name in names:
                 builds[f"flash@{name}"] = compiled_passes(ours("flash", causal), name, operands)
+            peers = {"fa3": compiled_passes(fa3(causal), None, operands, flash=False)} if args.fa3 and d == 128 else {}
             for pass_name in ("fwd", "fwd+bwd"):
                 reference = builds["flash"][pass_name](*operands)
                 differences = {impl: largest_difference(reference, passes[pass_name](*operands))
                                for impl, passes in builds.items() if impl != "flash"}
                 wrong = {impl: x for impl, x in differences.items() if not x <= TOLERANCE}
-                fns = {impl: passes[pass_name] for impl, passes in builds.items() if impl not in wrong}
+                fns = {impl: passes[pass_name] for impl, passes in {**builds, **peers}.items() if impl not in wrong}
                 times, errors = interleaved_ms(fns, operands, args.repeats, args.iters, args.min_window_ms)
-                for impl in builds:
+                for impl in {**builds, **peers}:
                     row = {"name": case, "impl": impl, "pass": pass_name,
                            "shape": {"b": b, "s": s, "h": h, "h_kv": h_kv, "d": d, "causal": causal}}
                     if impl in wrong:
@@ -176,7 +182,7 @@ def main():
                                    vs_tree=round(times["flash"] / times[impl], 3) if "flash" in times else None)
                     else:
                         row["error"] = errors[impl]
-                    if impl != "flash":
+                    if impl in differences:
                         row["difference"] = differences[impl]
                     rows.append(row)
                     print(row, flush=True)
