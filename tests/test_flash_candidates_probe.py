@@ -4,6 +4,7 @@ lowering left on the tree's targets."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -80,3 +81,26 @@ def test_candidate_names_are_checked(tmp_path):
     for bad in (f"a@b={library}", f"a={library},a={library}", "a", f"a={tmp_path / 'missing.so'}"):
         with pytest.raises(SystemExit):
             flash_candidates.parse_candidates(bad)
+
+
+def test_a_run_times_tree_candidate_and_peer_in_one_table(candidate, tmp_path, monkeypatch, capsys):
+    """main() end to end on the CPU: the copy matches the tree exactly and is timed beside it;
+    --fa3's peer (here the xla backend standing in for flash_attn3_jax) joins the rounds."""
+    library = tmp_path / "copy2" / "libfusedattn_host.so"
+    library.parent.mkdir()
+    shutil.copy(_library.library_path("fusedattn_host"), library)
+    monkeypatch.setattr(flash_candidates, "fa3", lambda causal: ours("xla", causal))
+    out = tmp_path / "result.json"
+    monkeypatch.setattr(sys, "argv", [
+        "flash_candidates.py", "--platform", "cpu", "--candidates", f"copy2={library}", "--fa3",
+        "--shapes", "1,64,2,2,128", "--masks", "causal", "--repeats", "1", "--iters", "1",
+        "--min-window-ms", "1", "--out", str(out)])
+    flash_candidates.main()
+    rows = json.loads(out.read_text())["rows"]
+    by_impl = {(r["impl"], r["pass"]): r for r in rows}
+    assert set(by_impl) == {(impl, p) for impl in ("flash", "flash@copy2", "fa3") for p in ("fwd", "fwd+bwd")}
+    for p in ("fwd", "fwd+bwd"):
+        assert by_impl[("flash@copy2", p)]["difference"] == 0.0
+        assert by_impl[("flash@copy2", p)]["ms"] > 0 and by_impl[("fa3", p)]["ms"] > 0
+        assert by_impl[("flash", p)]["vs_tree"] == 1.0
+    assert "flash@copy2" in capsys.readouterr().out
