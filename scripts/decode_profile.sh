@@ -5,9 +5,7 @@
 # ncu_decode_<shape>.txt and _sass.csv; a short summary prints last.
 #   usage: bash scripts/decode_profile.sh ["b,s_kv,s_q,page" ...]
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/fusedattn-out}
-export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+. "$(dirname "$0")/device_env.sh"
 shapes=("$@")
 ((${#shapes[@]})) || shapes=("16,8192,1,64")
 for shape in "${shapes[@]}"; do

@@ -9,9 +9,7 @@
 # scheduler 0 with one warp of each consumer warpgroup).
 #   usage: [KERNELS=forward|backward] bash scripts/flash_profile.sh ["b,s,h,h_kv,d[,causal]" ...]
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/fusedattn-out}
-export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+. "$(dirname "$0")/device_env.sh"
 lib=$(find build -name libfusedattn_cuda.so | head -1)
 cuobjdump -sass "$lib" > "$OUT/flash.sass" 2>&1
 python3 - "$OUT/flash.sass" <<'PY'

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import _benchmarks_on_path  # noqa: F401  (benchmarks/ on sys.path)
-from common import interleaved_ms, parse_args, random_normal, write_results
+from common import interleaved_ms, parse_args, passes, random_normal, write_results
 from flash import chosen_shapes, fa3, flops, ours
 from fusedattn.ops import _library
 from fusedattn.ops.backends import flash_ffi
@@ -57,12 +57,13 @@ def flash_targets(text: str) -> set[str]:
 def register(name: str, library: Path, platform: str, keep: list) -> None:
     """Registers `library`'s flash handlers under candidate `name`'s targets (`keep` holds the
     handle open)."""
-    stem, symbols, _ = _library._LIBRARIES[_library._ffi_platform(platform)]
+    platform = _library._ffi_platform(platform)
+    _, symbols, _ = _library._LIBRARIES[platform]
     lib = ctypes.CDLL(str(library), mode=ctypes.RTLD_LOCAL)
     keep.append(lib)
     for base in TARGETS.values():
         jax.ffi.register_ffi_target(candidate_target(base, name), jax.ffi.pycapsule(getattr(lib, symbols[base])),
-                                    platform=_library._ffi_platform(platform))
+                                    platform=platform)
 
 
 @contextlib.contextmanager
@@ -82,24 +83,13 @@ def compiled_passes(attend, name: str | None, args: tuple, flash: bool = True) -
     """{"fwd", "fwd+bwd"}: the passes of `attend` compiled with candidate `name`'s targets (None:
     the tree's); ValueError if the program calls any other build's flash targets. flash=False:
     a peer's `attend`, which calls no flash target."""
-    q, k, v, do = args
-
-    def forward(q, k, v, do):
-        return attend(q, k, v)
-
-    def forward_backward(q, k, v, do):
-        out, vjp = jax.vjp(attend, q, k, v)
-        return out, vjp(do)
-
     out = {}
     jax.clear_caches()  # no trace of another build's lowering is reused
     with lowering_with(name):
-        for pass_name, fn in (("fwd", forward), ("fwd+bwd", forward_backward)):
-            lowered = jax.jit(fn).lower(q, k, v, do)
-            want = {TARGETS["FWD_TARGET"]} | ({TARGETS["BWD_TARGET"]} if pass_name == "fwd+bwd" else set())
-            want = want if flash else set()
-            if name is not None:
-                want = {candidate_target(t, name) for t in want}
+        for pass_name, fn in passes(attend).items():
+            lowered = jax.jit(fn).lower(*args)
+            bases = (TARGETS["FWD_TARGET"],) + ((TARGETS["BWD_TARGET"],) if pass_name == "fwd+bwd" else ())
+            want = {t if name is None else candidate_target(t, name) for t in bases} if flash else set()
             got = flash_targets(lowered.as_text())
             if got != want:
                 raise ValueError(f"flash_candidates: the {pass_name} program of {name or 'the tree'} calls "
