@@ -269,10 +269,10 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
 }
 
 // One consumer warpgroup (index cw, 0 or 1) on one work item: queries m0 + 64 cw .. + 63.
-// Tile i's S = Q K^T is issued together with tile i - 1's O += P V, and its softmax runs
-// while that product does (O is rescaled once it is done). The first tile runs alone, so
-// that the loop always has the same products in flight (the compiler then keeps them
-// asynchronous). Every K and V stage it takes is released, and the item's Q stage once O
+// Tile i's S = Q K^T is issued together with tile i - 1's O += P V; its softmax runs while
+// the other warpgroup's products do (this one's P V is waited for once the maxima are
+// known). The first tile runs alone, so that the loop always has the same products in
+// flight (the compiler then keeps them asynchronous). Every K and V stage it takes is released, and the item's Q stage once O
 // has left through it. `round`: the block's item count so far (the trace's index).
 template <ElementType ET, int D, bool kAlibi>
 __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorMap* o_map, uint32_t base,
@@ -378,10 +378,14 @@ __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorM
       });
     }
     float factor[2];
-    softmax_weights<T::kN>(scores, state, a, c, h, kv, factor);
-    mbarrier_arrive(smem_address(&control->k_empty[s]));  // K and the key tokens are read
-    retire();
-    rescale_rows<D>(o, factor);
+    // Once the maxima are known: K and the key tokens are read, and the product in flight
+    // (which reads the previous weights' registers) is waited for and O rescaled, so that
+    // the rescale interleaves with the exponentials.
+    softmax_weights<T::kN>(scores, state, a, c, h, kv, factor, [&] {
+      mbarrier_arrive(smem_address(&control->k_empty[s]));
+      retire();
+      rescale_rows<D>(o, factor);
+    });
 #pragma unroll
     for (int ks = 0; ks < T::kN / 16; ++ks) {
       weights[ks][0] = pack2<ET>(scores[2 * ks][0], scores[2 * ks][1]);
