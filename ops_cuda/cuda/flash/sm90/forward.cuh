@@ -11,7 +11,7 @@
 //     and V tiles into rings of three K (two at d128) and two V stages (each pass
 //     publishes tile i's K and then loads tile i - 1's V); K and V complete on mbarriers
 //     of their own and are released by the consumers through "empty" mbarriers of their
-//     own (K once the tile's weights are computed). With each K it publishes the tile's
+//     own (K once the tile's row maxima are known). With each K it publishes the tile's
 //     index, whether it is the item's last, whether every pair is visible and whether the
 //     tile may hold padding keys, and for a tile that is not all visible its keys' segment
 //     ids and positions (the mask reads them from shared memory; with ALiBi, kAlibi, those
@@ -20,7 +20,8 @@
 //   warpgroups 1 and 2, the consumers, 64 queries each (consume): S = Q K^T by wgmma from
 //     shared memory, the online softmax of ../softmax_tile.cuh in float32 registers,
 //     O += P V by wgmma with P from registers and V from shared memory; tile i's S is
-//     issued with tile i - 1's P V, and its softmax runs while that product does. The two
+//     issued with tile i - 1's P V, which is waited for once tile i's row maxima are known
+//     (O's rescale then runs among the exponentials). The two
 //     take turns issuing (named barriers), so that one's softmax overlaps the other's
 //     products; O leaves through their rows of the item's Q stage. In a tile with padding
 //     keys they first zero those keys' V rows (garbage there, even NaN, reaches no output; K's
@@ -50,7 +51,7 @@ struct Control {
   uint64_t q_empty[kQueryStages];  // the item's O has left the Q tile (one arrival per consumer warpgroup)
   uint64_t k_full[kKeyStages];
   uint64_t v_full[kValueStages];
-  uint64_t k_empty[kKeyStages];   // released by the consumers once the tile's weights are computed
+  uint64_t k_empty[kKeyStages];   // released by the consumers once the tile's row maxima are known
   uint64_t v_empty[kValueStages];  // released once O += P V is done
   int32_t tile[kKeyStages];        // key tile of the K stage, -1: the item has none
   int32_t last[kKeyStages];        // the item's last tile
