@@ -38,11 +38,12 @@ __device__ __forceinline__ float combine_parts(const float (&parts)[kParts], Op 
 // kv: the fragment's coordinates (rows: queries, columns: keys). after_max() runs once the
 // maxima and factors are known, before the weights are computed (the sm90 forward waits
 // there for the product that still reads the previous weights, so that the rescale of O
-// and the packing of the weights can interleave with the exponentials).
+// and the packing of the weights can interleave with the exponentials). kMayDrop = false:
+// a kernel instance for calls without dropout (no branch after the exponentials).
 struct NoStep {
   __device__ __forceinline__ void operator()() const {}
 };
-template <int kN, typename AfterMax = NoStep>
+template <int kN, bool kMayDrop = true, typename AfterMax = NoStep>
 __device__ __forceinline__ void softmax_weights(float (&scores)[kN / 8][4], SoftmaxState (&state)[kLaneRows],
                                                 const FlashArgs& a, const HeadContext& c, int64_t h,
                                                 FragmentCoords kv, float (&factor)[kLaneRows],
@@ -107,7 +108,7 @@ __device__ __forceinline__ void softmax_weights(float (&scores)[kN / 8][4], Soft
   }
 #pragma unroll
   for (int r = 0; r < kLaneRows; ++r) state[r].l += combine_parts(partial[r], [](float x, float y) { return x + y; });
-  if (p.dropout) {
+  if (kMayDrop && p.dropout) {
 #pragma unroll
     for (int n = 0; n < kN / 8; ++n) {
       float f[4];

@@ -275,7 +275,7 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
 // known). The first tile runs alone, so that the loop always has the same products in
 // flight (the compiler then keeps them asynchronous). Every K and V stage it takes is released, and the item's Q stage once O
 // has left through it. `round`: the block's item count so far (the trace's index).
-template <ElementType ET, int D, bool kAlibi>
+template <ElementType ET, int D, bool kAlibi, bool kDropout>
 __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorMap* o_map, uint32_t base,
                                              Control* control, const QueryBlock& w,
                                              const Ring<ForwardTiles<D>::kQueryStages>& queries, int cw,
@@ -382,7 +382,7 @@ __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorM
     // Once the maxima are known: K and the key tokens are read, and the product in flight
     // (which reads the previous weights' registers) is waited for and O rescaled, so that
     // the rescale interleaves with the exponentials.
-    softmax_weights<T::kN>(scores, state, a, c, h, kv, factor, [&] {
+    softmax_weights<T::kN, kDropout>(scores, state, a, c, h, kv, factor, [&] {
       mbarrier_arrive(smem_address(&control->k_empty[s]));
       retire();
       rescale_rows<D>(o, factor);
@@ -452,7 +452,7 @@ __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorM
 }
 
 // One consumer warpgroup over the block's work items.
-template <ElementType ET, int D, bool kAlibi>
+template <ElementType ET, int D, bool kAlibi, bool kDropout>
 __device__ __forceinline__ void consume(const ForwardArgs& args, uint32_t base, Control* control, int cw) {
   using T = ForwardTiles<D>;
   const AttentionParams& p = args.a.p;
@@ -464,14 +464,14 @@ __device__ __forceinline__ void consume(const ForwardArgs& args, uint32_t base, 
   for (int r = 0; r * static_cast<int>(gridDim.x) < items; ++r) {
     const int item = block_item(r, items);
     if (item < 0) continue;
-    consume_item<ET, D, kAlibi>(args.a, &args.o_map, base, control, query_block<D>(p, item), queries, cw, keys,
+    consume_item<ET, D, kAlibi, kDropout>(args.a, &args.o_map, base, control, query_block<D>(p, item), queries, cw, keys,
                                 values, r);
     queries.advance();
   }
   if (threadIdx.x % 128 == 0) trace_dump(1 + cw, (items + gridDim.x - 1) / gridDim.x);
 }
 
-template <ElementType ET, int D, bool kAlibi>
+template <ElementType ET, int D, bool kAlibi, bool kDropout>
 __global__ void __launch_bounds__(ForwardTiles<D>::kThreads, 1) forward_kernel(const __grid_constant__ ForwardArgs args) {
   using T = ForwardTiles<D>;
   extern __shared__ unsigned char smem[];
@@ -501,7 +501,7 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads, 1) forward_kernel(c
     if (threadIdx.x < 32) produce<D, kAlibi>(args, base, control);
   } else {
     registers_increase<T::kConsumerRegisters>();
-    consume<ET, D, kAlibi>(args, base, control, warpgroup - 1);
+    consume<ET, D, kAlibi, kDropout>(args, base, control, warpgroup - 1);
   }
 }
 
