@@ -11,7 +11,7 @@
 //     and V tiles into rings of three K (two at d128) and two V stages (each pass
 //     publishes tile i's K and then loads tile i - 1's V); K and V complete on mbarriers
 //     of their own and are released by the consumers through "empty" mbarriers of their
-//     own (K once the tile's weights are computed). With each K it publishes the tile's
+//     own (K once the tile's row maxima are known). With each K it publishes the tile's
 //     index, whether it is the item's last, whether every pair is visible and whether the
 //     tile may hold padding keys, and for a tile that is not all visible its keys' segment
 //     ids and positions (the mask reads them from shared memory; with ALiBi, kAlibi, those
@@ -20,7 +20,8 @@
 //   warpgroups 1 and 2, the consumers, 64 queries each (consume): S = Q K^T by wgmma from
 //     shared memory, the online softmax of ../softmax_tile.cuh in float32 registers,
 //     O += P V by wgmma with P from registers and V from shared memory; tile i's S is
-//     issued with tile i - 1's P V, and its softmax runs while that product does. The two
+//     issued with tile i - 1's P V, which is waited for once tile i's row maxima are known
+//     (O's rescale then runs among the exponentials). The two
 //     take turns issuing (named barriers), so that one's softmax overlaps the other's
 //     products; O leaves through their rows of the item's Q stage. In a tile with padding
 //     keys they first zero those keys' V rows (garbage there, even NaN, reaches no output; K's
@@ -50,7 +51,7 @@ struct Control {
   uint64_t q_empty[kQueryStages];  // the item's O has left the Q tile (one arrival per consumer warpgroup)
   uint64_t k_full[kKeyStages];
   uint64_t v_full[kValueStages];
-  uint64_t k_empty[kKeyStages];   // released by the consumers once the tile's weights are computed
+  uint64_t k_empty[kKeyStages];   // released by the consumers once the tile's row maxima are known
   uint64_t v_empty[kValueStages];  // released once O += P V is done
   int32_t tile[kKeyStages];        // key tile of the K stage, -1: the item has none
   int32_t last[kKeyStages];        // the item's last tile
@@ -269,12 +270,12 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
 }
 
 // One consumer warpgroup (index cw, 0 or 1) on one work item: queries m0 + 64 cw .. + 63.
-// Tile i's S = Q K^T is issued together with tile i - 1's O += P V, and its softmax runs
-// while that product does (O is rescaled once it is done). The first tile runs alone, so
-// that the loop always has the same products in flight (the compiler then keeps them
-// asynchronous). Every K and V stage it takes is released, and the item's Q stage once O
+// Tile i's S = Q K^T is issued together with tile i - 1's O += P V; its softmax runs while
+// the other warpgroup's products do (this one's P V is waited for once the maxima are
+// known). The first tile runs alone, so that the loop always has the same products in
+// flight (the compiler then keeps them asynchronous). Every K and V stage it takes is released, and the item's Q stage once O
 // has left through it. `round`: the block's item count so far (the trace's index).
-template <ElementType ET, int D, bool kAlibi>
+template <ElementType ET, int D, bool kAlibi, bool kDropout>
 __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorMap* o_map, uint32_t base,
                                              Control* control, const QueryBlock& w,
                                              const Ring<ForwardTiles<D>::kQueryStages>& queries, int cw,
@@ -378,10 +379,14 @@ __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorM
       });
     }
     float factor[2];
-    softmax_weights<T::kN>(scores, state, a, c, h, kv, factor);
-    mbarrier_arrive(smem_address(&control->k_empty[s]));  // K and the key tokens are read
-    retire();
-    rescale_rows<D>(o, factor);
+    // Once the maxima are known: K and the key tokens are read, and the product in flight
+    // (which reads the previous weights' registers) is waited for and O rescaled, so that
+    // the rescale interleaves with the exponentials.
+    softmax_weights<T::kN, kDropout>(scores, state, a, c, h, kv, factor, [&] {
+      mbarrier_arrive(smem_address(&control->k_empty[s]));
+      retire();
+      rescale_rows<D>(o, factor);
+    });
 #pragma unroll
     for (int ks = 0; ks < T::kN / 16; ++ks) {
       weights[ks][0] = pack2<ET>(scores[2 * ks][0], scores[2 * ks][1]);
@@ -447,7 +452,7 @@ __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorM
 }
 
 // One consumer warpgroup over the block's work items.
-template <ElementType ET, int D, bool kAlibi>
+template <ElementType ET, int D, bool kAlibi, bool kDropout>
 __device__ __forceinline__ void consume(const ForwardArgs& args, uint32_t base, Control* control, int cw) {
   using T = ForwardTiles<D>;
   const AttentionParams& p = args.a.p;
@@ -459,14 +464,14 @@ __device__ __forceinline__ void consume(const ForwardArgs& args, uint32_t base, 
   for (int r = 0; r * static_cast<int>(gridDim.x) < items; ++r) {
     const int item = block_item(r, items);
     if (item < 0) continue;
-    consume_item<ET, D, kAlibi>(args.a, &args.o_map, base, control, query_block<D>(p, item), queries, cw, keys,
+    consume_item<ET, D, kAlibi, kDropout>(args.a, &args.o_map, base, control, query_block<D>(p, item), queries, cw, keys,
                                 values, r);
     queries.advance();
   }
   if (threadIdx.x % 128 == 0) trace_dump(1 + cw, (items + gridDim.x - 1) / gridDim.x);
 }
 
-template <ElementType ET, int D, bool kAlibi>
+template <ElementType ET, int D, bool kAlibi, bool kDropout>
 __global__ void __launch_bounds__(ForwardTiles<D>::kThreads, 1) forward_kernel(const __grid_constant__ ForwardArgs args) {
   using T = ForwardTiles<D>;
   extern __shared__ unsigned char smem[];
@@ -496,7 +501,7 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads, 1) forward_kernel(c
     if (threadIdx.x < 32) produce<D, kAlibi>(args, base, control);
   } else {
     registers_increase<T::kConsumerRegisters>();
-    consume<ET, D, kAlibi>(args, base, control, warpgroup - 1);
+    consume<ET, D, kAlibi, kDropout>(args, base, control, warpgroup - 1);
   }
 }
 
