@@ -490,9 +490,7 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads, 1) forward_kernel(c
     mbarrier_init_fence();
   }
   __syncthreads();
-  // Through a shuffle, so that the compiler knows it is warp-uniform and keeps what derives
-  // from it (the consumers' shared-memory descriptors) in uniform registers.
-  const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
+  const int warpgroup = warpgroup_index();
   if (warpgroup == 0) {
     registers_decrease<T::kProducerRegisters>();
     if (threadIdx.x < 32) produce<D, kAlibi>(args, base, control);
