@@ -475,7 +475,7 @@ __global__ void __launch_bounds__(BackwardTiles<D>::kThreads, 1)
     mbarrier_init_fence();
   }
   __syncthreads();
-  const int warpgroup = threadIdx.x / 128;
+  const int warpgroup = warpgroup_index();
   if (warpgroup == 0) {
     registers_decrease<T::kProducerRegisters>();
     if (threadIdx.x < 32) produce_backward<D, kAlibi>(args, base, control, b, g, n0);

@@ -495,7 +495,7 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads, 1) forward_kernel(c
     mbarrier_init_fence();
   }
   __syncthreads();
-  const int warpgroup = threadIdx.x / 128;
+  const int warpgroup = warpgroup_index();
   if (warpgroup == 0) {
     registers_decrease<T::kProducerRegisters>();
     if (threadIdx.x < 32) produce<D, kAlibi>(args, base, control);
