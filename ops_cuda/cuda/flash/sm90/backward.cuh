@@ -110,12 +110,15 @@ template <int D>
 struct DqAccumulator {
   static constexpr int kM = BackwardTiles<D>::kM, kColumns = D / 2;
   static constexpr int kBlockFloats = kM * kColumns;
-  // The block of (batch row b, head h, the query tile at m0, half cw).
-  __device__ static float* block(float* accum, int64_t b, int64_t h, int64_t m0, int cw, int64_t heads,
-                                 int64_t seqlen_q) {
-    const int64_t tiles = (seqlen_q + kM - 1) / kM;
-    return accum + (((b * heads + h) * tiles + m0 / kM) * 2 + cw) * kBlockFloats;
+  // The blocks of batch row b and half cw: block(h, m0) is that of head h and the query
+  // tile at m0 (the row's base and the tile count computed once, outside a block's loop).
+  float* base;
+  int64_t tiles;
+  __device__ DqAccumulator(float* accum, int64_t b, int cw, int64_t heads, int64_t seqlen_q)
+      : tiles((seqlen_q + kM - 1) / kM) {
+    base = accum + (b * heads * tiles * 2 + cw) * kBlockFloats;
   }
+  __device__ float* block(int64_t h, int64_t m0) const { return base + (h * tiles + m0 / kM) * 2 * kBlockFloats; }
 };
 
 // The kernel's arguments: the call, the float32 dQ accumulator and TMA descriptors of q,
@@ -287,6 +290,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
   }
   const float scale_log2 = p.scale * kLog2e;
   const bool dq_issuer = consumer_thread % 128 == 0;  // issues the warpgroup's dQ reductions
+  const DqAccumulator<D> dq_blocks(args.dq_accum, b, cw, p.heads, p.seqlen_q);
   // With ALiBi: the slope gradient of the query head in progress (the heads come in order:
   // each is flushed to its warp's slot when it ends).
   int slope_head = -1;
@@ -441,7 +445,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
     fence_proxy_async();
     named_barrier_sync(kWarpgroupBarrier + cw, 128);
     if (dq_issuer) {
-      bulk_reduce_add(DqAccumulator<D>::block(args.dq_accum, b, h, m0, cw, p.heads, p.seqlen_q), dq_buffer,
+      bulk_reduce_add(dq_blocks.block(h, m0), dq_buffer,
                       T::kDqBytes);
     }
   }
