@@ -416,8 +416,8 @@ __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorM
   if (t >= 0) {
     float scores[T::kN / 8][4];
     issue_scores(ks, scores);
-    release_previous();
     named_barrier_arrive(kTurnBarrier + 1 - cw, T::kConsumerThreads);  // the other's turn
+    release_previous();  // after the turn passes, so that its wait does not hold the other back
     cute::warpgroup_wait<0>();
     soften(ks, t, full, scores, [] {});
     if (tracer) trace_stamp(1 + cw, round, 2);
