@@ -269,6 +269,16 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
   if (leader) trace_dump(0, (items + gridDim.x - 1) / gridDim.x);
 }
 
+// Once the O store of the warpgroup's previous item has read its Q stage: the stage goes back
+// to the producer (thread 0 of the warpgroup, which issued the store). Called after the next
+// item's first products are issued, so that the wait is off the item boundary.
+__device__ __forceinline__ void release_query_stage(Control* control, int stage, int cw, int round) {
+  if (threadIdx.x % 128 != 0) return;
+  bulk_wait_read();
+  trace_stamp(1 + cw, round, 5);
+  mbarrier_arrive(smem_address(&control->q_empty[stage]));
+}
+
 // One consumer warpgroup (index cw, 0 or 1) on one work item: queries m0 + 64 cw .. + 63.
 // Tile i's S = Q K^T is issued together with tile i - 1's O += P V; its softmax runs while
 // the other warpgroup's products do (this one's P V is waited for once the maxima are
@@ -278,7 +288,8 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
 template <ElementType ET, int D, bool kAlibi, bool kDropout>
 __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorMap* o_map, uint32_t base,
                                              Control* control, const QueryBlock& w,
-                                             const Ring<ForwardTiles<D>::kQueryStages>& queries, int cw,
+                                             const Ring<ForwardTiles<D>::kQueryStages>& queries,
+                                             int previous_stage, int cw,
                                              Ring<ForwardTiles<D>::kKeyStages>& keys,
                                              Ring<ForwardTiles<D>::kValueStages>& values, int round) {
   using T = ForwardTiles<D>;
@@ -403,10 +414,15 @@ __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorM
   bool full, padded, last;
   int ks;
   int t = next_tile(&ks, &full, &padded, &last);
+  const auto release_previous = [&] {
+    if (previous_stage >= 0) release_query_stage(control, previous_stage, cw, round - 1);
+  };
+  if (t < 0) release_previous();
   if (t >= 0) {
     float scores[T::kN / 8][4];
     issue_scores(ks, scores);
     named_barrier_arrive(kTurnBarrier + 1 - cw, T::kConsumerThreads);  // the other's turn
+    release_previous();  // after the turn passes, so that its wait does not hold the other back
     cute::warpgroup_wait<0>();
     soften(ks, t, full, scores, [] {});
     if (tracer) trace_stamp(1 + cw, round, 2);
@@ -445,11 +461,9 @@ __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorM
                    static_cast<int>(m0) + T::kConsumerRows * cw, static_cast<int>(b));
     }
     trace_stamp(1 + cw, round, 4);
-    bulk_wait_read();  // the writes complete by the kernel's end; the next Q waits for the reads
-    trace_stamp(1 + cw, round, 5);
-    mbarrier_arrive(smem_address(&control->q_empty[queries.stage]));
   }
 }
+
 
 // One consumer warpgroup over the block's work items.
 template <ElementType ET, int D, bool kAlibi, bool kDropout>
@@ -460,14 +474,17 @@ __device__ __forceinline__ void consume(const ForwardArgs& args, uint32_t base, 
   Ring<T::kValueStages> values;
   if (cw == 1) named_barrier_arrive(kTurnBarrier, T::kConsumerThreads);  // warpgroup 0 starts
   Ring<T::kQueryStages> queries;
+  int previous_stage = -1;  // the Q stage of the warpgroup's previous item, not yet released
   const int items = work_items<D>(p);
   for (int r = 0; r * static_cast<int>(gridDim.x) < items; ++r) {
     const int item = block_item(r, items);
     if (item < 0) continue;
-    consume_item<ET, D, kAlibi, kDropout>(args.a, &args.o_map, base, control, query_block<D>(p, item), queries, cw, keys,
-                                values, r);
+    consume_item<ET, D, kAlibi, kDropout>(args.a, &args.o_map, base, control, query_block<D>(p, item), queries,
+                                          previous_stage, cw, keys, values, r);
+    previous_stage = queries.stage;
     queries.advance();
   }
+  if (threadIdx.x % 128 == 0) bulk_wait_read();  // the last O store has read shared memory
   if (threadIdx.x % 128 == 0) trace_dump(1 + cw, (items + gridDim.x - 1) / gridDim.x);
 }
 
