@@ -35,11 +35,19 @@ __device__ __forceinline__ float combine_parts(const float (&parts)[kParts], Op 
 // contributes nothing), become the weights exp(scale s - m) (dropout applied) that O += P V
 // takes; the row statistics move to the new running max, and factor[r] receives what the
 // outputs accumulated so far must be multiplied by (rescale_rows) for the lane's row r.
-// kv: the fragment's coordinates (rows: queries, columns: keys).
-template <int kN>
+// kv: the fragment's coordinates (rows: queries, columns: keys). after_max() runs once the
+// maxima and factors are known, before the weights are computed (the sm90 forward waits
+// there for the product that still reads the previous weights, so that the rescale of O
+// and the packing of the weights can interleave with the exponentials). kMayDrop = false:
+// a kernel instance for calls without dropout (no branch after the exponentials).
+struct NoStep {
+  __device__ __forceinline__ void operator()() const {}
+};
+template <int kN, bool kMayDrop = true, typename AfterMax = NoStep>
 __device__ __forceinline__ void softmax_weights(float (&scores)[kN / 8][4], SoftmaxState (&state)[kLaneRows],
                                                 const FlashArgs& a, const HeadContext& c, int64_t h,
-                                                FragmentCoords kv, float (&factor)[kLaneRows]) {
+                                                FragmentCoords kv, float (&factor)[kLaneRows],
+                                                AfterMax after_max = {}) {
   const AttentionParams& p = a.p;
   // Maxima and sums in kParts independent partials per row, so that the dependent chains
   // are kN / 8 / 2 long instead of kN / 4 (both rows' chains in flight together).
@@ -77,6 +85,7 @@ __device__ __forceinline__ void softmax_weights(float (&scores)[kN / 8][4], Soft
     state[r].m = m;
     state[r].any |= block_max[r] > -INFINITY;
   }
+  after_max();
   // exp(scale x - m) as exp2(x scale log2(e) - m log2(e)), one multiply-add per element;
   // masked x = -inf gives 0 (a row without a visible key so far has m = -inf and every
   // weight masked).
@@ -99,7 +108,7 @@ __device__ __forceinline__ void softmax_weights(float (&scores)[kN / 8][4], Soft
   }
 #pragma unroll
   for (int r = 0; r < kLaneRows; ++r) state[r].l += combine_parts(partial[r], [](float x, float y) { return x + y; });
-  if (p.dropout) {
+  if (kMayDrop && p.dropout) {
 #pragma unroll
     for (int n = 0; n < kN / 8; ++n) {
       float f[4];

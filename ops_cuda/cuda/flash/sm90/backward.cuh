@@ -59,8 +59,8 @@ struct BackwardControl {
   int32_t padded[kStages];  // the query tile may hold padding queries (segment id 0)
   // Per stage and query of the tile: lse * log2(e) and delta (+inf and 0 past the end and
   // for padding queries: P = 0 and dS = 0 whatever dO holds there).
-  float lse_log2[kStages][kM];
-  float delta[kStages][kM];
+  alignas(8) float lse_log2[kStages][kM];  // (read two queries at a time)
+  alignas(8) float delta[kStages][kM];
   // Of a tile that is not all visible: the keys each query sees (the consumers' mask).
   QueryRange sees[kStages][kM];
   // With ALiBi: each query's diagonal (q_pos + q_diag; 0 past the end), as float32.
@@ -110,12 +110,15 @@ template <int D>
 struct DqAccumulator {
   static constexpr int kM = BackwardTiles<D>::kM, kColumns = D / 2;
   static constexpr int kBlockFloats = kM * kColumns;
-  // The block of (batch row b, head h, the query tile at m0, half cw).
-  __device__ static float* block(float* accum, int64_t b, int64_t h, int64_t m0, int cw, int64_t heads,
-                                 int64_t seqlen_q) {
-    const int64_t tiles = (seqlen_q + kM - 1) / kM;
-    return accum + (((b * heads + h) * tiles + m0 / kM) * 2 + cw) * kBlockFloats;
+  // The blocks of batch row b and half cw: block(h, m0) is that of head h and the query
+  // tile at m0 (the row's base and the tile count computed once, outside a block's loop).
+  float* base;
+  int64_t tiles;
+  __device__ DqAccumulator(float* accum, int64_t b, int cw, int64_t heads, int64_t seqlen_q)
+      : tiles((seqlen_q + kM - 1) / kM) {
+    base = accum + (b * heads * tiles * 2 + cw) * kBlockFloats;
   }
+  __device__ float* block(int64_t h, int64_t m0) const { return base + (h * tiles + m0 / kM) * 2 * kBlockFloats; }
 };
 
 // The kernel's arguments: the call, the float32 dQ accumulator and TMA descriptors of q,
@@ -231,17 +234,21 @@ __device__ __forceinline__ void pack_operand(const float (&x)[kCols / 8][4], uin
 }
 
 // Stores a warp's dS^T operands (rows: keys row0 + lane/4 (+8), columns: the kM queries) into
-// the swizzled one-atom tile at ds (row r at ds + 128 r, chunk c at (c ^ r % 8) * 16).
+// the swizzled one-atom tile at ds (row r at ds + 128 r, chunk c at (c ^ r % 8) * 16), with
+// stmatrix: operand register j of 16 columns ks is the 8 x 8 matrix of rows 8 (j % 2) ..,
+// chunk 2 ks + j / 2 in the fragment layout stmatrix takes, and lane l addresses row l % 8
+// of matrix l / 8.
 template <int kM>
 __device__ __forceinline__ void store_scores_t(uint32_t ds, int row0, int lane, const uint32_t (&a)[kM / 16][4]) {
+  const int matrix = lane / 8, r = row0 + lane % 8 + 8 * (matrix % 2);
+  const uint32_t row = ds + r * kAtomRowBytes;
 #pragma unroll
   for (int ks = 0; ks < kM / 16; ++ks) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int r = row0 + lane / 4 + 8 * (j % 2), chunk = 2 * ks + j / 2;
-      const uint32_t address = ds + r * kAtomRowBytes + ((chunk ^ (r % 8)) << 4) + (lane % 4) * 4;
-      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(address), "r"(a[ks][j]) : "memory");
-    }
+    const int chunk = 2 * ks + matrix / 2;
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                     row + ((chunk ^ (r % 8)) << 4)),
+                 "r"(a[ks][0]), "r"(a[ks][1]), "r"(a[ks][2]), "r"(a[ks][3])
+                 : "memory");
   }
 }
 
@@ -283,6 +290,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
   }
   const float scale_log2 = p.scale * kLog2e;
   const bool dq_issuer = consumer_thread % 128 == 0;  // issues the warpgroup's dQ reductions
+  const DqAccumulator<D> dq_blocks(args.dq_accum, b, cw, p.heads, p.seqlen_q);
   // With ALiBi: the slope gradient of the query head in progress (the heads come in order:
   // each is flushed to its warp's slot when it ends).
   int slope_head = -1;
@@ -333,8 +341,10 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
       mbarrier_arrive(smem_address(&control->empty[(i - 1) % T::kStages]));
     }
 
-    const float* lse_log2 = control->lse_log2[s] + 2 * (lane % 4);  // + 8 n + e: query column (n, e)
+    // + 8 n + e % 2: query column (n, e); the two of each 8 with one 8-byte load
+    const float* lse_log2 = control->lse_log2[s] + 2 * (lane % 4);
     const float* delta = control->delta[s] + 2 * (lane % 4);
+    const auto pair_at = [](const float* x) { return *reinterpret_cast<const float2*>(x); };
     const FragmentCoords qc{at.row0, m0, lane};  // columns: queries
 
     cute::warpgroup_wait<1>();
@@ -348,8 +358,9 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
     if constexpr (kAlibi) add_alibi<T::kM>(st, alibi_coefficient(a, b, h), distance);
 #pragma unroll
     for (int n = 0; n < T::kM / 8; ++n) {
+      const float2 lse = pair_at(lse_log2 + 8 * n);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) st[n][e] = fast_exp2(fmaf(st[n][e], scale_log2, -lse_log2[8 * n + e % 2]));
+      for (int e = 0; e < 4; ++e) st[n][e] = fast_exp2(fmaf(st[n][e], scale_log2, -(e % 2 ? lse.y : lse.x)));
     }
     if (!all_visible) {
       const KeyRows keys = key_rows(context(), at, p.seqlen_kv);
@@ -358,6 +369,8 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
       });
       mask_fragment(st, 0.0f, [&](int n, int e) { return ((seen >> (4 * n + e)) & 1u) != 0; });
     }
+    uint32_t weights[T::kM / 16][4], scores[T::kM / 16][4];  // (P o drop)^T and dS^T as A operands
+    if constexpr (!kDropout) pack_operand<ET, T::kM>(st, weights);  // P^T is final: packed while dP runs
     cute::warpgroup_wait<0>();
     fence_accumulators(dpt);
     // st: P^T; then dS^T = P^T o (drop o dP^T - delta) into dpt, and st: (P o drop)^T
@@ -368,23 +381,24 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
       });
 #pragma unroll
       for (int n = 0; n < T::kM / 8; ++n) {
+        const float2 row_delta = pair_at(delta + 8 * n);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float f = ((kept >> (4 * n + e)) & 1u) != 0 ? p.dropout_scale : 0.0f;
-          dpt[n][e] = st[n][e] * (f * dpt[n][e] - delta[8 * n + e % 2]);
+          dpt[n][e] = st[n][e] * (f * dpt[n][e] - (e % 2 ? row_delta.y : row_delta.x));
           st[n][e] *= f;
         }
       }
+      pack_operand<ET, T::kM>(st, weights);
     } else {
 #pragma unroll
       for (int n = 0; n < T::kM / 8; ++n) {
+        const float2 row_delta = pair_at(delta + 8 * n);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dpt[n][e] = st[n][e] * (dpt[n][e] - delta[8 * n + e % 2]);
+        for (int e = 0; e < 4; ++e) dpt[n][e] = st[n][e] * (dpt[n][e] - (e % 2 ? row_delta.y : row_delta.x));
       }
     }
     if constexpr (kAlibi) slope_partial += alibi_slope_partial<T::kM>(dpt, distance);
-    uint32_t weights[T::kM / 16][4], scores[T::kM / 16][4];  // (P o drop)^T and dS^T as A operands
-    pack_operand<ET, T::kM>(st, weights);
     pack_operand<ET, T::kM>(dpt, scores);
     const uint32_t ds_tile = base + T::kDsOffset + (i % 2) * T::kDsBytes;
     store_scores_t<T::kM>(ds_tile, T::kConsumerKeys * cw + 16 * warp, lane, scores);
@@ -431,7 +445,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
     fence_proxy_async();
     named_barrier_sync(kWarpgroupBarrier + cw, 128);
     if (dq_issuer) {
-      bulk_reduce_add(DqAccumulator<D>::block(args.dq_accum, b, h, m0, cw, p.heads, p.seqlen_q), dq_buffer,
+      bulk_reduce_add(dq_blocks.block(h, m0), dq_buffer,
                       T::kDqBytes);
     }
   }
@@ -475,7 +489,7 @@ __global__ void __launch_bounds__(BackwardTiles<D>::kThreads, 1)
     mbarrier_init_fence();
   }
   __syncthreads();
-  const int warpgroup = threadIdx.x / 128;
+  const int warpgroup = warpgroup_index();
   if (warpgroup == 0) {
     registers_decrease<T::kProducerRegisters>();
     if (threadIdx.x < 32) produce_backward<D, kAlibi>(args, base, control, b, g, n0);

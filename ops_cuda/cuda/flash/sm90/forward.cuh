@@ -11,7 +11,7 @@
 //     and V tiles into rings of three K (two at d128) and two V stages (each pass
 //     publishes tile i's K and then loads tile i - 1's V); K and V complete on mbarriers
 //     of their own and are released by the consumers through "empty" mbarriers of their
-//     own (K once the tile's weights are computed). With each K it publishes the tile's
+//     own (K once the tile's row maxima are known). With each K it publishes the tile's
 //     index, whether it is the item's last, whether every pair is visible and whether the
 //     tile may hold padding keys, and for a tile that is not all visible its keys' segment
 //     ids and positions (the mask reads them from shared memory; with ALiBi, kAlibi, those
@@ -20,7 +20,8 @@
 //   warpgroups 1 and 2, the consumers, 64 queries each (consume): S = Q K^T by wgmma from
 //     shared memory, the online softmax of ../softmax_tile.cuh in float32 registers,
 //     O += P V by wgmma with P from registers and V from shared memory; tile i's S is
-//     issued with tile i - 1's P V, and its softmax runs while that product does. The two
+//     issued with tile i - 1's P V, which is waited for once tile i's row maxima are known
+//     (O's rescale then runs among the exponentials). The two
 //     take turns issuing (named barriers), so that one's softmax overlaps the other's
 //     products; O leaves through their rows of the item's Q stage. In a tile with padding
 //     keys they first zero those keys' V rows (garbage there, even NaN, reaches no output; K's
@@ -50,7 +51,7 @@ struct Control {
   uint64_t q_empty[kQueryStages];  // the item's O has left the Q tile (one arrival per consumer warpgroup)
   uint64_t k_full[kKeyStages];
   uint64_t v_full[kValueStages];
-  uint64_t k_empty[kKeyStages];   // released by the consumers once the tile's weights are computed
+  uint64_t k_empty[kKeyStages];   // released by the consumers once the tile's row maxima are known
   uint64_t v_empty[kValueStages];  // released once O += P V is done
   int32_t tile[kKeyStages];        // key tile of the K stage, -1: the item has none
   int32_t last[kKeyStages];        // the item's last tile
@@ -268,16 +269,27 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
   if (leader) trace_dump(0, (items + gridDim.x - 1) / gridDim.x);
 }
 
+// Once the O store of the warpgroup's previous item has read its Q stage: the stage goes back
+// to the producer (thread 0 of the warpgroup, which issued the store). Called after the next
+// item's first products are issued, so that the wait is off the item boundary.
+__device__ __forceinline__ void release_query_stage(Control* control, int stage, int cw, int round) {
+  if (threadIdx.x % 128 != 0) return;
+  bulk_wait_read();
+  trace_stamp(1 + cw, round, 5);
+  mbarrier_arrive(smem_address(&control->q_empty[stage]));
+}
+
 // One consumer warpgroup (index cw, 0 or 1) on one work item: queries m0 + 64 cw .. + 63.
-// Tile i's S = Q K^T is issued together with tile i - 1's O += P V, and its softmax runs
-// while that product does (O is rescaled once it is done). The first tile runs alone, so
-// that the loop always has the same products in flight (the compiler then keeps them
-// asynchronous). Every K and V stage it takes is released, and the item's Q stage once O
+// Tile i's S = Q K^T is issued together with tile i - 1's O += P V; its softmax runs while
+// the other warpgroup's products do (this one's P V is waited for once the maxima are
+// known). The first tile runs alone, so that the loop always has the same products in
+// flight (the compiler then keeps them asynchronous). Every K and V stage it takes is released, and the item's Q stage once O
 // has left through it. `round`: the block's item count so far (the trace's index).
-template <ElementType ET, int D, bool kAlibi>
+template <ElementType ET, int D, bool kAlibi, bool kDropout>
 __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorMap* o_map, uint32_t base,
                                              Control* control, const QueryBlock& w,
-                                             const Ring<ForwardTiles<D>::kQueryStages>& queries, int cw,
+                                             const Ring<ForwardTiles<D>::kQueryStages>& queries,
+                                             int previous_stage, int cw,
                                              Ring<ForwardTiles<D>::kKeyStages>& keys,
                                              Ring<ForwardTiles<D>::kValueStages>& values, int round) {
   using T = ForwardTiles<D>;
@@ -378,10 +390,14 @@ __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorM
       });
     }
     float factor[2];
-    softmax_weights<T::kN>(scores, state, a, c, h, kv, factor);
-    mbarrier_arrive(smem_address(&control->k_empty[s]));  // K and the key tokens are read
-    retire();
-    rescale_rows<D>(o, factor);
+    // Once the maxima are known: K and the key tokens are read, and the product in flight
+    // (which reads the previous weights' registers) is waited for and O rescaled, so that
+    // the rescale interleaves with the exponentials.
+    softmax_weights<T::kN, kDropout>(scores, state, a, c, h, kv, factor, [&] {
+      mbarrier_arrive(smem_address(&control->k_empty[s]));
+      retire();
+      rescale_rows<D>(o, factor);
+    });
 #pragma unroll
     for (int ks = 0; ks < T::kN / 16; ++ks) {
       weights[ks][0] = pack2<ET>(scores[2 * ks][0], scores[2 * ks][1]);
@@ -398,10 +414,15 @@ __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorM
   bool full, padded, last;
   int ks;
   int t = next_tile(&ks, &full, &padded, &last);
+  const auto release_previous = [&] {
+    if (previous_stage >= 0) release_query_stage(control, previous_stage, cw, round - 1);
+  };
+  if (t < 0) release_previous();
   if (t >= 0) {
     float scores[T::kN / 8][4];
     issue_scores(ks, scores);
     named_barrier_arrive(kTurnBarrier + 1 - cw, T::kConsumerThreads);  // the other's turn
+    release_previous();  // after the turn passes, so that its wait does not hold the other back
     cute::warpgroup_wait<0>();
     soften(ks, t, full, scores, [] {});
     if (tracer) trace_stamp(1 + cw, round, 2);
@@ -440,14 +461,12 @@ __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorM
                    static_cast<int>(m0) + T::kConsumerRows * cw, static_cast<int>(b));
     }
     trace_stamp(1 + cw, round, 4);
-    bulk_wait_read();  // the writes complete by the kernel's end; the next Q waits for the reads
-    trace_stamp(1 + cw, round, 5);
-    mbarrier_arrive(smem_address(&control->q_empty[queries.stage]));
   }
 }
 
+
 // One consumer warpgroup over the block's work items.
-template <ElementType ET, int D, bool kAlibi>
+template <ElementType ET, int D, bool kAlibi, bool kDropout>
 __device__ __forceinline__ void consume(const ForwardArgs& args, uint32_t base, Control* control, int cw) {
   using T = ForwardTiles<D>;
   const AttentionParams& p = args.a.p;
@@ -455,18 +474,21 @@ __device__ __forceinline__ void consume(const ForwardArgs& args, uint32_t base, 
   Ring<T::kValueStages> values;
   if (cw == 1) named_barrier_arrive(kTurnBarrier, T::kConsumerThreads);  // warpgroup 0 starts
   Ring<T::kQueryStages> queries;
+  int previous_stage = -1;  // the Q stage of the warpgroup's previous item, not yet released
   const int items = work_items<D>(p);
   for (int r = 0; r * static_cast<int>(gridDim.x) < items; ++r) {
     const int item = block_item(r, items);
     if (item < 0) continue;
-    consume_item<ET, D, kAlibi>(args.a, &args.o_map, base, control, query_block<D>(p, item), queries, cw, keys,
-                                values, r);
+    consume_item<ET, D, kAlibi, kDropout>(args.a, &args.o_map, base, control, query_block<D>(p, item), queries,
+                                          previous_stage, cw, keys, values, r);
+    previous_stage = queries.stage;
     queries.advance();
   }
+  if (threadIdx.x % 128 == 0) bulk_wait_read();  // the last O store has read shared memory
   if (threadIdx.x % 128 == 0) trace_dump(1 + cw, (items + gridDim.x - 1) / gridDim.x);
 }
 
-template <ElementType ET, int D, bool kAlibi>
+template <ElementType ET, int D, bool kAlibi, bool kDropout>
 __global__ void __launch_bounds__(ForwardTiles<D>::kThreads, 1) forward_kernel(const __grid_constant__ ForwardArgs args) {
   using T = ForwardTiles<D>;
   extern __shared__ unsigned char smem[];
@@ -490,13 +512,13 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads, 1) forward_kernel(c
     mbarrier_init_fence();
   }
   __syncthreads();
-  const int warpgroup = threadIdx.x / 128;
+  const int warpgroup = warpgroup_index();
   if (warpgroup == 0) {
     registers_decrease<T::kProducerRegisters>();
     if (threadIdx.x < 32) produce<D, kAlibi>(args, base, control);
   } else {
     registers_increase<T::kConsumerRegisters>();
-    consume<ET, D, kAlibi>(args, base, control, warpgroup - 1);
+    consume<ET, D, kAlibi, kDropout>(args, base, control, warpgroup - 1);
   }
 }
 

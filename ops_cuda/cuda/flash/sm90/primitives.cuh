@@ -92,6 +92,13 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, uint32_t src, uint32
                : "memory");
 }
 
+// The thread's warpgroup in the block, through a shuffle: the compiler then knows it is
+// warp-uniform and keeps what derives from it (the consumers' shared-memory descriptors)
+// in uniform registers, not rebuilt per thread before every wgmma.
+__device__ __forceinline__ int warpgroup_index() {
+  return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
+}
+
 // Waits until this thread's bulk groups have read their shared-memory sources.
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 
