@@ -153,20 +153,31 @@ def flops(b: int, s: int, h: int, d: int, causal: bool, pass_name: str) -> float
     return forward * (3.5 if pass_name == "fwd+bwd" else 1.0)
 
 
-def run_case(b: int, s: int, h: int, d: int, causal: bool, args) -> list[dict]:
+def case_inputs(b: int, s: int, h: int, d: int, causal: bool):
+    """Random normal bfloat16 q, k, v, dO [b, s, h, d] of a case."""
     keys = jax.random.split(jax.random.key(b * s + h + causal), 4)
-    q, k, v, do = (random_normal(key, (b, s, h, d), jnp.bfloat16) for key in keys)
+    return tuple(random_normal(key, (b, s, h, d), jnp.bfloat16) for key in keys)
+
+
+def build_impls(impls, causal: bool, q, k, v, do) -> tuple[dict, dict]:
+    """({impl: {pass: fn(q, k, v, do)}} of the impls that build, {impl: error} of the others."""
     builders = {"fp8": lambda: ours_fp8(causal, q, k, v, do, fp8_inputs=False),
                 "fp8_inputs": lambda: ours_fp8(causal, q, k, v, do, fp8_inputs=True),
                 "fp8_graph": lambda: ours_fp8_graph(causal, q, k, v, do),
                 "bf16": lambda: ours_bf16(causal),
                 "jax_fp8": lambda: jax_fp8(causal, q, k, v, do)}
     fns, errors = {}, {}
-    for impl in args.impls:
+    for impl in impls:
         try:
             fns[impl] = builders[impl]()
         except Exception as error:  # an impl that cannot build the case
             errors[impl] = str(error).splitlines()[0][:300]
+    return fns, errors
+
+
+def run_case(b: int, s: int, h: int, d: int, causal: bool, args) -> list[dict]:
+    q, k, v, do = case_inputs(b, s, h, d, causal)
+    fns, errors = build_impls(args.impls, causal, q, k, v, do)
     rows = []
     shape = {"b": b, "s": s, "h": h, "d": d, "causal": causal}
     for pass_name in ("fwd", "fwd+bwd"):

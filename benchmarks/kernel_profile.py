@@ -22,6 +22,7 @@ import collections
 import gzip
 import json
 import re
+import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
@@ -314,6 +315,24 @@ def print_top_kernels(summary: dict, title: str) -> None:
     for i, (name, ms) in enumerate(summary["top_kernels_ms_per_step"]):
         count = f"{calls[i]:g}" if i < len(calls) else "?"
         print(f"  {ms:>8.3f}  {count:>6}  {_kind(name):<10} {name}")
+
+
+def timeline(fn, args: tuple, label: str, calls: int) -> dict:
+    """Profiles `calls` back-to-back calls of fn(*args) (compiled and warmed up first),
+    prints the device time per call, the longest kernels and the idle gaps under `label`,
+    and returns the summary without its host part (the timeline probes' rows)."""
+    import jax  # as in profile_call
+
+    jax.block_until_ready(fn(*args))
+    summary = profile_call(fn, args, Path(tempfile.mkdtemp(prefix="timeline_")), calls)
+    print(f"== {label}")
+    if "error" in summary:
+        print("  ", summary["error"])
+    else:
+        print(f"device time per call: {summary['device_ms_per_step']:.3f} ms")
+        print_top_kernels(summary, "kernels")
+        print_idle(summary)
+    return {k: v for k, v in summary.items() if not k.startswith("host")}
 
 
 def print_idle(summary: dict) -> None:

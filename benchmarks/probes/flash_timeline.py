@@ -9,7 +9,6 @@ in what surrounds it (the span summaries, XLA fusions, launch gaps).
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
 import jax
@@ -17,7 +16,7 @@ import jax
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import parse_args, passes, random_normal, write_results  # noqa: E402
 from flash import impls  # noqa: E402
-from kernel_profile import print_idle, print_top_kernels, profile_call  # noqa: E402
+from kernel_profile import timeline  # noqa: E402
 
 
 def add_arguments(parser):
@@ -41,18 +40,10 @@ def main():
                 if name not in table:
                     continue
                 for pass_name, fn in passes(table[name]).items():
-                    jax.block_until_ready(fn(q, k, v, do))  # compile, warm up
-                    trace_dir = Path(tempfile.mkdtemp(prefix=f"timeline_{name}_"))
-                    summary = profile_call(fn, (q, k, v, do), trace_dir, args.calls)
-                    print(f"== {shape} {mask} {name} {pass_name}")
-                    if "error" in summary:
-                        print("  ", summary["error"])
-                    else:
-                        print(f"device time per call: {summary['device_ms_per_step']:.3f} ms")
-                        print_top_kernels(summary, "kernels")
-                        print_idle(summary)
+                    summary = timeline(fn, (q, k, v, do), f"{shape} {mask} {name} {pass_name}",
+                                       args.calls)
                     rows.append({"shape": shape, "mask": mask, "impl": name, "pass": pass_name,
-                                 **{k: v for k, v in summary.items() if not k.startswith("host")}})
+                                 **summary})
     write_results(args.out, rows)
 
 
