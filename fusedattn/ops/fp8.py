@@ -188,6 +188,11 @@ def record(spec: AttentionSpec, state: Fp8State, amaxes: dict[str, jax.Array]) -
     of those tensors rolled and rescaled, the others as they were. Whole-array selects, one
     small fusion (a scatter per column cost a kernel each, in series)."""
     recorded = jnp.asarray([tensor in amaxes for tensor in TENSORS])
+    # Each amax's reduction stays a fusion of its own: with FP8 inputs, whose amaxes nothing
+    # else reads, XLA fused their reductions into this row's concatenate, one kernel of
+    # 0.026-0.036 ms per call at (1, 8192, 16, 128) on the H200 (0.002 ms where they stay
+    # apart: benchmarks/results/fp8_timeline.json).
+    amaxes = jax.lax.optimization_barrier(amaxes)
     row = jnp.stack([jnp.asarray(amaxes.get(tensor, 0.0), jnp.float32) for tensor in TENSORS])
     rolled = jnp.concatenate([row[None], state.amax_history[:-1]])
     history = jnp.where(recorded[None, :], rolled, state.amax_history)
