@@ -7,7 +7,9 @@
 # instruction); a short summary prints last. smsp__inst_executed / smsp__issue_active .max
 # against .min: how much busier the busiest scheduler is (the producer warp shares
 # scheduler 0 with one warp of each consumer warpgroup).
-#   usage: [KERNELS=forward|backward] bash scripts/flash_profile.sh ["b,s,h,h_kv,d[,causal]" ...]
+# PEER=fa3 profiles FlashAttention-3's kernels (flash_attn3_jax) at the same shapes instead
+# (its forward and main backward kernel; the reports are then ncu_fa3_<shape>.txt).
+#   usage: [KERNELS=forward|backward] [PEER=fa3] bash scripts/flash_profile.sh ["b,s,h,h_kv,d[,causal]" ...]
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"
 lib=$(find build -name libfusedattn_cuda.so | head -1)
@@ -30,25 +32,27 @@ for shape in "${shapes[@]}"; do
   causal=()
   [[ $shape == *,causal ]] && causal=(--causal)
   dims=${shape%,causal}
-  report="$OUT/ncu_${shape//,/_}.txt"
+  report="$OUT/ncu_${PEER:+${PEER}_}${shape//,/_}.txt"
   # The probe calls forward, then forward+backward, twice: profile the second round's
   # kernels once each (the forward of the forward call; the backward).
   case ${KERNELS:-both} in
-    forward) kernels=forward; skip=2; count=1 ;;
-    backward) kernels=backward; skip=1; count=1 ;;
-    *) kernels="(forward|backward)"; skip=4; count=2 ;;
+    forward) kernels=forward; fa3=Fwd; skip=2; count=1 ;;
+    backward) kernels=backward; fa3=Bwd; skip=1; count=1 ;;
+    *) kernels="(forward|backward)"; fa3="(Fwd|Bwd)"; skip=4; count=2 ;;
   esac
-  timeout 300 ncu --clock-control none --kernel-name-base demangled --kernel-name regex:"sm90::${kernels}_kernel" \
+  regex="sm90::${kernels}_kernel" impl=flash
+  [ "${PEER:-}" = fa3 ] && regex="FlashAttn${fa3}Sm90" impl=fa3
+  timeout 300 ncu --clock-control none --kernel-name-base demangled --kernel-name regex:"$regex" \
     --launch-skip $skip -c $count \
     --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters \
     --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,regex:sm__pipe_.*tensor.*cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum,smsp__inst_executed.max,smsp__inst_executed.min,smsp__issue_active.max,smsp__issue_active.min" \
-    -o "${report%.txt}" -f python3 benchmarks/probes/flash_kernel_profile.py --shape "$dims" "${causal[@]}" > "$report" 2>&1
+    -o "${report%.txt}" -f python3 benchmarks/probes/flash_kernel_profile.py --impl "$impl" --shape "$dims" "${causal[@]}" > "$report" 2>&1
   ncu -i "${report%.txt}.ncu-rep" --page details >> "$report" 2>&1
   # Per SASS instruction: executions and stall samples by reason (where the time goes).
   ncu -i "${report%.txt}.ncu-rep" --page source --csv --print-source sass > "${report%.txt}_sass.csv" 2>&1
   python3 benchmarks/probes/sass_stalls.py "${report%.txt}_sass.csv" >> "$report" 2>&1
   echo "== $shape"
-  grep -E "^\s+void fusedattn|^\s+fusedattn|Duration|Compute \(SM\) Throughput|tensor|inst_executed|issue_active|Warp Cycles Per Issued|Issue Slots Busy|Eligible|stalled" \
+  grep -E "^\s+void (fusedattn|cutlass)|^\s+fusedattn|Duration|Compute \(SM\) Throughput|tensor|inst_executed|issue_active|Warp Cycles Per Issued|Issue Slots Busy|Eligible|stalled" \
     "$report" | awk '$NF != "0" && $NF != "0.00"' | head -90
   tail -31 "$report"
 done

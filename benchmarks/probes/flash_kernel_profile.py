@@ -1,6 +1,8 @@
-"""Runs the flash backend's forward and fwd+bwd once each (after a warm-up call) at one
-shape, for a kernel profiler to attach to (e.g. `ncu --kernel-name regex:flash -c 4
-python benchmarks/probes/flash_kernel_profile.py`). bf16, random normal inputs.
+"""Runs one impl of benchmarks/flash.py (default: the flash backend) forward and fwd+bwd once
+each, after a warm-up call, at one shape, for a kernel profiler to attach to (e.g. `ncu
+--kernel-name regex:flash -c 4 python benchmarks/probes/flash_kernel_profile.py`). bf16,
+random normal inputs. `--impl fa3` runs FlashAttention-3 (flash_attn3_jax), so that its
+kernels are profiled the same way (scripts/flash_profile.sh with PEER=fa3).
 
     python benchmarks/probes/flash_kernel_profile.py --shape 4,2048,16,16,128 --causal
 """
@@ -12,28 +14,27 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-import fusedattn
-from fusedattn.ops import fused_attn
+import _benchmarks_on_path  # noqa: F401  (benchmarks/ on sys.path)
+from flash import impls
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="4,2048,16,16,128", help="b,s,h,h_kv,d")
     parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--backend", default="flash")
+    parser.add_argument("--impl", default="flash", help="an impl of benchmarks/flash.py (flash, cudnn, fa3, ...)")
     args = parser.parse_args()
     b, s, h, h_kv, d = (int(x) for x in args.shape.split(","))
-    config = fusedattn.configs.attention_config()
-    config.backend = args.backend
-    config.mask = "causal" if args.causal else "no_mask"
+    table = impls(args.causal, d, dropout=False)
+    if args.impl not in table:
+        raise SystemExit(f"--impl: {args.impl!r} is not an impl of benchmarks/flash.py at head dim {d}; "
+                         f"choose from {sorted(table)}")
+    attend = table[args.impl]
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (b, s, h, d), jnp.float32).astype(jnp.bfloat16)
     k = jax.random.normal(keys[1], (b, s, h_kv, d), jnp.float32).astype(jnp.bfloat16)
     v = jax.random.normal(keys[2], (b, s, h_kv, d), jnp.float32).astype(jnp.bfloat16)
     do = jax.random.normal(keys[3], (b, s, h, d), jnp.float32).astype(jnp.bfloat16)
-
-    def attend(q, k, v):
-        return fused_attn((q, k, v), config=config)
 
     forward = jax.jit(attend)
     forward_backward = jax.jit(lambda q, k, v, do: jax.vjp(attend, q, k, v)[1](do))
