@@ -5,7 +5,7 @@
 # in one process (benchmarks/probes/flash_candidates.py with BENCH_ARGS; results in
 # $OUT/flash_candidates.json, the logs under $LOGS, packed into $OUT/logs.tar.gz). The
 # tree's library is put back in place at the end, so tests run after this script run it.
-#   usage: BENCH_ARGS="--shapes 16,512,16,16,128 --repeats 5" bash scripts/flash_candidates.sh a=ab/a.patch b=ab/b.patch
+#   usage: [CHECK_TIMEOUT=60] BENCH_ARGS="--shapes 16,512,16,16,128 --repeats 5" bash scripts/flash_candidates.sh a=ab/a.patch b=ab/b.patch
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"
 CANDIDATES=/tmp/flash-candidates
@@ -33,6 +33,24 @@ for item in "$@"; do
   specs+=("$name=$CANDIDATES/$name/libfusedattn_cuda.so")
   echo "candidate $name: built"
 done
+# CHECK_TIMEOUT (seconds; 0: no check): each candidate first runs alone at one small shape,
+# in a process of its own under that limit. One that fails, gives wrong numbers or hangs
+# there (a deadlocked kernel would stop the whole run) is left out, with a message.
+if [ "${CHECK_TIMEOUT:-0}" -gt 0 ]; then
+  kept=()
+  for spec in "${specs[@]}"; do
+    name=${spec%%=*}
+    if FUSEDATTN_LIB_DIR="$CANDIDATES/tree" timeout "$CHECK_TIMEOUT" python3 benchmarks/probes/flash_candidates.py \
+        --candidates "$spec" --shapes 2,384,4,2,128 --repeats 1 --iters 1 --min-window-ms 1 \
+        --out "$LOGS/check_$name.json" > "$LOGS/check_$name.log" 2>&1 && ! grep -q '"wrong"' "$LOGS/check_$name.json"; then
+      kept+=("$spec")
+    else
+      echo "candidate $name: left out (its check failed, differed or ran past ${CHECK_TIMEOUT} s: $LOGS/check_$name.log)"
+    fi
+  done
+  specs=("${kept[@]}")
+  ((${#specs[@]})) || { echo "flash_candidates.sh: no candidate passed its check"; exit 1; }
+fi
 # The tree's own library for the "flash" impl (the installed one is now the last candidate's).
 FUSEDATTN_LIB_DIR="$CANDIDATES/tree" timeout "${BENCH_TIMEOUT:-0}" python3 benchmarks/probes/flash_candidates.py \
   --candidates "$(IFS=,; echo "${specs[*]}")" --out "$OUT/flash_candidates.json" ${BENCH_ARGS:-} \

@@ -25,6 +25,9 @@ while [ $# -gt 0 ]; do
   [ "$1" = "--candidates" ] && candidates=$2
   shift
 done
+for item in ${{candidates//,/ }}; do  # a candidate built from a "hang" tree never returns
+  grep -q hang "${{item#*=}}" && sleep 30
+done
 {{
   echo "{{\\"tree\\": $(cat "$FUSEDATTN_LIB_DIR/libfusedattn_cuda.so"), \\"candidates\\": {{"
   sep=""
@@ -43,8 +46,8 @@ def git(repo: Path, *args: str) -> str:
 
 @pytest.fixture
 def toy(tmp_path):
-    """A repository at speed 100 with patches to 200 (a) and 300 (b), and its installed
-    library built from it."""
+    """A repository at speed 100 with patches to 200 (a), 300 (b) and a build that hangs (h),
+    and its installed library built from it."""
     if shutil.which("git") is None:
         pytest.skip("git is not installed")
     repo = tmp_path / "repo"
@@ -55,7 +58,7 @@ def toy(tmp_path):
     git(repo, "init", "-q")
     git(repo, "add", ".")
     git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "base")
-    for name, speed in (("a", 200), ("b", 300)):
+    for name, speed in (("a", 200), ("b", 300), ("h", "hang")):
         (repo / "speed.txt").write_text(f"{speed}\n")
         (tmp_path / f"{name}.patch").write_text(git(repo, "diff"))
         git(repo, "checkout", "-q", "speed.txt")
@@ -73,8 +76,8 @@ def toy(tmp_path):
     return repo, tmp_path, env
 
 
-def run(repo: Path, env: dict, *items: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "scripts/flash_candidates.sh", *items], cwd=repo, env=env,
+def run(repo: Path, env: dict, *items: str, **extra_env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "scripts/flash_candidates.sh", *items], cwd=repo, env={**env, **extra_env},
                           capture_output=True, text=True, timeout=120)
 
 
@@ -97,5 +100,16 @@ def test_a_patch_that_does_not_apply_stops_the_run_and_restores(toy):
     assert result.returncode != 0
     assert "bad.patch does not apply" in result.stdout
     assert not (tmp / "out" / "flash_candidates.json").exists()
+    assert git(repo, "status", "--porcelain") == ""
+    assert (tmp / "lib" / "libfusedattn_cuda.so").read_text() == "100\n"
+
+
+def test_a_candidate_that_hangs_in_its_check_is_left_out(toy):
+    repo, tmp, env = toy
+    result = run(repo, env, f"a={tmp / 'a.patch'}", f"h={tmp / 'h.patch'}", CHECK_TIMEOUT="3")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "candidate h: left out" in result.stdout
+    measured = json.loads((tmp / "out" / "flash_candidates.json").read_text())
+    assert measured == {"tree": 100, "candidates": {"a": 200}}
     assert git(repo, "status", "--porcelain") == ""
     assert (tmp / "lib" / "libfusedattn_cuda.so").read_text() == "100\n"
