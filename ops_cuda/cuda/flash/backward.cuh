@@ -32,9 +32,11 @@ constexpr int kDeltaThreads = 256;
 constexpr int64_t kDeltaMaxBlocks = 1024;
 
 // rows of 16-bit elements: kLanes = D / 8 lanes per row, each one 16-byte load of O and
-// of dO, summed over the lanes of the row by shuffles.
+// of dO, summed over the lanes of the row by shuffles. Then `zero` (zero_count float4s, the
+// sm_90a backward's float32 dQ accumulator, or none) is cleared, so that no memset of its
+// own runs between this kernel and the backward's.
 template <ElementType ET, int D>
-__global__ void __launch_bounds__(kDeltaThreads) softmax_delta_kernel(const FlashArgs a) {
+__global__ void __launch_bounds__(kDeltaThreads) softmax_delta_kernel(const FlashArgs a, float4* zero, int64_t zero_count) {
   constexpr int kLanes = D / 8, kRowsPerPass = kDeltaThreads / kLanes;
   static_assert(kLanes <= kWarpSize && kWarpSize % kLanes == 0, "a row within one warp");
   const AttentionParams& p = a.p;
@@ -63,6 +65,10 @@ __global__ void __launch_bounds__(kDeltaThreads) softmax_delta_kernel(const Flas
       const int64_t i = bi % p.seqlen_q, b = bi / p.seqlen_q;
       a.delta[(b * p.heads + h) * p.seqlen_q + i] = sum;
     }
+  }
+  const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < zero_count; i += threads) {
+    zero[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
 }
 

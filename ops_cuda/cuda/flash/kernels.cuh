@@ -30,14 +30,19 @@ void forward(gpuStream_t stream, const FlashArgs& a) {
 }
 
 // What every backward runs first (the sm_80 kernels and the sm_90a one): a.delta =
-// rowsum(dO o O), and a.d_offset (the learnable softmax's gradient; zeros otherwise).
+// rowsum(dO o O), and a.d_offset (the learnable softmax's gradient; zeros otherwise); `zero`
+// (zero_floats float32, a multiple of 4, 16-byte aligned: the sm_90a dQ accumulator) is
+// cleared by the same kernel.
 template <ElementType ET, int D>
-void backward_prologue(gpuStream_t stream, const FlashArgs& a) {
+void backward_prologue(gpuStream_t stream, const FlashArgs& a, float* zero = nullptr, int64_t zero_floats = 0) {
   const AttentionParams& p = a.p;
   const int64_t rows = p.batch * p.seqlen_q * p.heads;
   const int64_t rows_per_block = kDeltaThreads / (D / 8);
-  launch(softmax_delta_kernel<ET, D>, std::min((rows + rows_per_block - 1) / rows_per_block, kDeltaMaxBlocks),
-         kDeltaThreads, 0, stream, a);
+  const int64_t blocks = std::min((rows + rows_per_block - 1) / rows_per_block, kDeltaMaxBlocks);
+  if (blocks > 0) {
+    softmax_delta_kernel<ET, D><<<static_cast<unsigned>(blocks), kDeltaThreads, 0, stream>>>(
+        a, reinterpret_cast<float4*>(zero), zero_floats / 4);
+  }
   if (p.softmax_type == kSoftmaxLearnable) {
     launch_sink_gradient(stream, a);
   } else {

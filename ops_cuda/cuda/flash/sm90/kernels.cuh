@@ -61,9 +61,8 @@ std::string backward(gpuStream_t stream, const FlashArgs& a, float* dq_accum) {
   if (error.empty()) error = encode_tile_map(&args.k_map, a.k, p.batch, p.seqlen_kv, p.kv_heads, D, T::kN);
   if (error.empty()) error = encode_tile_map(&args.v_map, a.v, p.batch, p.seqlen_kv, p.kv_heads, D, T::kN);
   if (!error.empty()) return error;
-  flash::backward_prologue<ET, D>(stream, a);
   const int64_t floats = dq_accum_floats(p.batch, p.heads, p.seqlen_q, D);
-  gpuMemsetAsync(dq_accum, 0, sizeof(float) * floats, stream);
+  flash::backward_prologue<ET, D>(stream, a, dq_accum, floats);  // also clears dq_accum
   // A query head that no query tile of a key block reaches leaves that block's slots unwritten.
   if (p.alibi) gpuMemsetAsync(a.slope_partials, 0, sizeof(float) * p.batch * p.heads * a.slope_slots, stream);
   const int64_t blocks = (p.seqlen_kv + T::kN - 1) / T::kN * p.kv_heads * p.batch;
