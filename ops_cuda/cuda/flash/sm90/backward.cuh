@@ -234,22 +234,12 @@ __device__ __forceinline__ void pack_operand(const float (&x)[kCols / 8][4], uin
 }
 
 // Stores a warp's dS^T operands (rows: keys row0 + lane/4 (+8), columns: the kM queries) into
-// the swizzled one-atom tile at ds (row r at ds + 128 r, chunk c at (c ^ r % 8) * 16), with
-// stmatrix: operand register j of 16 columns ks is the 8 x 8 matrix of rows 8 (j % 2) ..,
-// chunk 2 ks + j / 2 in the fragment layout stmatrix takes, and lane l addresses row l % 8
-// of matrix l / 8.
+// the swizzled one-atom tile at ds: operand register j of 16 columns ks is the 8 x 8 matrix
+// of rows 8 (j % 2) .., chunk 2 ks + j / 2 (matrix_row_address).
 template <int kM>
 __device__ __forceinline__ void store_scores_t(uint32_t ds, int row0, int lane, const uint32_t (&a)[kM / 16][4]) {
-  const int matrix = lane / 8, r = row0 + lane % 8 + 8 * (matrix % 2);
-  const uint32_t row = ds + r * kAtomRowBytes;
 #pragma unroll
-  for (int ks = 0; ks < kM / 16; ++ks) {
-    const int chunk = 2 * ks + matrix / 2;
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
-                     row + ((chunk ^ (r % 8)) << 4)),
-                 "r"(a[ks][0]), "r"(a[ks][1]), "r"(a[ks][2]), "r"(a[ks][3])
-                 : "memory");
-  }
+  for (int ks = 0; ks < kM / 16; ++ks) store_matrices_x4(matrix_row_address(ds, 0, row0, 2 * ks, lane), a[ks]);
 }
 
 // One consumer warpgroup (index cw, 0 or 1): keys n0 + 64 cw .. + 63. kDropout: p.dropout,

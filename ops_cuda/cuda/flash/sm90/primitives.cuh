@@ -77,6 +77,14 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// stmatrix.x4: four 8 x 8 matrices of 16-bit elements, register j of every lane into matrix
+// j, whose row i is at the address lane 8 j + i gives.
+__device__ __forceinline__ void store_matrices_x4(uint32_t address, const uint32_t (&a)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(a[0]),
+               "r"(a[1]), "r"(a[2]), "r"(a[3])
+               : "memory");
+}
+
 __device__ __forceinline__ void store_zero_16(uint32_t address) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(address), "r"(0) : "memory");
 }

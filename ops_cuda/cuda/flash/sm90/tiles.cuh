@@ -83,25 +83,36 @@ __device__ __forceinline__ void zero_padding_rows(uint32_t tile, const int32_t* 
   }
 }
 
+// The address from which `lane` stores, with store_matrices_x4, the four 8 x 8 matrices of
+// 16-bit elements {rows row0 .. + 7, row0 + 8 .. + 15} x {16-byte chunks chunk0, chunk0 + 1}
+// of a swizzled tile in shared memory at `tile` (chunk c of row r of the atom: at
+// (c / 8) x atom_bytes + 128 r + (c % 8 ^ r % 8) x 16): matrix j holds rows 8 (j % 2) ..,
+// chunk chunk0 + j / 2, and lane l addresses row l % 8 of matrix l / 8. A lane's register j
+// is then its pair of matrix j at row lane / 4, columns 2 (lane % 4) .. + 1: the fragment
+// order of an mma or wgmma accumulator.
+__device__ __forceinline__ uint32_t matrix_row_address(uint32_t tile, uint32_t atom_bytes, int row0, int chunk0,
+                                                       int lane) {
+  const int matrix = lane / 8, r = row0 + lane % 8 + 8 * (matrix % 2), chunk = chunk0 + matrix / 2;
+  return tile + (chunk / 8) * atom_bytes + r * kAtomRowBytes + (((chunk % 8) ^ (r % 8)) << 4);
+}
+
 // A warpgroup's float32 results (acc: 64 x D, warp w holding rows row0 + lane / 4 (+ 8) of
 // a tile of kTileRows rows), times each row's factor, into that tile in shared memory at
-// `tile`, swizzled as TMA reads it (row r of atom a at a x kTileRows x 128 + 128 r, 16-byte
-// chunk c at (c ^ r % 8) x 16): a TMA store of the rows follows (the tile's own operand is no
-// longer read there). The quarter-warp of a row writes one chunk; 8 rows, 8 chunks: no bank
-// conflicts.
+// `tile`, swizzled as TMA reads it: a TMA store of the rows follows (the tile's own operand
+// is no longer read there). Four 8 x 8 matrices (16 columns of the warp's 16 rows) per
+// stmatrix.
 template <ElementType ET, int D, int kTileRows>
 __device__ __forceinline__ void stage_rows(const float (&acc)[D / 8][4], const float (&factor)[kLaneRows],
                                            uint32_t tile, int row0, int lane) {
 #pragma unroll
-  for (int half = 0; half < kLaneRows; ++half) {
-    const int r = row0 + lane / 4 + 8 * half;
+  for (int t = 0; t < D / 8; t += 2) {
+    uint32_t packed[4];
 #pragma unroll
-    for (int t = 0; t < D / 8; ++t) {
-      const uint32_t address = tile + (t / 8) * kTileRows * kAtomRowBytes + r * kAtomRowBytes +
-                               (((t % 8) ^ (r % 8)) << 4) + (lane % 4) * 4;
-      const uint32_t packed = pack2<ET>(acc[t][2 * half] * factor[half], acc[t][2 * half + 1] * factor[half]);
-      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(address), "r"(packed) : "memory");
+    for (int j = 0; j < 4; ++j) {
+      const float* x = &acc[t + j / 2][2 * (j % 2)];
+      packed[j] = pack2<ET>(x[0] * factor[j % 2], x[1] * factor[j % 2]);
     }
+    store_matrices_x4(matrix_row_address(tile, kTileRows * kAtomRowBytes, row0, t, lane), packed);
   }
 }
 
