@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <utility>
 
+// The N = 80 products (the backward's query tile at d128) are among CuTe's extended shapes.
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
 #include <cute/arch/mma_sm90_gmma.hpp>
 
 #include "../mma.cuh"
@@ -81,6 +83,14 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 // j, whose row i is at the address lane 8 j + i gives.
 __device__ __forceinline__ void store_matrices_x4(uint32_t address, const uint32_t (&a)[4]) {
   asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(a[0]),
+               "r"(a[1]), "r"(a[2]), "r"(a[3])
+               : "memory");
+}
+
+// stmatrix.x4.trans: the same four matrices, each stored transposed (row i at the address
+// lane 8 j + i gives then holds column i of the lanes' matrix j).
+__device__ __forceinline__ void store_matrices_x4_trans(uint32_t address, const uint32_t (&a)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(a[0]),
                "r"(a[1]), "r"(a[2]), "r"(a[3])
                : "memory");
 }
@@ -212,13 +222,17 @@ struct Gmma;
                                                                  cute::SM90::GMMA::Major::MN>;                 \
     using SSMN = cute::SM90::GMMA::MMA_64x##N##x16_F32##TYPES##_SS<cute::SM90::GMMA::Major::MN,                \
                                                                    cute::SM90::GMMA::Major::MN>;               \
+    using SSMK = cute::SM90::GMMA::MMA_64x##N##x16_F32##TYPES##_SS<cute::SM90::GMMA::Major::MN,                \
+                                                                   cute::SM90::GMMA::Major::K>;                \
   };
 FUSEDATTN_SM90_GMMA(ElementType::kBF16, BF16BF16, 32)
 FUSEDATTN_SM90_GMMA(ElementType::kBF16, BF16BF16, 64)
+FUSEDATTN_SM90_GMMA(ElementType::kBF16, BF16BF16, 80)
 FUSEDATTN_SM90_GMMA(ElementType::kBF16, BF16BF16, 128)
 FUSEDATTN_SM90_GMMA(ElementType::kBF16, BF16BF16, 256)
 FUSEDATTN_SM90_GMMA(ElementType::kF16, F16F16, 32)
 FUSEDATTN_SM90_GMMA(ElementType::kF16, F16F16, 64)
+FUSEDATTN_SM90_GMMA(ElementType::kF16, F16F16, 80)
 FUSEDATTN_SM90_GMMA(ElementType::kF16, F16F16, 128)
 FUSEDATTN_SM90_GMMA(ElementType::kF16, F16F16, 256)
 #undef FUSEDATTN_SM90_GMMA
@@ -261,6 +275,13 @@ __device__ __forceinline__ void gmma_rows_times_rows(uint32_t a, uint32_t a_atom
 template <ElementType ET, int N>
 __device__ __forceinline__ void gmma_ss_mn(uint64_t a, uint64_t b, float (&acc)[N / 8][4], bool accumulate) {
   gmma_ss_impl<typename Gmma<ET, N>::SSMN>(a, b, acc, accumulate, std::make_index_sequence<N / 2>{});
+}
+
+// acc (64 x N) = A B (+ acc when accumulate): A [64 x 16] MN-major (mn_major_descriptor; its
+// 64 rows one swizzle atom) and B [16 x N] as B^T [N x 16] K-major (k_major_descriptor).
+template <ElementType ET, int N>
+__device__ __forceinline__ void gmma_ss_mk(uint64_t a, uint64_t b, float (&acc)[N / 8][4], bool accumulate) {
+  gmma_ss_impl<typename Gmma<ET, N>::SSMK>(a, b, acc, accumulate, std::make_index_sequence<N / 2>{});
 }
 
 // acc (64 x N) += A B: A [64 x 16] from registers (the mma.sync A fragment layout, per
