@@ -53,14 +53,20 @@ __device__ __forceinline__ Span span_union(const Span& a, const Span& b) {
   return s;
 }
 
-// The span of tokens [first, first + count) of a row of spans (count a multiple of
-// kSpanTokens; runs past the row's end are empty and incomplete).
-__device__ __forceinline__ Span tile_span(const Span* row_spans, int64_t n_spans, int64_t first, int count) {
+// The span of tokens [first, first + kCount) of a row of spans, for a tile at a multiple of
+// kCount (runs past the row's end are empty and incomplete). A tile not aligned to
+// kSpanTokens (the sm_90a backward's query tiles of 80) takes the spans that cover it: a
+// superset, so that each relation stays conservative.
+template <int kCount>
+__device__ __forceinline__ Span tile_span(const Span* row_spans, int64_t n_spans, int64_t first) {
+  constexpr bool kAligned = kCount % kSpanTokens == 0;
+  constexpr int kMaxSpans = kCount / kSpanTokens + (kAligned ? 0 : 2);
+  const int64_t lo = first / kSpanTokens, end = (first + kCount + kSpanTokens - 1) / kSpanTokens;
   Span s = empty_span();
   s.complete = 1;
-  for (int i = 0; i < count / kSpanTokens; ++i) {
-    const int64_t index = first / kSpanTokens + i;
-    s = span_union(s, index < n_spans ? row_spans[index] : empty_span());
+  for (int i = 0; i < kMaxSpans; ++i) {
+    const int64_t index = lo + i;
+    if (kAligned || index < end) s = span_union(s, index < n_spans ? row_spans[index] : empty_span());
   }
   return s;
 }

@@ -172,14 +172,14 @@ __device__ __forceinline__ void produce_backward(const BackwardArgs& args, uint3
                   static_cast<int>(g), static_cast<int>(n0), static_cast<int>(b));
     }
   }
-  const Span kv_span = tile_span(c.kv_spans, c.n_kv_spans, n0, T::kN);
+  const Span kv_span = tile_span<T::kN>(c.kv_spans, c.n_kv_spans, n0);
   const int n_q_tiles = static_cast<int>((p.seqlen_q + T::kM - 1) / T::kM);
   const int n_units = static_cast<int>(group) * n_q_tiles;
   TileScan scan{-32, 0u, 0u, 0u};
   int u = -1;
   for (int i = 0;; ++i) {
     u = next_visible(scan, u, n_units, [&](int unit, bool* complete) {
-      const Span q = tile_span(c.q_spans, c.n_q_spans, static_cast<int64_t>(unit % n_q_tiles) * T::kM, T::kM);
+      const Span q = tile_span<T::kM>(c.q_spans, c.n_q_spans, static_cast<int64_t>(unit % n_q_tiles) * T::kM);
       *complete = q.complete != 0;
       return relate(p.mask, q, kv_span);
     });
@@ -295,7 +295,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
 
   mbarrier_wait(smem_address(&control->kv_full), 0);
   stamps[1] = trace_clock();
-  if (const HeadContext c = context(); !tile_span(c.kv_spans, c.n_kv_spans, n0, T::kN).complete) {
+  if (const HeadContext c = context(); !tile_span<T::kN>(c.kv_spans, c.n_kv_spans, n0).complete) {
     zero_padding_rows<T::kN, T::kAtoms, T::kConsumerThreads>(k_tile, c.kv_seg, n0, p.seqlen_kv, consumer_thread);
     zero_padding_rows<T::kN, T::kAtoms, T::kConsumerThreads>(v_tile, c.kv_seg, n0, p.seqlen_kv, consumer_thread);
     fence_proxy_async();
