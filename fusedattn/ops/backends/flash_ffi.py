@@ -119,7 +119,7 @@ _SM90_SLOPE_SLOTS = (128, 8)  # (keys, warps)
 
 def _sm90_query_tile(head_dim: int) -> int:
     """Queries per tile of the sm_90a backward (sm90/launch.h: backward_query_tile)."""
-    return 80 if head_dim == 128 else 64
+    return 64
 
 
 def cuda_workspace(q, k, tokens, backward: bool, deterministic: bool = False,

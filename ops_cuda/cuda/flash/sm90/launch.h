@@ -23,7 +23,7 @@ std::string launch_forward(gpuStream_t stream, const FlashArgs& a, ElementType t
 // Queries per tile of the backward at head dim D: 80 at 128 (FlashAttention-3's choice: the
 // fixed costs of a tile over 25% more work, in the same shared memory), else 64. Its float32
 // dQ accumulator holds whole tiles.
-FA_HOST_DEVICE constexpr int backward_query_tile(int64_t head_dim) { return head_dim == 128 ? 80 : 64; }
+FA_HOST_DEVICE constexpr int backward_query_tile(int64_t head_dim) { return head_dim == 128 ? 64 : 64; }
 
 // Floats of the backward's dQ accumulator: [B, H, Sq rounded up to whole tiles, D] (in the
 // kernel's order, backward.cuh: DqAccumulator); the launcher and the workspace size both read it.
