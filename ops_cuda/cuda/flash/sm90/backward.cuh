@@ -447,15 +447,9 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
                                     descriptor_plus(ds0, (ks / 4) * T::kDsAtomBytes + (ks % 4) * 32), dq, ks > 0);
     }
     cute::warpgroup_commit_batch();
-    // dK += dS^T Q: A = this warpgroup's atom of dS (MN-major: its rows are queries), so that
-    // dS^T's registers are free while the product runs on into the next tile.
     const uint64_t q0 = mn_major_descriptor(q_tile, T::kM * kAtomRowBytes);
-    const uint64_t dst0 = mn_major_descriptor(ds_tile + cw * T::kDsAtomBytes, T::kDsAtomBytes);
 #pragma unroll
-    for (int ks = 0; ks < T::kM / 16; ++ks) {
-      gmma_ss_mn<ET, D>(descriptor_plus(dst0, ks * 16 * kAtomRowBytes), descriptor_plus(q0, ks * 16 * kAtomRowBytes), dk,
-                        true);
-    }
+    for (int ks = 0; ks < T::kM / 16; ++ks) gmma_rs<ET, D>(scores[ks], descriptor_plus(q0, ks * 16 * kAtomRowBytes), dk);
     cute::warpgroup_commit_batch();
     cute::warpgroup_wait<1>();  // dV and dQ done (dK runs on into the next tile's products)
     fence_accumulators(dv);
