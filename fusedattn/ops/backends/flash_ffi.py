@@ -105,21 +105,16 @@ class Static(NamedTuple):
 # checks its size): per token row, one 32-byte summary of every 32 queries and of every
 # 32 keys; the backward adds float32 [b, h, sq] for rowsum(dO * O) and, where the sm_90a
 # backward runs (flash_gpu.cuda_backward_kernel), its float32 dQ accumulator [b, h, sq', d] with
-# sq' = sq rounded up to whole query tiles (80 at head dim 128, else 64: sm90/launch.h:
-# backward_query_tile, dq_accum_floats) and, with
+# sq' = sq rounded up to whole query tiles of 64 (sm90/launch.h: dq_accum_floats) and, with
 # ALiBi, float32 [b, h, slots] partial sums of the slopes' gradient (a slot per warp: of every
 # query tile of 64 for the sm_80 kernels, launch.h: sm80_slope_slots, 4 warps on CUDA and 2 on
 # ROCm, sized here for 4; of every key tile of 128 for the sm_90a one, 8 warps,
 # sm90/launch.h: slope_slots). Each part is 256-byte aligned.
 _SPAN_TOKENS = 32
+_SM90_QUERY_TILE = 64
 _SPAN_BYTES = 32
 _SM80_SLOPE_SLOTS = (64, 4)  # (queries, warps) of a slot group
 _SM90_SLOPE_SLOTS = (128, 8)  # (keys, warps)
-
-
-def _sm90_query_tile(head_dim: int) -> int:
-    """Queries per tile of the sm_90a backward (sm90/launch.h: backward_query_tile)."""
-    return 64
 
 
 def cuda_workspace(q, k, tokens, backward: bool, deterministic: bool = False,
@@ -137,8 +132,7 @@ def cuda_workspace(q, k, tokens, backward: bool, deterministic: bool = False,
         sm90 = (current_platform() == "cuda"
                 and flash_gpu.cuda_backward_kernel(d, sq, skv, deterministic) == "sm90")
         if sm90:
-            tile = _sm90_query_tile(d)
-            size += align256(b * h * -(-sq // tile) * tile * d * 4)
+            size += align256(b * h * -(-sq // _SM90_QUERY_TILE) * _SM90_QUERY_TILE * d * 4)
         if alibi:
             tokens_per_group, warps = _SM90_SLOPE_SLOTS if sm90 else _SM80_SLOPE_SLOTS
             length = skv if sm90 else sq

@@ -54,19 +54,15 @@ __device__ __forceinline__ Span span_union(const Span& a, const Span& b) {
 }
 
 // The span of tokens [first, first + kCount) of a row of spans, for a tile at a multiple of
-// kCount (runs past the row's end are empty and incomplete). A tile not aligned to
-// kSpanTokens (the sm_90a backward's query tiles of 80) takes the spans that cover it: a
-// superset, so that each relation stays conservative.
+// kCount (runs past the row's end are empty and incomplete).
 template <int kCount>
 __device__ __forceinline__ Span tile_span(const Span* row_spans, int64_t n_spans, int64_t first) {
-  constexpr bool kAligned = kCount % kSpanTokens == 0;
-  constexpr int kMaxSpans = kCount / kSpanTokens + (kAligned ? 0 : 2);
-  const int64_t lo = first / kSpanTokens, end = (first + kCount + kSpanTokens - 1) / kSpanTokens;
+  static_assert(kCount % kSpanTokens == 0, "tiles of whole span summaries");
   Span s = empty_span();
   s.complete = 1;
-  for (int i = 0; i < kMaxSpans; ++i) {
-    const int64_t index = lo + i;
-    if (kAligned || index < end) s = span_union(s, index < n_spans ? row_spans[index] : empty_span());
+  for (int i = 0; i < kCount / kSpanTokens; ++i) {
+    const int64_t index = first / kSpanTokens + i;
+    s = span_union(s, index < n_spans ? row_spans[index] : empty_span());
   }
   return s;
 }

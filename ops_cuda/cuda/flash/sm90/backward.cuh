@@ -5,7 +5,7 @@
 //
 // A block owns kN = 128 keys of one (batch row, K/V head) and has three warpgroups:
 //   warpgroup 0, the producer: one thread loads the block's K and V tiles once, then, for
-//     each (query head of the GQA group, query tile of kM: launch.h) that some of the keys can
+//     each (query head of the GQA group, query tile of kM = 64) that some of the keys can
 //     see (one warp searches them, ../spans.cuh, 32 at a time), that tile's Q and dO with
 //     TMA into a ring of two stages on mbarriers, with the tile's rows of lse and delta
 //     (the warp's lanes), publishing the tile, whether every pair is visible and whether
@@ -20,12 +20,11 @@
 //     dV += P^T dO and dK += dS^T Q (wgmma, P^T and dS^T from registers), float32 registers
 //       for the whole block;
 //     dS to shared memory (stmatrix.trans of dS^T: [kM queries x kN keys], each consumer
-//     its atom of 64 keys; two buffers where they fit, else one, with a barrier before its
-//     store), then dQ_tile^T = K^T dS^T, each consumer 64 head-dim columns of its part of
-//     the tile (wgmma, both operands in shared memory: N = the queries, so kM need not be a
-//     multiple of 64), stored to shared memory in the order of its registers and added to a
-//     float32 workspace by one bulk reduction of the warpgroup (cp.reduce.async.bulk ...
-//     add.f32): dQ is not bitwise repeatable.
+//     its atom of 64 keys; two buffers), then dQ_tile^T = K^T dS^T, each consumer 64
+//     head-dim columns of its part of the tile (wgmma, both operands in shared memory, the
+//     queries as N: FlashAttention-3's "dQ_swapAB"), stored to shared memory in the order of
+//     its registers and added to a float32 workspace by one bulk reduction of the warpgroup
+//     (cp.reduce.async.bulk ... add.f32): dQ is not bitwise repeatable.
 //     With ALiBi each warp sums its part of the slope's gradient per query head into its own
 //     slot (../alibi_tile.cuh; launch.h: slope_slots), added up by slope_gradient.cu.
 // A last kernel writes dq = scale * that sum in the element type (dq_convert_kernel reads
@@ -74,7 +73,7 @@ template <int D>
 struct BackwardTiles {
   static constexpr int kN = 128;            // keys per block
   static constexpr int kConsumerKeys = 64;  // per consumer warpgroup: one swizzle atom of dS
-  static constexpr int kM = backward_query_tile(D);  // queries per streamed tile
+  static constexpr int kM = kBackwardQueryTile;  // queries per streamed tile
   static constexpr int kStages = 2;
   static constexpr int kThreads = 384;
   static constexpr int kConsumerThreads = 256;
@@ -88,28 +87,22 @@ struct BackwardTiles {
   static constexpr int kDsBytes = 2 * kDsAtomBytes;        // dS [kM queries x kN keys]
   static constexpr int kDqBytes = kDqQueries * kAtomColumns * 4;  // a consumer's dQ_tile^T, float32
   using Control = BackwardControl<kStages, kM>;
-  // 1024: room to align the start (the swizzle atoms need 1024-byte alignment).
-  static constexpr int kFixedBytes =
-      2 * kKeyBytes + 2 * kStages * kQueryBytes + 2 * kDqBytes + static_cast<int>(sizeof(Control)) + 1024;
-  // Two dS buffers (a tile's store then need not wait for the other consumer's dQ product
-  // of the tile before) where they fit: not at d128 (kM = 80), whose one costs a barrier a tile.
-  static constexpr int kDsBuffers = kFixedBytes + 2 * kDsBytes <= kMaxSharedBytes ? 2 : 1;
   static constexpr int kKOffset = 0;
   static constexpr int kVOffset = kKeyBytes;
   static constexpr int kQOffset = 2 * kKeyBytes;  // stage s at + s * kQueryBytes
   static constexpr int kDoOffset = kQOffset + kStages * kQueryBytes;
-  static constexpr int kDsOffset = kDoOffset + kStages * kQueryBytes;  // buffer i at + i * kDsBytes
-  static constexpr int kDqOffset = kDsOffset + kDsBuffers * kDsBytes;  // consumer cw's at + cw * kDqBytes
+  static constexpr int kDsOffset = kDoOffset + kStages * kQueryBytes;  // two buffers: i at + i * kDsBytes
+  static constexpr int kDqOffset = kDsOffset + 2 * kDsBytes;  // consumer cw's at + cw * kDqBytes
   static constexpr int kControlOffset = kDqOffset + 2 * kDqBytes;
-  static constexpr int kSharedBytes = kFixedBytes + kDsBuffers * kDsBytes;
-  static_assert(kSharedBytes == kControlOffset + static_cast<int>(sizeof(Control)) + 1024, "the layout's sum");
+  // 1024: room to align the start (the swizzle atoms need 1024-byte alignment).
+  static constexpr int kSharedBytes = kControlOffset + static_cast<int>(sizeof(Control)) + 1024;
   static_assert(kSharedBytes <= kMaxSharedBytes, "the tiles' shared memory exceeds a block's");
   // 24 + 2 x 240 = 3 x 168 (the registers at entry): setmaxnreg.inc waits until the
   // block's pool holds what it asks for, so a larger producer share would hang the block.
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
-  static_assert(kM % 16 == 0 && kDqQueries % 8 == 0 && kN == 2 * kConsumerKeys && kConsumerKeys == kAtomColumns,
-                "whole products of dV and dK (depth kM) and of dQ^T (N = kDqQueries); a dS atom per consumer");
+  static_assert(kM % 32 == 0 && kDqQueries % 8 == 0 && kN == 2 * kConsumerKeys && kConsumerKeys == kAtomColumns,
+                "lse and delta two queries a lane; whole products of dQ^T (N = kDqQueries); a dS atom per consumer");
   static_assert(kQueryBytes % 1024 == 0 && kDsAtomBytes % 1024 == 0 && kDqOffset % 1024 == 0,
                 "swizzle atoms 1024-byte aligned");
   static_assert(kN == kBackwardKeyTile && kConsumerThreads / 32 == kSlopeWarpsPerKeyTile,
@@ -201,9 +194,8 @@ __device__ __forceinline__ void produce_backward(const BackwardArgs& args, uint3
     if (u < n_units) {  // the tile's rows of lse and delta, two queries a lane
       const int64_t row = (b * p.heads + h) * p.seqlen_q;
 #pragma unroll
-      for (int k = 0; k < (T::kM + 31) / 32; ++k) {
+      for (int k = 0; k < T::kM / 32; ++k) {
         const int q = static_cast<int>(threadIdx.x % 32) + 32 * k;
-        if (q >= T::kM) break;
         const bool inside = m0 + q < p.seqlen_q;
         // Loaded together (one latency), then selected: a padding query sees no key
         // (P = 0); its delta, from garbage dO, may be NaN.
@@ -377,7 +369,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
     }
     if (!all_visible) {
       const KeyRows keys = key_rows(context(), at, p.seqlen_kv);
-      const auto seen = fragment_bits<T::kM>([&](int n, int e) {
+      const uint32_t seen = fragment_bits<T::kM>([&](int n, int e) {
         return in_range(control->sees[s][qc.col(n, e) - m0], keys.seg[e / 2], keys.pos[e / 2]);
       });
       mask_fragment(st, 0.0f, [&](int n, int e) { return ((seen >> (4 * n + e)) & 1u) != 0; });
@@ -389,7 +381,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
     // st: P^T; then dS^T = P^T o (drop o dP^T - delta) into dpt, and st: (P o drop)^T
     if constexpr (kDropout) {
       const HeadContext c = context();
-      const auto kept = fragment_bits<T::kM>([&](int n, int e) {
+      const uint32_t kept = fragment_bits<T::kM>([&](int n, int e) {
         return dropout_factor(p, c, h, qc.col(n, e), qc.row(e)) != 0.0f;
       });
 #pragma unroll
@@ -413,10 +405,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
     }
     if constexpr (kAlibi) slope_partial += alibi_slope_partial<T::kM>(dpt, distance);
     pack_operand<ET, T::kM>(dpt, scores);
-    const uint32_t ds_tile = base + T::kDsOffset + (i % T::kDsBuffers) * T::kDsBytes;
-    // One buffer: the other warpgroup's dQ product of the tile before (which reads all of
-    // dS) must be done; each waits for its own before the end of that tile.
-    if (T::kDsBuffers == 1 && i > 0) named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
+    const uint32_t ds_tile = base + T::kDsOffset + (i % 2) * T::kDsBytes;
     store_scores<T::kM>(ds_tile + cw * T::kDsAtomBytes, 16 * warp, lane, scores);
 
     // dV += (P o drop)^T dO, then (both warpgroups' dS stored) dQ_tile^T = K^T dS^T, then
@@ -429,8 +418,8 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
     for (int ks = 0; ks < T::kM / 16; ++ks) gmma_rs<ET, D>(weights[ks], descriptor_plus(do0, ks * 16 * kAtomRowBytes), dv);
     cute::warpgroup_commit_batch();
 
-    // With two dS buffers, this one's previous reader, two tiles back, is done: each
-    // warpgroup waits for its dQ product before this barrier of the next tile. So is the previous tile's bulk
+    // The dS buffer's previous reader, two tiles back, is done: each warpgroup waits for
+    // its dQ product before this barrier of the next tile. So is the previous tile's bulk
     // reduction's read of this warpgroup's dQ buffer: its issuer waits here.
     if (dq_issuer) bulk_wait_read();
     fence_proxy_async();

@@ -20,16 +20,13 @@ namespace sm90 {
 template <int D>
 std::string launch_forward(gpuStream_t stream, const FlashArgs& a, ElementType type);
 
-// Queries per tile of the backward at head dim D: 80 at 128 (FlashAttention-3's choice: the
-// fixed costs of a tile over 25% more work, in the same shared memory), else 64. Its float32
-// dQ accumulator holds whole tiles.
-FA_HOST_DEVICE constexpr int backward_query_tile(int64_t head_dim) { return head_dim == 128 ? 64 : 64; }
+// Queries per tile of the backward: its float32 dQ accumulator holds whole tiles.
+constexpr int kBackwardQueryTile = 64;
 
-// Floats of the backward's dQ accumulator: [B, H, Sq rounded up to whole tiles, D] (in the
-// kernel's order, backward.cuh: DqAccumulator); the launcher and the workspace size both read it.
+// Floats of the backward's dQ accumulator: [B, H, ceil(Sq / 64) * 64, D] (in the kernel's
+// order, backward.cuh: DqAccumulator); the launcher and the workspace size both read it.
 FA_HOST_DEVICE inline int64_t dq_accum_floats(int64_t batch, int64_t heads, int64_t seqlen_q, int64_t head_dim) {
-  const int64_t tile = backward_query_tile(head_dim);
-  return batch * heads * ((seqlen_q + tile - 1) / tile * tile) * head_dim;
+  return batch * heads * ((seqlen_q + kBackwardQueryTile - 1) / kBackwardQueryTile * kBackwardQueryTile) * head_dim;
 }
 
 // With ALiBi the backward also needs a.slope_partials, slope_slots(Skv) floats per (b, h),

@@ -14,8 +14,6 @@
 #include <cstdint>
 #include <utility>
 
-// The N = 80 products (the backward's query tile at d128) are among CuTe's extended shapes.
-#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
 #include <cute/arch/mma_sm90_gmma.hpp>
 
 #include "../mma.cuh"
@@ -227,12 +225,10 @@ struct Gmma;
   };
 FUSEDATTN_SM90_GMMA(ElementType::kBF16, BF16BF16, 32)
 FUSEDATTN_SM90_GMMA(ElementType::kBF16, BF16BF16, 64)
-FUSEDATTN_SM90_GMMA(ElementType::kBF16, BF16BF16, 80)
 FUSEDATTN_SM90_GMMA(ElementType::kBF16, BF16BF16, 128)
 FUSEDATTN_SM90_GMMA(ElementType::kBF16, BF16BF16, 256)
 FUSEDATTN_SM90_GMMA(ElementType::kF16, F16F16, 32)
 FUSEDATTN_SM90_GMMA(ElementType::kF16, F16F16, 64)
-FUSEDATTN_SM90_GMMA(ElementType::kF16, F16F16, 80)
 FUSEDATTN_SM90_GMMA(ElementType::kF16, F16F16, 128)
 FUSEDATTN_SM90_GMMA(ElementType::kF16, F16F16, 256)
 #undef FUSEDATTN_SM90_GMMA

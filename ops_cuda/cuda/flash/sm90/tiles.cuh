@@ -5,8 +5,6 @@
 #ifndef FUSEDATTN_FLASH_SM90_TILES_CUH_
 #define FUSEDATTN_FLASH_SM90_TILES_CUH_
 
-#include <type_traits>
-
 #include "../spans.cuh"
 #include "primitives.cuh"
 
@@ -50,19 +48,16 @@ __device__ __forceinline__ int next_visible(TileScan& scan, int after, int n_til
 }
 
 // Bit 4 n + e set where element (n, e) of a lane's [16 x kCols] fragment satisfies pred(n, e)
-// (kCols <= 128: 32 bits up to 64 columns, else 64). The loop over n is not unrolled, so that
-// the predicate (the mask's token loads, a Philox draw) holds few registers at a time beside
-// the accumulators.
-template <int kCols>
-using FragmentBits = std::conditional_t<(kCols <= 64), uint32_t, uint64_t>;
+// (kCols <= 64). The loop over n is not unrolled, so that the predicate (the mask's token
+// loads, a Philox draw) holds few registers at a time beside the accumulators.
 template <int kCols, typename Pred>
-__device__ __forceinline__ FragmentBits<kCols> fragment_bits(Pred pred) {
-  static_assert(kCols <= 128, "one bit per element of a 64-bit word");
-  FragmentBits<kCols> bits = 0;
+__device__ __forceinline__ uint32_t fragment_bits(Pred pred) {
+  static_assert(kCols <= 64, "one bit per element of a 32-bit word");
+  uint32_t bits = 0;
 #pragma unroll 1
   for (int n = 0; n < kCols / 8; ++n) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) bits |= static_cast<FragmentBits<kCols>>(pred(n, e)) << (4 * n + e);
+    for (int e = 0; e < 4; ++e) bits |= static_cast<uint32_t>(pred(n, e)) << (4 * n + e);
   }
   return bits;
 }
