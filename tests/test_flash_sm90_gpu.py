@@ -197,7 +197,8 @@ def test_backward_masks_dtypes_head_dims(rng, kind, dtype, d):
     check(rng, make_spec(kind), args)
 
 
-@pytest.mark.parametrize("sq,skv", [(1, 1), (1, 300), (300, 1), (63, 129), (65, 127), (640, 384)])
+@pytest.mark.parametrize("sq,skv", [(1, 1), (1, 300), (300, 1), (63, 129), (65, 127), (79, 200), (81, 161),
+                                     (640, 384)])
 def test_backward_lengths_off_the_tiles(rng, sq, skv):
     needs_sm90_backward(128)
     kind = "causal_bottom_right" if sq <= skv else "causal"

@@ -141,12 +141,12 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads) dkdv_kernel(const Flas
   zero(dk);
   zero(dv);
 
-  const Span kv_span = tile_span(c0.kv_spans, c0.n_kv_spans, n0, T::kN);
+  const Span kv_span = tile_span<T::kN>(c0.kv_spans, c0.n_kv_spans, n0);
   const int n_q_tiles = static_cast<int>((p.seqlen_q + T::kM - 1) / T::kM);
   // tile u: query head g * group + u / n_q_tiles, query tile u % n_q_tiles
   const auto relation = [&](int u) {
     const int64_t m0 = static_cast<int64_t>(u % n_q_tiles) * T::kM;
-    return relate(p.mask, tile_span(c0.q_spans, c0.n_q_spans, m0, T::kM), kv_span);
+    return relate(p.mask, tile_span<T::kM>(c0.q_spans, c0.n_q_spans, m0), kv_span);
   };
   const auto q_offset = [&](int u) { return (b * p.seqlen_q * p.heads + g * group + u / n_q_tiles) * D; };
   const auto load = [&](int u, int s) {
@@ -274,10 +274,10 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads) dq_kernel(const FlashArg
   float dq[D / 8][4];
   zero(dq);
 
-  const Span q_span = tile_span(c.q_spans, c.n_q_spans, m0, T::kM);
+  const Span q_span = tile_span<T::kM>(c.q_spans, c.n_q_spans, m0);
   const int n_kv_tiles = static_cast<int>((p.seqlen_kv + T::kN - 1) / T::kN);
   const auto relation = [&](int t) {
-    return relate(p.mask, q_span, tile_span(c.kv_spans, c.n_kv_spans, static_cast<int64_t>(t) * T::kN, T::kN));
+    return relate(p.mask, q_span, tile_span<T::kN>(c.kv_spans, c.n_kv_spans, static_cast<int64_t>(t) * T::kN));
   };
   const auto load = [&](int t, int s) {
     const int64_t j0 = static_cast<int64_t>(t) * T::kN;

@@ -63,10 +63,10 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads) forward_kernel(cons
   float o[D / 8][4];
   zero(o);
 
-  const Span q_span = tile_span(c.q_spans, c.n_q_spans, m0, T::kM);
+  const Span q_span = tile_span<T::kM>(c.q_spans, c.n_q_spans, m0);
   const int n_kv_tiles = static_cast<int>((p.seqlen_kv + T::kN - 1) / T::kN);
   const auto relation = [&](int t) {
-    return relate(p.mask, q_span, tile_span(c.kv_spans, c.n_kv_spans, static_cast<int64_t>(t) * T::kN, T::kN));
+    return relate(p.mask, q_span, tile_span<T::kN>(c.kv_spans, c.n_kv_spans, static_cast<int64_t>(t) * T::kN));
   };
   const auto load = [&](int t, int s) {
     const int64_t j0 = static_cast<int64_t>(t) * T::kN;

@@ -53,12 +53,14 @@ __device__ __forceinline__ Span span_union(const Span& a, const Span& b) {
   return s;
 }
 
-// The span of tokens [first, first + count) of a row of spans (count a multiple of
-// kSpanTokens; runs past the row's end are empty and incomplete).
-__device__ __forceinline__ Span tile_span(const Span* row_spans, int64_t n_spans, int64_t first, int count) {
+// The span of tokens [first, first + kCount) of a row of spans, for a tile at a multiple of
+// kCount (runs past the row's end are empty and incomplete).
+template <int kCount>
+__device__ __forceinline__ Span tile_span(const Span* row_spans, int64_t n_spans, int64_t first) {
+  static_assert(kCount % kSpanTokens == 0, "tiles of whole span summaries");
   Span s = empty_span();
   s.complete = 1;
-  for (int i = 0; i < count / kSpanTokens; ++i) {
+  for (int i = 0; i < kCount / kSpanTokens; ++i) {
     const int64_t index = first / kSpanTokens + i;
     s = span_union(s, index < n_spans ? row_spans[index] : empty_span());
   }

@@ -19,10 +19,12 @@
 //       for dV, the shared Philox element by element);
 //     dV += P^T dO and dK += dS^T Q (wgmma, P^T and dS^T from registers), float32 registers
 //       for the whole block;
-//     dS^T to shared memory (two buffers), then dQ_tile = dS K, each consumer half of the
-//     head dim (wgmma, both operands in shared memory), stored to shared memory in the
-//     order of its registers and added to a float32 workspace by one bulk reduction of the
-//     warpgroup (cp.reduce.async.bulk ... add.f32): dQ is not bitwise repeatable.
+//     dS to shared memory (stmatrix.trans of dS^T: [kM queries x kN keys], each consumer
+//     its atom of 64 keys; two buffers), then dQ_tile^T = K^T dS^T, each consumer 64
+//     head-dim columns of its part of the tile (wgmma, both operands in shared memory, the
+//     queries as N: FlashAttention-3's "dQ_swapAB"), stored to shared memory in the order of
+//     its registers and added to a float32 workspace by one bulk reduction of the warpgroup
+//     (cp.reduce.async.bulk ... add.f32): dQ is not bitwise repeatable.
 //     With ALiBi each warp sums its part of the slope's gradient per query head into its own
 //     slot (../alibi_tile.cuh; launch.h: slope_slots), added up by slope_gradient.cu.
 // A last kernel writes dq = scale * that sum in the element type (dq_convert_kernel reads
@@ -70,25 +72,28 @@ struct BackwardControl {
 template <int D>
 struct BackwardTiles {
   static constexpr int kN = 128;            // keys per block
-  static constexpr int kConsumerKeys = 64;  // per consumer warpgroup
-  static constexpr int kM = kBackwardQueryTile;  // queries per streamed tile (one swizzle atom of dS^T)
+  static constexpr int kConsumerKeys = 64;  // per consumer warpgroup: one swizzle atom of dS
+  static constexpr int kM = kBackwardQueryTile;  // queries per streamed tile
   static constexpr int kStages = 2;
   static constexpr int kThreads = 384;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kAtoms = D / kAtomColumns;
-  static constexpr int kDqColumns = D / 2;  // of dQ, per consumer warpgroup
+  // dQ_tile^T per consumer warpgroup: the 64 head-dim columns of atom cw % kAtoms, for
+  // kDqQueries queries from (cw / kAtoms) kDqQueries (d128: every query; d64: half each).
+  static constexpr int kDqQueries = kM * kAtoms / 2;
   static constexpr int kKeyBytes = kN * D * 2;    // K or V
   static constexpr int kQueryBytes = kM * D * 2;  // a Q or dO tile
-  static constexpr int kDsBytes = kN * kM * 2;    // dS^T [kN keys x kM queries]
-  static constexpr int kDqBytes = kM * kDqColumns * 4;  // a consumer's dQ_tile, float32
+  static constexpr int kDsAtomBytes = kM * kAtomRowBytes;  // dS's keys of one consumer
+  static constexpr int kDsBytes = 2 * kDsAtomBytes;        // dS [kM queries x kN keys]
+  static constexpr int kDqBytes = kDqQueries * kAtomColumns * 4;  // a consumer's dQ_tile^T, float32
+  using Control = BackwardControl<kStages, kM>;
   static constexpr int kKOffset = 0;
   static constexpr int kVOffset = kKeyBytes;
   static constexpr int kQOffset = 2 * kKeyBytes;  // stage s at + s * kQueryBytes
   static constexpr int kDoOffset = kQOffset + kStages * kQueryBytes;
-  static constexpr int kDsOffset = kDoOffset + kStages * kQueryBytes;  // two buffers
+  static constexpr int kDsOffset = kDoOffset + kStages * kQueryBytes;  // two buffers: i at + i * kDsBytes
   static constexpr int kDqOffset = kDsOffset + 2 * kDsBytes;  // consumer cw's at + cw * kDqBytes
   static constexpr int kControlOffset = kDqOffset + 2 * kDqBytes;
-  using Control = BackwardControl<kStages, kM>;
   // 1024: room to align the start (the swizzle atoms need 1024-byte alignment).
   static constexpr int kSharedBytes = kControlOffset + static_cast<int>(sizeof(Control)) + 1024;
   static_assert(kSharedBytes <= kMaxSharedBytes, "the tiles' shared memory exceeds a block's");
@@ -96,21 +101,25 @@ struct BackwardTiles {
   // block's pool holds what it asks for, so a larger producer share would hang the block.
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
-  static_assert(kM == kAtomColumns, "dS^T is one swizzle atom wide");
+  static_assert(kM % 32 == 0 && kDqQueries % 8 == 0 && kN == 2 * kConsumerKeys && kConsumerKeys == kAtomColumns,
+                "lse and delta two queries a lane; whole products of dQ^T (N = kDqQueries); a dS atom per consumer");
+  static_assert(kQueryBytes % 1024 == 0 && kDsAtomBytes % 1024 == 0 && kDqOffset % 1024 == 0,
+                "swizzle atoms 1024-byte aligned");
   static_assert(kN == kBackwardKeyTile && kConsumerThreads / 32 == kSlopeWarpsPerKeyTile,
                 "the slope-gradient slots of launch.h");
 };
 
-// The float32 dQ accumulator's order: per (batch row, head, query tile of kM, half of the
-// head dim) a block of kM x D / 2 floats, holding a consumer warpgroup's dQ_tile as its
-// registers hold it: float4 t of consumer thread c (dq[t][0..3]: rows r and r + 8, columns
-// 2 (lane % 4) + 8 t + 0..1) at float (t * 128 + c) * 4, so that the warps' shared-memory
-// stores are contiguous and the block is one bulk reduction.
+// The float32 dQ accumulator's order: per (batch row, head, query tile of kM, consumer part)
+// a block of kDqQueries x 64 floats, holding a consumer warpgroup's dQ_tile^T as its
+// registers hold it: float4 t of consumer thread c (dq[t][0..3]: head-dim columns r and
+// r + 8 of its atom, r = 16 (c / 32) + c % 32 / 4, queries 2 (c % 4) + 8 t + 0..1 of its
+// part) at float (t * 128 + c) * 4, so that the warps' shared-memory stores are contiguous
+// and the block is one bulk reduction.
 template <int D>
 struct DqAccumulator {
-  static constexpr int kM = BackwardTiles<D>::kM, kColumns = D / 2;
-  static constexpr int kBlockFloats = kM * kColumns;
-  // The blocks of batch row b and half cw: block(h, m0) is that of head h and the query
+  static constexpr int kM = BackwardTiles<D>::kM;
+  static constexpr int kBlockFloats = BackwardTiles<D>::kDqBytes / 4;
+  // The blocks of batch row b and part cw: block(h, m0) is that of head h and the query
   // tile at m0 (the row's base and the tile count computed once, outside a block's loop).
   float* base;
   int64_t tiles;
@@ -156,14 +165,14 @@ __device__ __forceinline__ void produce_backward(const BackwardArgs& args, uint3
                   static_cast<int>(g), static_cast<int>(n0), static_cast<int>(b));
     }
   }
-  const Span kv_span = tile_span(c.kv_spans, c.n_kv_spans, n0, T::kN);
+  const Span kv_span = tile_span<T::kN>(c.kv_spans, c.n_kv_spans, n0);
   const int n_q_tiles = static_cast<int>((p.seqlen_q + T::kM - 1) / T::kM);
   const int n_units = static_cast<int>(group) * n_q_tiles;
   TileScan scan{-32, 0u, 0u, 0u};
   int u = -1;
   for (int i = 0;; ++i) {
     u = next_visible(scan, u, n_units, [&](int unit, bool* complete) {
-      const Span q = tile_span(c.q_spans, c.n_q_spans, static_cast<int64_t>(unit % n_q_tiles) * T::kM, T::kM);
+      const Span q = tile_span<T::kM>(c.q_spans, c.n_q_spans, static_cast<int64_t>(unit % n_q_tiles) * T::kM);
       *complete = q.complete != 0;
       return relate(p.mask, q, kv_span);
     });
@@ -233,13 +242,18 @@ __device__ __forceinline__ void pack_operand(const float (&x)[kCols / 8][4], uin
   }
 }
 
-// Stores a warp's dS^T operands (rows: keys row0 + lane/4 (+8), columns: the kM queries) into
-// the swizzled one-atom tile at ds: operand register j of 16 columns ks is the 8 x 8 matrix
-// of rows 8 (j % 2) .., chunk 2 ks + j / 2 (matrix_row_address).
+// Stores a warp's dS^T operands (rows: keys row0 + lane / 4 (+ 8) of its consumer's 64,
+// columns: the kM queries) transposed, as rows of dS, into that consumer's swizzle atom at
+// ds ([kM queries x 128 bytes]). Operand register j of 16 columns ks is the 8 x 8 matrix of
+// keys 8 (j % 2) .., queries 16 ks + 8 (j / 2) ..: stmatrix.trans writes it to rows
+// 16 ks + 8 (j / 2) .., chunk row0 / 8 + j % 2: matrix 2 (j % 2) + j / 2 of matrix_row_address.
 template <int kM>
-__device__ __forceinline__ void store_scores_t(uint32_t ds, int row0, int lane, const uint32_t (&a)[kM / 16][4]) {
+__device__ __forceinline__ void store_scores(uint32_t ds, int row0, int lane, const uint32_t (&a)[kM / 16][4]) {
 #pragma unroll
-  for (int ks = 0; ks < kM / 16; ++ks) store_matrices_x4(matrix_row_address(ds, 0, row0, 2 * ks, lane), a[ks]);
+  for (int ks = 0; ks < kM / 16; ++ks) {
+    const uint32_t matrices[4] = {a[ks][0], a[ks][2], a[ks][1], a[ks][3]};
+    store_matrices_x4_trans(matrix_row_address(ds, 0, 16 * ks, row0 / 8, lane), matrices);
+  }
 }
 
 // One consumer warpgroup (index cw, 0 or 1): keys n0 + 64 cw .. + 63. kDropout: p.dropout,
@@ -266,13 +280,14 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
   const uint32_t k_tile = base + T::kKOffset, v_tile = base + T::kVOffset;
   const uint32_t k_rows = k_tile + cw * T::kConsumerKeys * kAtomRowBytes;
   const uint32_t v_rows = v_tile + cw * T::kConsumerKeys * kAtomRowBytes;
-  // dQ's columns of this warpgroup in the K tile (B of dQ = dS K): atom, and bytes into it.
-  const uint32_t k_columns = k_tile + (cw * T::kDqColumns / kAtomColumns) * T::kN * kAtomRowBytes +
-                             (cw * T::kDqColumns % kAtomColumns) * 2;
+  // dQ^T = K^T dS^T of this warpgroup: A = its head-dim atom of the K tile (MN-major: the
+  // tile's rows are keys), B = its queries' rows of dS (K-major).
+  const uint64_t k_atom = mn_major_descriptor(k_tile + (cw % T::kAtoms) * T::kN * kAtomRowBytes, T::kN * kAtomRowBytes);
+  const uint32_t ds_part = (cw / T::kAtoms) * T::kDqQueries * kAtomRowBytes;
 
   mbarrier_wait(smem_address(&control->kv_full), 0);
   stamps[1] = trace_clock();
-  if (const HeadContext c = context(); !tile_span(c.kv_spans, c.n_kv_spans, n0, T::kN).complete) {
+  if (const HeadContext c = context(); !tile_span<T::kN>(c.kv_spans, c.n_kv_spans, n0).complete) {
     zero_padding_rows<T::kN, T::kAtoms, T::kConsumerThreads>(k_tile, c.kv_seg, n0, p.seqlen_kv, consumer_thread);
     zero_padding_rows<T::kN, T::kAtoms, T::kConsumerThreads>(v_tile, c.kv_seg, n0, p.seqlen_kv, consumer_thread);
     fence_proxy_async();
@@ -391,9 +406,9 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
     if constexpr (kAlibi) slope_partial += alibi_slope_partial<T::kM>(dpt, distance);
     pack_operand<ET, T::kM>(dpt, scores);
     const uint32_t ds_tile = base + T::kDsOffset + (i % 2) * T::kDsBytes;
-    store_scores_t<T::kM>(ds_tile, T::kConsumerKeys * cw + 16 * warp, lane, scores);
+    store_scores<T::kM>(ds_tile + cw * T::kDsAtomBytes, 16 * warp, lane, scores);
 
-    // dV += (P o drop)^T dO, then (both warpgroups' dS^T stored) dQ_tile = dS K, then
+    // dV += (P o drop)^T dO, then (both warpgroups' dS stored) dQ_tile^T = K^T dS^T, then
     // dK += dS^T Q: three commit groups. dQ's reductions run while dK's product does.
     fence_accumulators(dv);
     fence_accumulators(dk);
@@ -403,22 +418,22 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
     for (int ks = 0; ks < T::kM / 16; ++ks) gmma_rs<ET, D>(weights[ks], descriptor_plus(do0, ks * 16 * kAtomRowBytes), dv);
     cute::warpgroup_commit_batch();
 
-    // The dS^T buffer's previous reader, two tiles back, is done: each warpgroup waits for
+    // The dS buffer's previous reader, two tiles back, is done: each warpgroup waits for
     // its dQ product before this barrier of the next tile. So is the previous tile's bulk
     // reduction's read of this warpgroup's dQ buffer: its issuer waits here.
     if (dq_issuer) bulk_wait_read();
     fence_proxy_async();
     named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
-    // dQ_tile [kM x kDqColumns] = dS K: A = dS (MN-major: dS^T's rows are keys), B = K's columns.
-    float dq[T::kDqColumns / 8][4];
+    // dQ_tile^T [64 head-dim columns x kDqQueries] = K^T dS^T over the kN keys (16 a product:
+    // 16 rows of K's atom, 32 bytes of dS's rows, atom by atom).
+    float dq[T::kDqQueries / 8][4];
     fence_accumulators(dq);
     cute::warpgroup_arrive();
-    const uint64_t ds0 = mn_major_descriptor(ds_tile, T::kDsBytes);
-    const uint64_t k0 = mn_major_descriptor(k_columns, T::kN * kAtomRowBytes);
+    const uint64_t ds0 = k_major_descriptor(ds_tile + ds_part);
 #pragma unroll
     for (int ks = 0; ks < T::kN / 16; ++ks) {
-      gmma_ss_mn<ET, T::kDqColumns>(descriptor_plus(ds0, ks * 16 * kAtomRowBytes),
-                                    descriptor_plus(k0, ks * 16 * kAtomRowBytes), dq, ks > 0);
+      gmma_ss_mk<ET, T::kDqQueries>(descriptor_plus(k_atom, ks * 16 * kAtomRowBytes),
+                                    descriptor_plus(ds0, (ks / 4) * T::kDsAtomBytes + (ks % 4) * 32), dq, ks > 0);
     }
     cute::warpgroup_commit_batch();
     const uint64_t q0 = mn_major_descriptor(q_tile, T::kM * kAtomRowBytes);
@@ -431,7 +446,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
     // dQ_tile to this warpgroup's buffer (DqAccumulator's order), then one bulk reduction.
     const uint32_t dq_buffer = base + T::kDqOffset + cw * T::kDqBytes;
 #pragma unroll
-    for (int t = 0; t < T::kDqColumns / 8; ++t) store_shared_v4(dq_buffer + (t * 128 + consumer_thread % 128) * 16, dq[t]);
+    for (int t = 0; t < T::kDqQueries / 8; ++t) store_shared_v4(dq_buffer + (t * 128 + consumer_thread % 128) * 16, dq[t]);
     fence_proxy_async();
     named_barrier_sync(kWarpgroupBarrier + cw, 128);
     if (dq_issuer) {
@@ -490,31 +505,36 @@ __global__ void __launch_bounds__(BackwardTiles<D>::kThreads, 1)
 }
 
 // dq [B, Sq, H, D] = scale * the dQ accumulator, in the element type. A block converts one
-// accumulator block at a time (kM queries x D / 2 columns, in DqAccumulator's register
-// order): coalesced float4 loads into shared memory in row order, then 16-byte stores of 8
-// columns of a row (a store per 4 bytes made the writes the limit).
+// accumulator block at a time (kDqQueries queries x 64 head-dim columns, in DqAccumulator's
+// register order): coalesced float4 loads into shared memory in query order, then 16-byte
+// stores of 8 columns of a query (a store per 4 bytes made the writes the limit).
 template <ElementType ET, int D>
 __global__ void __launch_bounds__(256) dq_convert_kernel(const float* dq_accum, uint16_t* dq, AttentionParams p) {
   using A = DqAccumulator<D>;
-  // Shared rows of kColumns + 8 floats: a half-warp's float2 stores (4 rows, 4 column pairs)
-  // then fall on 32 different banks.
-  __shared__ float rows[A::kM][A::kColumns + 8];
-  constexpr int kChunks = A::kColumns / 8;  // 16-byte stores per row
+  using T = BackwardTiles<D>;
+  // Shared rows of 64 + 4 floats: a warp's stores (8 columns x 4 query pairs) then fall on
+  // 32 different banks.
+  __shared__ float rows[T::kDqQueries][kAtomColumns + 4];
+  constexpr int kChunks = kAtomColumns / 8;  // 16-byte stores per query
   const int64_t tiles = (p.seqlen_q + A::kM - 1) / A::kM, blocks = p.batch * p.heads * tiles * 2;
   for (int64_t block = blockIdx.x; block < blocks; block += gridDim.x) {
     const float4* src = reinterpret_cast<const float4*>(dq_accum + block * A::kBlockFloats);
     for (int i = threadIdx.x; i < A::kBlockFloats / 4; i += blockDim.x) {
       const float4 x = src[i];  // float4 t of consumer thread c at 128 t + c
       const int c = i % 128, t = i / 128, lane = c % 32;
-      const int row = 16 * (c / 32) + lane / 4, column = 8 * t + 2 * (lane % 4);
-      *reinterpret_cast<float2*>(&rows[row][column]) = make_float2(x.x, x.y);
-      *reinterpret_cast<float2*>(&rows[row + 8][column]) = make_float2(x.z, x.w);
+      const int column = 16 * (c / 32) + lane / 4, query = 8 * t + 2 * (lane % 4);
+      rows[query][column] = x.x;
+      rows[query + 1][column] = x.y;
+      rows[query][column + 8] = x.z;
+      rows[query + 1][column + 8] = x.w;
     }
     __syncthreads();
-    const int64_t cw = block % 2, tile = block / 2 % tiles, bh = block / 2 / tiles;
-    for (int i = threadIdx.x; i < A::kM * kChunks; i += blockDim.x) {
+    const int part = static_cast<int>(block % 2);
+    const int64_t tile = block / 2 % tiles, bh = block / 2 / tiles;
+    const int64_t q0 = tile * A::kM + part / T::kAtoms * T::kDqQueries, d0 = part % T::kAtoms * kAtomColumns;
+    for (int i = threadIdx.x; i < T::kDqQueries * kChunks; i += blockDim.x) {
       const int row = i / kChunks, chunk = i % kChunks;
-      const int64_t query = tile * A::kM + row;
+      const int64_t query = q0 + row;
       if (query < p.seqlen_q) {
         const float* x = &rows[row][8 * chunk];
         uint4 packed;
@@ -522,7 +542,7 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const float* dq_accum, 
         packed.y = pack2<ET>(x[2] * p.scale, x[3] * p.scale);
         packed.z = pack2<ET>(x[4] * p.scale, x[5] * p.scale);
         packed.w = pack2<ET>(x[6] * p.scale, x[7] * p.scale);
-        const int64_t element = ((bh / p.heads * p.seqlen_q + query) * p.heads + bh % p.heads) * D + cw * A::kColumns;
+        const int64_t element = ((bh / p.heads * p.seqlen_q + query) * p.heads + bh % p.heads) * D + d0;
         *reinterpret_cast<uint4*>(dq + element + 8 * chunk) = packed;
       }
     }

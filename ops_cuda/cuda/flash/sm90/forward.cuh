@@ -200,11 +200,11 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
     const QueryBlock w = query_block<D>(p, item);
     const HeadContext c = head_context(a, w.b, w.h);
     const int g = static_cast<int>(kv_head_of(w.h, p.heads, p.kv_heads));
-    const Span q_span = tile_span(c.q_spans, c.n_q_spans, w.m0, T::kM);
+    const Span q_span = tile_span<T::kM>(c.q_spans, c.n_q_spans, w.m0);
     TileScan scan{-32, 0u, 0u, 0u};
     const auto visible_after = [&](int after) {
       return next_visible(scan, after, n_tiles, [&](int tile, bool* complete) {
-        const Span kv = tile_span(c.kv_spans, c.n_kv_spans, static_cast<int64_t>(tile) * T::kN, T::kN);
+        const Span kv = tile_span<T::kN>(c.kv_spans, c.n_kv_spans, static_cast<int64_t>(tile) * T::kN);
         *complete = kv.complete != 0;
         return relate(p.mask, q_span, kv);
       });

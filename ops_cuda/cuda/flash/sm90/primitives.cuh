@@ -85,6 +85,14 @@ __device__ __forceinline__ void store_matrices_x4(uint32_t address, const uint32
                : "memory");
 }
 
+// stmatrix.x4.trans: the same four matrices, each stored transposed (row i at the address
+// lane 8 j + i gives then holds column i of the lanes' matrix j).
+__device__ __forceinline__ void store_matrices_x4_trans(uint32_t address, const uint32_t (&a)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(a[0]),
+               "r"(a[1]), "r"(a[2]), "r"(a[3])
+               : "memory");
+}
+
 __device__ __forceinline__ void store_zero_16(uint32_t address) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(address), "r"(0) : "memory");
 }
@@ -212,6 +220,8 @@ struct Gmma;
                                                                  cute::SM90::GMMA::Major::MN>;                 \
     using SSMN = cute::SM90::GMMA::MMA_64x##N##x16_F32##TYPES##_SS<cute::SM90::GMMA::Major::MN,                \
                                                                    cute::SM90::GMMA::Major::MN>;               \
+    using SSMK = cute::SM90::GMMA::MMA_64x##N##x16_F32##TYPES##_SS<cute::SM90::GMMA::Major::MN,                \
+                                                                   cute::SM90::GMMA::Major::K>;                \
   };
 FUSEDATTN_SM90_GMMA(ElementType::kBF16, BF16BF16, 32)
 FUSEDATTN_SM90_GMMA(ElementType::kBF16, BF16BF16, 64)
@@ -261,6 +271,13 @@ __device__ __forceinline__ void gmma_rows_times_rows(uint32_t a, uint32_t a_atom
 template <ElementType ET, int N>
 __device__ __forceinline__ void gmma_ss_mn(uint64_t a, uint64_t b, float (&acc)[N / 8][4], bool accumulate) {
   gmma_ss_impl<typename Gmma<ET, N>::SSMN>(a, b, acc, accumulate, std::make_index_sequence<N / 2>{});
+}
+
+// acc (64 x N) = A B (+ acc when accumulate): A [64 x 16] MN-major (mn_major_descriptor; its
+// 64 rows one swizzle atom) and B [16 x N] as B^T [N x 16] K-major (k_major_descriptor).
+template <ElementType ET, int N>
+__device__ __forceinline__ void gmma_ss_mk(uint64_t a, uint64_t b, float (&acc)[N / 8][4], bool accumulate) {
+  gmma_ss_impl<typename Gmma<ET, N>::SSMK>(a, b, acc, accumulate, std::make_index_sequence<N / 2>{});
 }
 
 // acc (64 x N) += A B: A [64 x 16] from registers (the mma.sync A fragment layout, per

@@ -65,21 +65,20 @@ __device__ __forceinline__ uint32_t fragment_bits(Pred pred) {
 // Zeroes the rows of the padding tokens (segment id 0, seg[row0 + r]) of a tile of kRows
 // rows at `tile` (kAtoms swizzle atoms of kRows x 128 bytes), so that whatever they hold
 // (even NaN or Inf) meets only zero weights. Rows past `seqlen` are zero already (TMA).
-// kThreads threads take part (index: thread); the caller orders the stores before the
-// products that read the tile (fence_proxy_async, a barrier).
+// kThreads threads take part (index: thread), a row's 128 bytes of one atom each in turn; the
+// caller orders the stores before the products that read the tile (fence_proxy_async, a barrier).
 template <int kRows, int kAtoms, int kThreads>
 __device__ __forceinline__ void zero_padding_rows(uint32_t tile, const int32_t* seg, int64_t row0, int64_t seqlen,
                                                   int thread) {
-  // A row is kThreadsPerRow runs of kChunks 16-byte chunks, each within one atom.
-  constexpr int kThreadsPerRow = kThreads / kRows;
-  constexpr int kChunks = kAtoms * kAtomRowBytes / 16 / kThreadsPerRow;
-  static_assert(kThreadsPerRow * kRows == kThreads && kChunks >= 1 && 8 % kChunks == 0, "whole runs in an atom");
-  const int row = thread / kThreadsPerRow, first = (thread % kThreadsPerRow) * kChunks;
-  const int64_t j = row0 + row;
-  if (j < seqlen && seg[j] == 0) {
-    const uint32_t address = tile + (first / 8) * kRows * kAtomRowBytes + row * kAtomRowBytes + (first % 8) * 16;
+#pragma unroll 1
+  for (int item = thread; item < kRows * kAtoms; item += kThreads) {
+    const int row = item % kRows, atom = item / kRows;
+    const int64_t j = row0 + row;
+    if (j < seqlen && seg[j] == 0) {
+      const uint32_t address = tile + atom * kRows * kAtomRowBytes + row * kAtomRowBytes;
 #pragma unroll
-    for (int k = 0; k < kChunks; ++k) store_zero_16(address + 16 * k);
+      for (int k = 0; k < 8; ++k) store_zero_16(address + 16 * k);
+    }
   }
 }
 
