@@ -204,3 +204,33 @@ def flash_sm90_backward_head_dims(platform: str = "cuda") -> frozenset[int]:
     """The head dims of the loaded CUDA library's sm_90a (wgmma) flash backward kernel (empty
     when the library is not loaded or was built without sm_90)."""
     return _head_dims(platform, "FusedattnFlashCudaSm90BackwardHeadDims")
+
+
+def _opened(ffi_platform: str) -> ctypes.CDLL:
+    """The platform's library, registered or not (its plain C queries need no device)."""
+    if ffi_platform in _handles:
+        return _handles[ffi_platform]
+    stem, _, _ = _LIBRARIES[ffi_platform]
+    path = library_path(stem)
+    if path is None:
+        raise RuntimeError(f"fusedattn: lib{stem} was not built; reinstall with pip install . on a "
+                           "machine with its compiler")
+    with _lock:
+        _handles.setdefault(ffi_platform, ctypes.CDLL(str(path)))
+    return _handles[ffi_platform]
+
+
+def flash_workspace_bytes(platform: str, *, token_rows: int, batch: int, heads: int, seqlen_q: int,
+                          seqlen_kv: int, head_dim: int, backward: bool, sm90_backward: bool,
+                          alibi: bool) -> int:
+    """The bytes of the uint8 workspace result a flash call needs on "cuda" or "rocm": the
+    library's own layout (ops_cuda/cuda/flash/flash.cu: workspace_of), which its handlers
+    check, so that the size given when the call is traced cannot drift from it.
+    sm90_backward: the backward runs the sm_90a kernel (flash_gpu.cuda_backward_kernel)."""
+    ffi_platform = _ffi_platform(platform)
+    query = getattr(_opened(ffi_platform), "FusedattnFlashRocmWorkspaceBytes" if ffi_platform == "ROCM"
+                    else "FusedattnFlashCudaWorkspaceBytes")
+    query.restype = ctypes.c_int64
+    query.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_int32] * 3
+    return int(query(token_rows, batch, heads, seqlen_q, seqlen_kv, head_dim, int(backward),
+                     int(sm90_backward), int(alibi)))

@@ -52,8 +52,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fusedattn.ops import _library
 from fusedattn.ops.backends import flash_gpu, partitioning
-from fusedattn.ops.backends.base import align256, current_platform
+from fusedattn.ops.backends.base import current_platform
 from fusedattn.ops.enums import BiasType, SoftmaxType
 
 FWD_TARGET = "fusedattn_flash_fwd"
@@ -101,42 +102,20 @@ class Static(NamedTuple):
         return attributes
 
 
-# The CUDA handlers' scratch, a uint8 result XLA allocates (ops_cuda/cuda/flash/flash.cu
-# checks its size): per token row, one 32-byte summary of every 32 queries and of every
-# 32 keys; the backward adds float32 [b, h, sq] for rowsum(dO * O) and, where the sm_90a
-# backward runs (flash_gpu.cuda_backward_kernel), its float32 dQ accumulator [b, h, sq', d] with
-# sq' = sq rounded up to whole query tiles of 64 (sm90/launch.h: dq_accum_floats) and, with
-# ALiBi, float32 [b, h, slots] partial sums of the slopes' gradient (a slot per warp: of every
-# query tile of 64 for the sm_80 kernels, launch.h: sm80_slope_slots, 4 warps on CUDA and 2 on
-# ROCm, sized here for 4; of every key tile of 128 for the sm_90a one, 8 warps,
-# sm90/launch.h: slope_slots). Each part is 256-byte aligned.
-_SPAN_TOKENS = 32
-_SM90_QUERY_TILE = 64
-_SPAN_BYTES = 32
-_SM80_SLOPE_SLOTS = (64, 4)  # (queries, warps) of a slot group
-_SM90_SLOPE_SLOTS = (128, 8)  # (keys, warps)
-
-
 def cuda_workspace(q, k, tokens, backward: bool, deterministic: bool = False,
                     alibi: bool = False) -> tuple[jax.ShapeDtypeStruct, ...]:
-    """() on the host; the workspace result's shape on CUDA and ROCm."""
-    if current_platform() not in ("cuda", "rocm"):
+    """() on the host; on CUDA and ROCm the handlers' scratch, a uint8 result XLA allocates,
+    sized by the library's own layout (_library.flash_workspace_bytes: the spans, and for the
+    backward the softmax delta, the sm_90a dQ accumulator and ALiBi's partial sums)."""
+    platform = current_platform()
+    if platform not in ("cuda", "rocm"):
         return ()
     b, sq, h, d = q.shape
-    skv = k.shape[1]
-    token_rows = math.prod(tokens.shape[:-1])
-    spans = -(-sq // _SPAN_TOKENS) + -(-skv // _SPAN_TOKENS)  # ceil(sq / 32) + ceil(skv / 32)
-    size = align256(token_rows * spans * _SPAN_BYTES)
-    if backward:
-        size += align256(b * h * sq * 4)
-        sm90 = (current_platform() == "cuda"
-                and flash_gpu.cuda_backward_kernel(d, sq, skv, deterministic) == "sm90")
-        if sm90:
-            size += align256(b * h * -(-sq // _SM90_QUERY_TILE) * _SM90_QUERY_TILE * d * 4)
-        if alibi:
-            tokens_per_group, warps = _SM90_SLOPE_SLOTS if sm90 else _SM80_SLOPE_SLOTS
-            length = skv if sm90 else sq
-            size += align256(b * h * -(-length // tokens_per_group) * warps * 4)
+    sm90 = (backward and platform == "cuda"
+            and flash_gpu.cuda_backward_kernel(d, sq, k.shape[1], deterministic) == "sm90")
+    size = _library.flash_workspace_bytes(
+        platform, token_rows=math.prod(tokens.shape[:-1]), batch=b, heads=h, seqlen_q=sq,
+        seqlen_kv=k.shape[1], head_dim=d, backward=backward, sm90_backward=sm90, alibi=alibi)
     return (jax.ShapeDtypeStruct((size,), jnp.uint8),)
 
 

@@ -12,9 +12,9 @@
 // fusedattn/ops/backends/flash.py traced it) runs them in both passes on every device.
 // ALiBi (the attribute alibi) runs each kernel's ALiBi variant (alibi_tile.cuh).
 // Scratch (the spans; the backward's softmax delta, the sm_90a dQ sum and ALiBi's partial
-// sums) lives in a uint8 workspace
-// result that XLA allocates, sized by fusedattn/ops/backends/flash.py
-// (_cuda_workspace_bytes): the handlers allocate nothing.
+// sums) lives in a uint8 workspace result that XLA allocates, sized when the call is traced
+// by fusedattn/ops/backends/flash_ffi.py through this library's own layout
+// (FusedattnFlash{Cuda,Rocm}WorkspaceBytes): the handlers allocate nothing.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -238,6 +238,25 @@ int64_t slope_slot_count(const AttentionParams& p, BackwardKernel kernel) {
   return sm80_slope_slots(p.seqlen_q);
 }
 
+// The workspace of a call (the layout above, each part 256-byte aligned): the forward's
+// spans; for the backward also the delta, the sm_90a kernel's dQ accumulator and ALiBi's
+// partial sums (slots per (b, h)).
+struct Workspace {
+  int64_t spans = 0, delta = 0, dq_accum = 0, slopes = 0, slots = 0;
+  int64_t bytes() const { return spans + delta + dq_accum + slopes; }
+};
+
+Workspace workspace_of(const AttentionParams& p, bool backward, BackwardKernel kernel) {
+  Workspace w;
+  w.spans = span_bytes(p);
+  if (!backward) return w;
+  w.delta = delta_bytes(p);
+  w.dq_accum = kernel == BackwardKernel::kSm90 ? dq_accum_bytes(p) : 0;
+  w.slots = slope_slot_count(p, kernel);
+  w.slopes = align256(p.batch * p.heads * w.slots * static_cast<int64_t>(sizeof(float)));
+  return w;
+}
+
 ffi::Error check_workspace(const char* op, ffi::Result<ffi::AnyBuffer>& workspace, int64_t bytes) {
   if (workspace->element_type() != ffi::DataType::U8 || workspace->dimensions().size() != 1 ||
       workspace->dimensions()[0] < bytes) {
@@ -297,7 +316,9 @@ ffi::Error FlashFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   if (auto e = check_named_kernel(kOp, named_kernel); e.failure()) return e;
   if (auto e = check_forward_results(kOp, p, lead, q.element_type(), o, lse); e.failure()) return e;
   if (p.batch == 0 || p.heads == 0 || p.seqlen_q == 0) return ffi::Error::Success();
-  if (auto e = check_workspace(kOp, workspace, span_bytes(p)); e.failure()) return e;
+  if (auto e = check_workspace(kOp, workspace, workspace_of(p, false, BackwardKernel::kSm80).bytes()); e.failure()) {
+    return e;
+  }
   FlashArgs a = common_args(p, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed, alibi_slopes);
   a.o = static_cast<uint16_t*>(o->untyped_data());
   a.lse = lse->typed_data<float>();
@@ -337,13 +358,8 @@ ffi::Error FlashBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   if (p.batch == 0 || p.heads == 0) return ffi::Error::Success();
   BackwardKernel kernel;
   if (auto e = backward_kernel_of(kOp, p, named_kernel, deterministic, &kernel); e.failure()) return e;
-  const int64_t accum_bytes = kernel == BackwardKernel::kSm90 ? dq_accum_bytes(p) : 0;
-  const int64_t slots = slope_slot_count(p, kernel);
-  const int64_t slope_bytes = align256(p.batch * p.heads * slots * static_cast<int64_t>(sizeof(float)));
-  if (auto e = check_workspace(kOp, workspace, span_bytes(p) + delta_bytes(p) + accum_bytes + slope_bytes);
-      e.failure()) {
-    return e;
-  }
+  const Workspace w = workspace_of(p, true, kernel);
+  if (auto e = check_workspace(kOp, workspace, w.bytes()); e.failure()) return e;
   FlashArgs a = common_args(p, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed, alibi_slopes);
   a.o = static_cast<uint16_t*>(const_cast<void*>(o.untyped_data()));
   a.lse = const_cast<float*>(lse.typed_data<float>());
@@ -355,11 +371,11 @@ ffi::Error FlashBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   a.d_slopes = d_slopes->typed_data<float>();
   summarise(stream, workspace->untyped_data(), &a);
   char* const scratch = static_cast<char*>(workspace->untyped_data());
-  a.delta = reinterpret_cast<float*>(scratch + span_bytes(p));
-  a.slope_partials = reinterpret_cast<float*>(scratch + span_bytes(p) + delta_bytes(p) + accum_bytes);
-  a.slope_slots = slots;
+  a.delta = reinterpret_cast<float*>(scratch + w.spans);
+  a.slope_partials = reinterpret_cast<float*>(scratch + w.spans + w.delta + w.dq_accum);
+  a.slope_slots = w.slots;
   return launch_backward_kernel(kOp, stream, a, element_type_of(dt), kernel,
-                                reinterpret_cast<float*>(scratch + span_bytes(p) + delta_bytes(p)));
+                                reinterpret_cast<float*>(scratch + w.spans + w.delta));
 }
 
 }  // namespace
@@ -383,10 +399,12 @@ namespace ffi = xla::ffi;
 #define FA_FLASH_FWD_SYMBOL FusedattnFlashFwdRocm
 #define FA_FLASH_BWD_SYMBOL FusedattnFlashBwdRocm
 #define FA_FLASH_HEAD_DIMS_SYMBOL FusedattnFlashRocmHeadDims
+#define FA_FLASH_WORKSPACE_SYMBOL FusedattnFlashRocmWorkspaceBytes
 #else
 #define FA_FLASH_FWD_SYMBOL FusedattnFlashFwdCuda
 #define FA_FLASH_BWD_SYMBOL FusedattnFlashBwdCuda
 #define FA_FLASH_HEAD_DIMS_SYMBOL FusedattnFlashCudaHeadDims
+#define FA_FLASH_WORKSPACE_SYMBOL FusedattnFlashCudaWorkspaceBytes
 #endif
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FA_FLASH_FWD_SYMBOL, fusedattn::flash::FlashFwdImpl,
@@ -401,6 +419,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FA_FLASH_BWD_SYMBOL, fusedattn::flash::FlashBwdImp
 // 2: 128, 4: 256); read by fusedattn/ops/_library.py.
 extern "C" __attribute__((visibility("default"))) int FA_FLASH_HEAD_DIMS_SYMBOL() {
   return fusedattn::flash::kBuiltHeadDims;
+}
+
+// The bytes of the workspace result a call needs (its handler checks the same), for
+// fusedattn/ops/backends/flash_ffi.py, which sizes that result when the call is traced:
+// token_rows (L of the token vectors), B, H, Sq, Skv, D; backward: of the backward pass;
+// sm90_backward: the backward runs the sm_90a kernel (backward_kernel_of); alibi: the call
+// has ALiBi.
+extern "C" __attribute__((visibility("default"))) int64_t FA_FLASH_WORKSPACE_SYMBOL(
+    int64_t token_rows, int64_t batch, int64_t heads, int64_t seqlen_q, int64_t seqlen_kv, int64_t head_dim,
+    int32_t backward, int32_t sm90_backward, int32_t alibi) {
+  fusedattn::AttentionParams p{};
+  p.token_rows = token_rows;
+  p.batch = batch;
+  p.heads = heads;
+  p.seqlen_q = seqlen_q;
+  p.seqlen_kv = seqlen_kv;
+  p.head_dim = p.head_dim_v = head_dim;
+  p.alibi = alibi != 0;
+  using fusedattn::flash::BackwardKernel;
+  return fusedattn::flash::workspace_of(p, backward != 0, sm90_backward ? BackwardKernel::kSm90 : BackwardKernel::kSm80)
+      .bytes();
 }
 
 #if !defined(__HIPCC__)

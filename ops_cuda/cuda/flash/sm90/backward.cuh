@@ -25,6 +25,9 @@
 //     queries as N: FlashAttention-3's "dQ_swapAB"), stored to shared memory in the order of
 //     its registers and added to a float32 workspace by one bulk reduction of the warpgroup
 //     (cp.reduce.async.bulk ... add.f32): dQ is not bitwise repeatable.
+//     After the last tile (both consumers' products done) each stages its dK (times scale)
+//     and dV in the element type over the Q and dO stages (stmatrix), and one of its threads
+//     writes them with TMA stores.
 //     With ALiBi each warp sums its part of the slope's gradient per query head into its own
 //     slot (../alibi_tile.cuh; launch.h: slope_slots), added up by slope_gradient.cu.
 // A last kernel writes dq = scale * that sum in the element type (dq_convert_kernel reads
@@ -94,6 +97,13 @@ struct BackwardTiles {
   static constexpr int kDsOffset = kDoOffset + kStages * kQueryBytes;  // two buffers: i at + i * kDsBytes
   static constexpr int kDqOffset = kDsOffset + 2 * kDsBytes;  // consumer cw's at + cw * kDqBytes
   static constexpr int kControlOffset = kDqOffset + 2 * kDqBytes;
+  // At the block's end, consumer cw's dK and dV in the element type (kConsumerKeys rows in
+  // kAtoms swizzle atoms each) for TMA stores: its dK at kQOffset + 2 cw kGradientBytes, its
+  // dV right after, over the Q and dO stages (no product reads them then).
+  static constexpr int kGradientBytes = kConsumerKeys * D * 2;
+  static_assert(kDoOffset == kQOffset + kStages * kQueryBytes && 2 * 2 * kGradientBytes <= kStages * 2 * kQueryBytes &&
+                    kGradientBytes % 1024 == 0,
+                "both consumers' dK and dV fit in the Q and dO stages, in aligned swizzle atoms");
   // 1024: room to align the start (the swizzle atoms need 1024-byte alignment).
   static constexpr int kSharedBytes = kControlOffset + static_cast<int>(sizeof(Control)) + 1024;
   static_assert(kSharedBytes <= kMaxSharedBytes, "the tiles' shared memory exceeds a block's");
@@ -131,12 +141,15 @@ struct DqAccumulator {
 };
 
 // The kernel's arguments: the call, the float32 dQ accumulator and TMA descriptors of q,
-// dout (boxes of kM rows), k and v (kN rows); a __grid_constant__ parameter.
+// dout (boxes of kM rows), k and v (kN rows), dk and dv (kConsumerKeys rows: a consumer's
+// stores); a __grid_constant__ parameter.
 struct BackwardArgs {
   CUtensorMap q_map;
   CUtensorMap do_map;
   CUtensorMap k_map;
   CUtensorMap v_map;
+  CUtensorMap dk_map;
+  CUtensorMap dv_map;
   FlashArgs a;
   float* dq_accum;  // DqAccumulator<D>::floats, zero before the kernel
 };
@@ -458,11 +471,27 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
   fence_accumulators(dk);
   stamps[3] = trace_clock();
   if (dq_issuer) bulk_wait_read();  // the reduction completes by the kernel's end
-  const int64_t kv_stride = p.kv_heads * D;
-  uint16_t* const dk_row = a.dk + (b * p.seqlen_kv * p.kv_heads + g) * D;
-  uint16_t* const dv_row = a.dv + (b * p.seqlen_kv * p.kv_heads + g) * D;
-  store_rows<ET>(dk, {p.scale, p.scale}, dk_row, kv_stride, at, p.seqlen_kv);
-  store_rows<ET>(dv, {1.0f, 1.0f}, dv_row, kv_stride, at, p.seqlen_kv);
+  // dK (times scale) and dV leave through the Q and dO stages by TMA (whole 32-byte sectors,
+  // where a thread's own 4-byte stores left half of each unwritten): the stages are free once
+  // both warpgroups' products are done, as the producer loads nothing after publishing the
+  // end. Each warpgroup stages its 64 keys' rows with stmatrix; one thread stores them (rows
+  // past Skv are not written) and waits for the copies' reads before the block ends.
+  named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
+  const uint32_t dk_tile = base + T::kQOffset + 2 * cw * T::kGradientBytes, dv_tile = dk_tile + T::kGradientBytes;
+  stage_rows<ET, D, T::kConsumerKeys>(dk, {p.scale, p.scale}, dk_tile, 16 * warp, lane);
+  stage_rows<ET, D, T::kConsumerKeys>(dv, {1.0f, 1.0f}, dv_tile, 16 * warp, lane);
+  fence_proxy_async();
+  named_barrier_sync(kWarpgroupBarrier + cw, 128);
+  if (dq_issuer) {
+    const int key0 = static_cast<int>(at.row0 - 16 * warp);  // the warpgroup's first key
+#pragma unroll
+    for (int atom = 0; atom < T::kAtoms; ++atom) {
+      const uint32_t offset = atom * T::kConsumerKeys * kAtomRowBytes;
+      tma_store_4d(&args.dk_map, dk_tile + offset, atom * kAtomColumns, static_cast<int>(g), key0, static_cast<int>(b));
+      tma_store_4d(&args.dv_map, dv_tile + offset, atom * kAtomColumns, static_cast<int>(g), key0, static_cast<int>(b));
+    }
+    bulk_wait_read();
+  }
   stamps[4] = trace_clock();
   if (consumer_thread == 0) trace_block(stamps, tiles);
 }

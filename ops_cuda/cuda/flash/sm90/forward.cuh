@@ -57,6 +57,9 @@ struct Control {
   int32_t last[kKeyStages];        // the item's last tile
   int32_t full[kKeyStages];        // every (query, key) pair of the tile is visible
   int32_t padded[kKeyStages];      // the tile may hold padding keys (segment id 0) within the sequence
+  // Of a tile whose key tokens are published: its keys are one segment at consecutive
+  // positions (key r at key_pos[s][0] + r), all within the sequence.
+  int32_t consecutive[kKeyStages];
   // Of a tile that is not full (with ALiBi: of every tile): its keys' segment ids (0 past
   // the end) and positions, for the consumers' mask (shared memory, not a global load per
   // element).
@@ -231,14 +234,20 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
       const uint32_t full = empty ? 0u : (scan.full >> bit) & 1u, padded = empty ? 0u : (scan.padded >> bit) & 1u;
       const int next = empty ? n_tiles : visible_after(t);
       mbarrier_wait(smem_address(&control->k_empty[s]), keys.phase ^ 1u);
+      bool consecutive = false;
       if (!empty && (kAlibi || !full)) {  // the key tokens, a lane a key
+        const int64_t j0 = static_cast<int64_t>(t) * T::kN;
+        bool mine = j0 + T::kN <= p.seqlen_kv;
 #pragma unroll
         for (int k = 0; k < T::kN / 32; ++k) {
           const int r = static_cast<int>(threadIdx.x % 32) + 32 * k;
-          const int64_t j = static_cast<int64_t>(t) * T::kN + r;
-          control->key_seg[s][r] = j < p.seqlen_kv ? c.kv_seg[j] : 0;
-          control->key_pos[s][r] = j < p.seqlen_kv ? c.kv_pos[j] : 0;
+          const int64_t j = j0 + r;
+          const int32_t seg = j < p.seqlen_kv ? c.kv_seg[j] : 0, pos = j < p.seqlen_kv ? c.kv_pos[j] : 0;
+          control->key_seg[s][r] = seg;
+          control->key_pos[s][r] = pos;
+          mine = mine && seg == c.kv_seg[j0] && pos == c.kv_pos[j0] + r;
         }
+        consecutive = __all_sync(0xffffffffu, mine);
         __syncwarp();  // before the leader's arrival publishes them
       }
       if (leader && empty) {
@@ -248,6 +257,7 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
         control->tile[s] = t;
         control->full[s] = full;
         control->padded[s] = padded;
+        control->consecutive[s] = consecutive;
         control->last[s] = next >= n_tiles;
         tma_load_tile<T::kN, T::kAtoms>(base + T::kKOffset + s * T::kTileBytes, &args.k_map,
                                         smem_address(&control->k_full[s]), g, t * T::kN, w.b);
@@ -375,7 +385,28 @@ __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorM
         return alibi_distance(diagonal[e / kRowElems], static_cast<float>(control->key_pos[s][kv.col(n, e) - kv.col0]));
       });
     }
-    if (!full) {  // the mask as bits, 64 elements a word (fragment_bits keeps few registers live)
+    if (!full && control->consecutive[s]) {
+      // One segment at consecutive positions: each row sees an interval of the tile's key
+      // indexes, [lo - pos0, hi - pos0] where the segments match (empty otherwise), clamped
+      // to [-1, kN] so that the comparisons stay 32-bit.
+      const int32_t seg0 = control->key_seg[s][0];
+      const int64_t pos0 = control->key_pos[s][0];
+      const auto index = [&](int32_t position) {
+        const int64_t x = position - pos0;
+        return static_cast<int>(x < -1 ? -1 : x > T::kN ? T::kN : x);
+      };
+      int first[2], last[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const bool same = sees[r].seg == seg0;
+        first[r] = same ? index(sees[r].lo) : T::kN;
+        last[r] = same ? index(sees[r].hi) : -1;
+      }
+      mask_fragment(scores, -INFINITY, [&](int n, int e) {
+        const int col = static_cast<int>(kv.col(n, e) - kv.col0);
+        return col >= first[e / kRowElems] && col <= last[e / kRowElems];
+      });
+    } else if (!full) {  // the mask as bits, 64 elements a word (fragment_bits keeps few registers live)
       constexpr int kWords = (T::kN + 63) / 64, kWordTiles = T::kN / 8 / kWords;
       uint32_t seen[kWords];
 #pragma unroll

@@ -60,6 +60,12 @@ std::string backward(gpuStream_t stream, const FlashArgs& a, float* dq_accum) {
   if (error.empty()) error = encode_tile_map(&args.do_map, a.dout, p.batch, p.seqlen_q, p.heads, D, T::kM);
   if (error.empty()) error = encode_tile_map(&args.k_map, a.k, p.batch, p.seqlen_kv, p.kv_heads, D, T::kN);
   if (error.empty()) error = encode_tile_map(&args.v_map, a.v, p.batch, p.seqlen_kv, p.kv_heads, D, T::kN);
+  if (error.empty()) {
+    error = encode_tile_map(&args.dk_map, a.dk, p.batch, p.seqlen_kv, p.kv_heads, D, T::kConsumerKeys);
+  }
+  if (error.empty()) {
+    error = encode_tile_map(&args.dv_map, a.dv, p.batch, p.seqlen_kv, p.kv_heads, D, T::kConsumerKeys);
+  }
   if (!error.empty()) return error;
   const int64_t floats = dq_accum_floats(p.batch, p.heads, p.seqlen_q, D);
   flash::backward_prologue<ET, D>(stream, a, dq_accum, floats);  // also clears dq_accum

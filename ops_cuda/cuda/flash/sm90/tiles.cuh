@@ -14,7 +14,7 @@ namespace sm90 {
 
 constexpr int kConsumersBarrier = 1;  // named barrier of the two consumer warpgroups
 // Named barriers 4 + cw: consumer warpgroup cw alone (its staged output for a bulk copy:
-// the forward's O, the backward's dQ tile).
+// the forward's O, the backward's dQ tile, dK and dV).
 constexpr int kWarpgroupBarrier = 4;
 
 // The producer warp's view of the tiles: the relations of the 32 tiles from `first` (one

@@ -11,7 +11,7 @@
 //     done, 4 O store issued, 5 O store read
 // Backward (trace_clock, trace_block; consumer thread 0 of the block):
 //   events: 0 consumers start, 1 K and V landed, 2 first query tile landed, 3 last dK
-//     product done, 4 dK and dV stored
+//     product done, 4 dK and dV stored (consumer 0's TMA stores have read shared memory)
 #ifndef FUSEDATTN_FLASH_SM90_TRACE_CUH_
 #define FUSEDATTN_FLASH_SM90_TRACE_CUH_
 
