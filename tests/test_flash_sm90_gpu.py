@@ -1,7 +1,7 @@
 """The Hopper (sm_90a, wgmma) flash kernels of ops_cuda/cuda/flash/sm90 on a GPU, marked `gpu`.
 
 On a device of compute capability 9.0 the flash backend's forward runs the sm_90a forward
-(128 queries per block, key tiles of 128, or 32 at head dim 256) and, at head dims 64 and
+(128 queries per block, key tiles of 128, or 64 at head dim 256) and, at head dims 64 and
 128 unless config.deterministic_backward, the sm_90a backward (128 keys per block, query
 tiles of 64, dQ summed with float32 atomics); its lse feeds either backward. Every case
 first checks that the call is routed to them (explain and the rules of
@@ -155,6 +155,16 @@ def test_long_causal_pipeline(rng):
     args = make_args(rng, b=1, sq=4096, skv=4096, h=2, h_kv=1, d=128, dtype=jnp.bfloat16,
                      kind="causal")
     check(rng, make_spec("causal"), args)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("kind", ["no_mask", "causal"])
+def test_many_items_per_block(rng, d, kind):
+    """256 work items (more than the SMs): each persistent block runs several, its Q
+    stages (one at head dim 256) taken again by later items."""
+    needs_sm90(d)
+    args = make_args(rng, b=2, sq=256, skv=300, h=64, h_kv=8, d=d, dtype=jnp.bfloat16, kind=kind)
+    check(rng, make_spec(kind), args)
 
 
 @pytest.mark.parametrize("d", [64, 128])

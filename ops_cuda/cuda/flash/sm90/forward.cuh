@@ -71,13 +71,16 @@ template <int D>
 struct ForwardTiles {
   static constexpr int kM = 128;                 // queries per block
   static constexpr int kConsumerRows = 64;       // per consumer warpgroup
-  // Keys per tile. Registers per consumer thread: S kN/2 floats, P kN/4, O D/2 (d256 with
-  // 64 keys spilled).
-  static constexpr int kN = D == 256 ? 32 : 128;
-  // Two Q stages: the next item's Q loads while this item runs. Beside them three K stages
-  // fit at d64 and d256; at d128 they would take 233,624 bytes, so K has two there.
-  static constexpr int kQueryStages = Control::kQueryStages;
-  static constexpr int kKeyStages = D == 128 ? 2 : Control::kKeyStages;
+  // Keys per tile. Registers per consumer thread: S kN/2 floats, P kN/4, O D/2. At d256
+  // S = Q K^T reads its A operand (Q) from shared memory for every 64 x kN x 16 product, so
+  // a tile of 32 keys made it bound by shared-memory reads (3 KB per 16 clocks); 64 halves that.
+  static constexpr int kN = D == 256 ? 64 : 128;
+  // Two Q stages: the next item's Q loads while this item runs (one at d256, where a second
+  // does not fit beside two K and two V stages of 64 keys: the next Q then loads once this
+  // item's O has left). Beside them three K stages fit at d64; at d128 they would take
+  // 233,624 bytes, so K has two there.
+  static constexpr int kQueryStages = D == 256 ? 1 : Control::kQueryStages;
+  static constexpr int kKeyStages = D == 64 ? Control::kKeyStages : 2;
   static constexpr int kValueStages = Control::kValueStages;
   static constexpr int kThreads = 384;
   static constexpr int kConsumerThreads = 256;
@@ -267,8 +270,9 @@ __device__ __forceinline__ void produce(const ForwardArgs& args, uint32_t base, 
       if (previous >= 0) load_values(previous);
       const bool done = empty || next >= n_tiles;
       if (!empty && done) load_values(t);  // the last tile's V
-      // The next item's Q once this item's first tiles are on their way (or at its end).
-      if (i == kQueryLead || (done && i < kQueryLead)) load_query(r + 1);
+      // The next item's Q once this item's first tiles are on their way (or at its end; with
+      // one Q stage always at its end, as the stage frees only when this item's O has left).
+      if (T::kQueryStages == 1 ? done : i == kQueryLead || (done && i < kQueryLead)) load_query(r + 1);
       __syncwarp();  // the lanes stay in step (next_visible is warp-wide)
       if (done) break;
       previous = t;
@@ -512,7 +516,11 @@ __device__ __forceinline__ void consume(const ForwardArgs& args, uint32_t base, 
     if (item < 0) continue;
     consume_item<ET, D, kAlibi, kDropout>(args.a, &args.o_map, base, control, query_block<D>(p, item), queries,
                                           previous_stage, cw, keys, values, r);
-    previous_stage = queries.stage;
+    if (T::kQueryStages == 1) {
+      release_query_stage(control, queries.stage, cw, r);  // the next item's Q loads into it
+    } else {
+      previous_stage = queries.stage;
+    }
     queries.advance();
   }
   if (threadIdx.x % 128 == 0) bulk_wait_read();  // the last O store has read shared memory
