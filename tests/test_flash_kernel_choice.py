@@ -42,11 +42,10 @@ def cuda_library():
 
 @pytest.fixture
 def device(monkeypatch):
-    """Sets the compute capability and the sm_90a head dims (forward; backward: those of them
-    below 256, as flash.cu builds it, unless given) that flash_gpu.py reads."""
+    """Sets the compute capability and the sm_90a head dims (forward; backward: the same, as
+    flash.cu builds it, unless given) that flash_gpu.py reads."""
     def set_device(capability, sm90_head_dims, backward_head_dims=None):
-        backward = ({d for d in sm90_head_dims if d < 256} if backward_head_dims is None
-                    else backward_head_dims)
+        backward = set(sm90_head_dims) if backward_head_dims is None else backward_head_dims
         monkeypatch.setattr(flash_gpu, "compute_capability", lambda: capability)
         monkeypatch.setattr(flash_gpu._library, "flash_sm90_head_dims",
                             lambda platform="cuda": frozenset(sm90_head_dims))
@@ -68,22 +67,24 @@ def test_the_forward_kernel_rule(device, capability, head_dims, d, skv, expected
     assert flash_gpu.cuda_forward_kernel(d, skv) == expected
 
 
-@pytest.mark.parametrize("capability,head_dims,d,sq,skv,deterministic,expected", [
-    ((9, 0), {64, 128}, 128, 300, 1, False, "sm90"),
-    ((9, 0), {64, 128}, 64, 1, 300, False, "sm90"),
-    ((9, 0), {64, 128}, 128, 300, 300, True, "sm80"),  # atomics are not bitwise repeatable
-    ((9, 0), {128}, 64, 300, 300, False, "sm80"),      # no sm_90a backward for the head dim
-    ((9, 0), {64, 128}, 256, 300, 300, False, "sm80"),  # d256: the sm_80 kernels
-    ((9, 0), set(), 128, 300, 300, False, "sm80"),     # a library built without sm_90
-    ((9, 0), {128}, 128, 0, 300, False, "sm80"),       # no queries or no keys: TMA describes
-    ((9, 0), {128}, 128, 300, 0, False, "sm80"),       # no empty tensor
-    ((8, 0), {64, 128}, 128, 300, 300, False, "sm80"),
-    ((10, 0), {64, 128}, 128, 300, 300, False, "sm80"),
+@pytest.mark.parametrize("capability,head_dims,d,sq,skv,deterministic,alibi,expected", [
+    ((9, 0), {64, 128}, 128, 300, 1, False, False, "sm90"),
+    ((9, 0), {64, 128}, 64, 1, 300, False, False, "sm90"),
+    ((9, 0), {64, 128}, 128, 300, 300, True, False, "sm80"),  # atomics are not bitwise repeatable
+    ((9, 0), {128}, 64, 300, 300, False, False, "sm80"),      # no sm_90a backward for the head dim
+    ((9, 0), {64, 128, 256}, 256, 300, 300, False, False, "sm90"),
+    ((9, 0), {64, 128, 256}, 256, 300, 300, False, True, "sm80"),  # d256 with ALiBi: sm_80
+    ((9, 0), {64, 128, 256}, 128, 300, 300, False, True, "sm90"),
+    ((9, 0), set(), 128, 300, 300, False, False, "sm80"),     # a library built without sm_90
+    ((9, 0), {128}, 128, 0, 300, False, False, "sm80"),       # no queries or no keys: TMA describes
+    ((9, 0), {128}, 128, 300, 0, False, False, "sm80"),       # no empty tensor
+    ((8, 0), {64, 128}, 128, 300, 300, False, False, "sm80"),
+    ((10, 0), {64, 128}, 128, 300, 300, False, False, "sm80"),
 ])
-def test_the_backward_kernel_rule(device, capability, head_dims, d, sq, skv, deterministic,
+def test_the_backward_kernel_rule(device, capability, head_dims, d, sq, skv, deterministic, alibi,
                                   expected):
     device(capability, head_dims | {256}, head_dims)
-    assert flash_gpu.cuda_backward_kernel(d, sq, skv, deterministic) == expected
+    assert flash_gpu.cuda_backward_kernel(d, sq, skv, deterministic, alibi) == expected
 
 
 def test_kernel_text_names_both_passes(device):
@@ -94,7 +95,7 @@ def test_kernel_text_names_both_passes(device):
     assert flash.BACKEND.kernel(deterministic, _shapes(128), "cuda") == \
         "flash: sm90 wgmma forward, sm80 backward (deterministic_backward)"
     assert flash.BACKEND.kernel(spec, _shapes(256), "cuda") == \
-        "flash: sm90 wgmma forward, sm80 backward"
+        "flash: sm90 wgmma forward, sm90 wgmma backward"
     assert flash.BACKEND.kernel(spec, _shapes(64), "cuda") == \
         "flash: sm80 mma.sync forward and backward"
     assert flash.BACKEND.kernel(deterministic, _shapes(64), "cuda") == \
@@ -152,6 +153,9 @@ def test_kernel_text_says_alibi(device):
         "gradient summed in a fixed order)")
     assert "ALiBi in the kernels" in flash.BACKEND.kernel(spec, _shapes(128), "rocm")
     assert "ALiBi" not in flash.BACKEND.kernel(_spec(), _shapes(128), "cuda")
+    device((9, 0), {128, 256})  # head dim 256 with ALiBi: the sm_80 backward
+    assert flash.BACKEND.kernel(spec, _shapes(256), "cuda").startswith(
+        "flash: sm90 wgmma forward, sm80 backward, ALiBi")
 
 
 def test_the_backward_call_carries_the_deterministic_attribute():

@@ -1,9 +1,10 @@
 """The Hopper (sm_90a, wgmma) flash kernels of ops_cuda/cuda/flash/sm90 on a GPU, marked `gpu`.
 
 On a device of compute capability 9.0 the flash backend's forward runs the sm_90a forward
-(128 queries per block, key tiles of 128, or 64 at head dim 256) and, at head dims 64 and
-128 unless config.deterministic_backward, the sm_90a backward (128 keys per block, query
-tiles of 64, dQ summed with float32 atomics); its lse feeds either backward. Every case
+(128 queries per block, key tiles of 128, or 64 at head dim 256) and, unless
+config.deterministic_backward (or ALiBi at head dim 256), the sm_90a backward (128 keys per
+block, 64 at head dim 256, query tiles of 64, dQ summed with float32 atomics); its lse feeds
+either backward. Every case
 first checks that the call is routed to them (explain and the rules of
 flash_gpu.cuda_forward_kernel and cuda_backward_kernel), then compares the output and the
 gradients with the float64 reference of tests/test_flash_host.py (outputs poisoned first),
@@ -195,7 +196,7 @@ def test_explain_names_the_kernels(rng):
 # ---- the sm_90a backward -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["no_mask", "causal", "causal_bottom_right", "padding",
                                   "padding_causal", "packed", "packed_bottom_right"])
@@ -209,22 +210,24 @@ def test_backward_masks_dtypes_head_dims(rng, kind, dtype, d):
 
 @pytest.mark.parametrize("sq,skv", [(1, 1), (1, 300), (300, 1), (63, 129), (65, 127), (79, 200), (81, 161),
                                      (640, 384)])
-def test_backward_lengths_off_the_tiles(rng, sq, skv):
-    needs_sm90_backward(128)
+@pytest.mark.parametrize("d", [128, 256])
+def test_backward_lengths_off_the_tiles(rng, sq, skv, d):
+    needs_sm90_backward(d)
     kind = "causal_bottom_right" if sq <= skv else "causal"
-    args = make_args(rng, b=2, sq=sq, skv=skv, h=2, h_kv=1, d=128, dtype=jnp.bfloat16, kind=kind)
+    args = make_args(rng, b=2, sq=sq, skv=skv, h=2, h_kv=1, d=d, dtype=jnp.bfloat16, kind=kind)
     check(rng, make_spec(kind), args)
 
 
 @pytest.mark.parametrize("window", [(0, 0), (100, 0), (130, 7), (-1, 200), (5, -1)])
 @pytest.mark.parametrize("kind", ["no_mask", "causal_bottom_right"])
-def test_backward_sliding_windows(rng, window, kind):
-    needs_sm90_backward(128)
-    args = make_args(rng, b=2, sq=517, skv=450, h=2, h_kv=1, d=128, dtype=jnp.bfloat16, kind=kind)
+@pytest.mark.parametrize("d", [128, 256])
+def test_backward_sliding_windows(rng, window, kind, d):
+    needs_sm90_backward(d)
+    args = make_args(rng, b=2, sq=517, skv=450, h=2, h_kv=1, d=d, dtype=jnp.bfloat16, kind=kind)
     check(rng, make_spec(kind, window=window), args)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("softmax", ["off_by_one", "learnable"])
 @pytest.mark.parametrize("dropout_rate", [0.0, 0.2])
 def test_backward_softmax_variants_and_dropout(rng, d, softmax, dropout_rate):
@@ -238,23 +241,25 @@ def test_backward_softmax_variants_and_dropout(rng, d, softmax, dropout_rate):
 
 
 @pytest.mark.parametrize("kind", ["padding_causal_bottom_right", "packed"])
-def test_backward_rows_without_visible_keys(rng, kind):
+@pytest.mark.parametrize("d", [128, 256])
+def test_backward_rows_without_visible_keys(rng, kind, d):
     """Queries that see no key (lse = +inf): output and dQ exactly 0, every gradient finite."""
-    needs_sm90_backward(128)
-    args = make_args(rng, b=3, sq=300, skv=140, h=4, h_kv=2, d=128, dtype=jnp.bfloat16, kind=kind)
+    needs_sm90_backward(d)
+    args = make_args(rng, b=3, sq=300, skv=140, h=4, h_kv=2, d=d, dtype=jnp.bfloat16, kind=kind)
     got = check(rng, make_spec(kind), args)
-    assert reference(args, make_spec(kind), 1.0 / np.sqrt(128),
+    assert reference(args, make_spec(kind), 1.0 / np.sqrt(d),
                      jnp.zeros(args.q.shape, args.q.dtype))["empty"].any()
     for name in ("dq", "dk", "dv"):
         assert np.isfinite(np.asarray(got[name], np.float32)).all(), name
 
 
 @pytest.mark.parametrize("kind", ["padding", "packed_bottom_right"])
-def test_backward_garbage_in_padding_tokens_reaches_no_gradient(rng, kind):
+@pytest.mark.parametrize("d", [128, 256])
+def test_backward_garbage_in_padding_tokens_reaches_no_gradient(rng, kind, d):
     """NaN and Inf in q, k, v and dO at padding tokens (segment id 0): every gradient equals
     that of zeros there (the sm_90a backward zeroes those rows in shared memory)."""
-    needs_sm90_backward(128)
-    args = make_args(rng, b=3, sq=190, skv=333, h=4, h_kv=2, d=128, dtype=jnp.bfloat16, kind=kind)
+    needs_sm90_backward(d)
+    args = make_args(rng, b=3, sq=190, skv=333, h=4, h_kv=2, d=d, dtype=jnp.bfloat16, kind=kind)
     q_pad = (np.asarray(args.tokens.q_seg) == 0)[:, :, None, None]
     kv_pad = (np.asarray(args.tokens.kv_seg) == 0)[:, :, None, None]
     assert q_pad.any() and kv_pad.any()
@@ -283,11 +288,12 @@ def test_backward_garbage_in_padding_tokens_reaches_no_gradient(rng, kind):
     assert_close(got_dirty["dk"], want["dk"], tolerance(jnp.bfloat16), "dk")
 
 
-def test_backward_long_causal(rng):
+@pytest.mark.parametrize("d", [128, 256])
+def test_backward_long_causal(rng, d):
     """4096 queries and keys: many query tiles through the two-stage ring, blocks of keys
     that see few of them (the last) and many (the first)."""
-    needs_sm90_backward(128)
-    args = make_args(rng, b=1, sq=4096, skv=4096, h=4, h_kv=2, d=128, dtype=jnp.bfloat16,
+    needs_sm90_backward(d)
+    args = make_args(rng, b=1, sq=4096, skv=4096, h=4, h_kv=2, d=d, dtype=jnp.bfloat16,
                      kind="causal")
     check(rng, make_spec("causal"), args)
 

@@ -54,9 +54,9 @@ constexpr int kSm90HeadDims =
     0;
 #endif
 
-// The head dims of the sm_90a backward: 64 and 128 where the forward is (at 256 a consumer
-// warpgroup's dK and dV accumulators alone would fill its registers).
-constexpr int kSm90BackwardHeadDims = kSm90HeadDims & 3;
+// The head dims of the sm_90a backward: those of the forward (at 256 without ALiBi:
+// backward_kernel_of).
+constexpr int kSm90BackwardHeadDims = kSm90HeadDims;
 
 bool head_dim_built(int64_t d) { return (d == 64 || d == 128 || d == 256) && (kBuiltHeadDims & (d / 64)); }
 
@@ -131,7 +131,10 @@ ffi::Error backward_kernel_of(const char* op, const AttentionParams& p, int32_t 
                               BackwardKernel* kernel) {
   *kernel = BackwardKernel::kSm80;
 #ifdef FUSEDATTN_FLASH_SM90
-  const bool held = head_dim_built(p.head_dim) && (kSm90BackwardHeadDims & (p.head_dim / 64)) != 0;
+  // Head dim 256 splits a block's keys between the consumers, whose ALiBi slope slots
+  // (launch.h) it does not fill: ALiBi there stays on the sm_80 kernels.
+  const bool held = head_dim_built(p.head_dim) && (kSm90BackwardHeadDims & (p.head_dim / 64)) != 0 &&
+                    !(p.alibi && p.head_dim == 256);
   if (named == kSm80Named || !held || deterministic || p.seqlen_q == 0 || p.seqlen_kv == 0) {
     return ffi::Error::Success();
   }
@@ -166,11 +169,9 @@ ffi::Error launch_backward_kernel(const char* op, gpuStream_t stream, const Flas
   std::string error;
   with_head_dim(a.p.head_dim, [&](auto d) {
 #ifdef FUSEDATTN_FLASH_SM90
-    if constexpr (decltype(d)::value != 256) {
-      if (kernel == BackwardKernel::kSm90) {
-        error = sm90::launch_backward<decltype(d)::value>(stream, a, type, dq_accum);
-        return;
-      }
+    if (kernel == BackwardKernel::kSm90) {
+      error = sm90::launch_backward<decltype(d)::value>(stream, a, type, dq_accum);
+      return;
     }
 #endif
     launch_backward<decltype(d)::value>(stream, a, type);

@@ -74,33 +74,46 @@ struct BackwardControl {
 
 template <int D>
 struct BackwardTiles {
-  static constexpr int kN = 128;            // keys per block
-  static constexpr int kConsumerKeys = 64;  // per consumer warpgroup: one swizzle atom of dS
+  // Head dim 256 splits the work of a block between its consumers (consume_backward_split):
+  // one consumer's dK and dV of 64 keys would alone fill its registers there.
+  static constexpr bool kSplit = D == 256;
+  static constexpr int kN = kSplit ? 64 : 128;  // keys per block
+  static constexpr int kConsumerKeys = 64;  // the keys of a consumer's products (M): one swizzle atom of dS
   static constexpr int kM = kBackwardQueryTile;  // queries per streamed tile
   static constexpr int kStages = 2;
   static constexpr int kThreads = 384;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kAtoms = D / kAtomColumns;
-  // dQ_tile^T per consumer warpgroup: the 64 head-dim columns of atom cw % kAtoms, for
-  // kDqQueries queries from (cw / kAtoms) kDqQueries (d128: every query; d64: half each).
-  static constexpr int kDqQueries = kM * kAtoms / 2;
+  // The queries of a consumer's S^T and dP^T (split: half the tile each) and the head-dim
+  // columns of its dK and dV (split: half each).
+  static constexpr int kConsumerQueries = kSplit ? kM / 2 : kM;
+  static constexpr int kConsumerDims = kSplit ? D / 2 : D;
+  // dQ_tile^T in parts of 64 head-dim columns (atom part % kAtoms) x kDqQueries queries
+  // (from (part / kAtoms) kDqQueries): d128, two parts, consumer cw's is part cw (every
+  // query); d64, two parts, half the queries each; split, one part per atom, each consumer
+  // two (those of its head-dim columns).
+  static constexpr int kDqQueries = kSplit ? kM : kM * kAtoms / 2;
+  static constexpr int kDqParts = kAtoms * kM / kDqQueries;
   static constexpr int kKeyBytes = kN * D * 2;    // K or V
   static constexpr int kQueryBytes = kM * D * 2;  // a Q or dO tile
   static constexpr int kDsAtomBytes = kM * kAtomRowBytes;  // dS's keys of one consumer
-  static constexpr int kDsBytes = 2 * kDsAtomBytes;        // dS [kM queries x kN keys]
-  static constexpr int kDqBytes = kDqQueries * kAtomColumns * 4;  // a consumer's dQ_tile^T, float32
+  static constexpr int kDsBytes = kN / kConsumerKeys * kDsAtomBytes;  // dS [kM queries x kN keys]
+  static constexpr int kDqBytes = kDqQueries * kAtomColumns * 4;  // a dQ_tile^T part, float32
   using Control = BackwardControl<kStages, kM>;
   static constexpr int kKOffset = 0;
   static constexpr int kVOffset = kKeyBytes;
   static constexpr int kQOffset = 2 * kKeyBytes;  // stage s at + s * kQueryBytes
   static constexpr int kDoOffset = kQOffset + kStages * kQueryBytes;
-  static constexpr int kDsOffset = kDoOffset + kStages * kQueryBytes;  // two buffers: i at + i * kDsBytes
-  static constexpr int kDqOffset = kDsOffset + 2 * kDsBytes;  // consumer cw's at + cw * kDqBytes
-  static constexpr int kControlOffset = kDqOffset + 2 * kDqBytes;
-  // At the block's end, consumer cw's dK and dV in the element type (kConsumerKeys rows in
-  // kAtoms swizzle atoms each) for TMA stores: its dK at kQOffset + 2 cw kGradientBytes, its
-  // dV right after, over the Q and dO stages (no product reads them then).
-  static constexpr int kGradientBytes = kConsumerKeys * D * 2;
+  // Two buffers of kDsBytes: dS of alternate tiles, or (split) P and dS of each tile.
+  static constexpr int kDsOffset = kDoOffset + kStages * kQueryBytes;
+  // Consumer cw's dQ part at + cw * kDqBytes (split: none, its parts go to global memory
+  // by vector reductions from registers: two 32 KB buffers do not fit beside the tiles).
+  static constexpr int kDqOffset = kDsOffset + 2 * kDsBytes;
+  static constexpr int kControlOffset = kDqOffset + (kSplit ? 0 : 2 * kDqBytes);
+  // At the block's end, consumer cw's dK and dV in the element type (kConsumerKeys rows of
+  // its kConsumerDims columns, in swizzle atoms) for TMA stores: its dK at kQOffset + 2 cw
+  // kGradientBytes, its dV right after, over the Q and dO stages (no product reads them then).
+  static constexpr int kGradientBytes = kConsumerKeys * kConsumerDims * 2;
   static_assert(kDoOffset == kQOffset + kStages * kQueryBytes && 2 * 2 * kGradientBytes <= kStages * 2 * kQueryBytes &&
                     kGradientBytes % 1024 == 0,
                 "both consumers' dK and dV fit in the Q and dO stages, in aligned swizzle atoms");
@@ -111,33 +124,36 @@ struct BackwardTiles {
   // block's pool holds what it asks for, so a larger producer share would hang the block.
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
-  static_assert(kM % 32 == 0 && kDqQueries % 8 == 0 && kN == 2 * kConsumerKeys && kConsumerKeys == kAtomColumns,
+  static_assert(kM % 32 == 0 && kDqQueries % 8 == 0 && kN == (kSplit ? 1 : 2) * kConsumerKeys &&
+                    kConsumerKeys == kAtomColumns,
                 "lse and delta two queries a lane; whole products of dQ^T (N = kDqQueries); a dS atom per consumer");
   static_assert(kQueryBytes % 1024 == 0 && kDsAtomBytes % 1024 == 0 && kDqOffset % 1024 == 0,
                 "swizzle atoms 1024-byte aligned");
-  static_assert(kN == kBackwardKeyTile && kConsumerThreads / 32 == kSlopeWarpsPerKeyTile,
-                "the slope-gradient slots of launch.h");
+  static_assert(kSplit || (kN == kBackwardKeyTile && kConsumerThreads / 32 == kSlopeWarpsPerKeyTile),
+                "the slope-gradient slots of launch.h (the split arrangement takes no ALiBi)");
 };
 
-// The float32 dQ accumulator's order: per (batch row, head, query tile of kM, consumer part)
-// a block of kDqQueries x 64 floats, holding a consumer warpgroup's dQ_tile^T as its
+// The float32 dQ accumulator's order: per (batch row, head, query tile of kM, part) a block
+// of kDqQueries x 64 floats, holding a consumer warpgroup's product for that part as its
 // registers hold it: float4 t of consumer thread c (dq[t][0..3]: head-dim columns r and
-// r + 8 of its atom, r = 16 (c / 32) + c % 32 / 4, queries 2 (c % 4) + 8 t + 0..1 of its
-// part) at float (t * 128 + c) * 4, so that the warps' shared-memory stores are contiguous
-// and the block is one bulk reduction.
+// r + 8 of the part's atom, r = 16 (c / 32) + c % 32 / 4, queries 2 (c % 4) + 8 t + 0..1 of
+// the part) at float (t * 128 + c) * 4, so that the warps' stores are contiguous and the
+// block is one bulk reduction (or, split, 16 bytes a thread).
 template <int D>
 struct DqAccumulator {
   static constexpr int kM = BackwardTiles<D>::kM;
+  static constexpr int kParts = BackwardTiles<D>::kDqParts;
   static constexpr int kBlockFloats = BackwardTiles<D>::kDqBytes / 4;
-  // The blocks of batch row b and part cw: block(h, m0) is that of head h and the query
-  // tile at m0 (the row's base and the tile count computed once, outside a block's loop).
+  // The blocks of batch row b: block(h, m0, part) is that of head h, the query tile at m0
+  // and the part (the row's base and the tile count computed once, outside a block's loop).
   float* base;
   int64_t tiles;
-  __device__ DqAccumulator(float* accum, int64_t b, int cw, int64_t heads, int64_t seqlen_q)
-      : tiles((seqlen_q + kM - 1) / kM) {
-    base = accum + (b * heads * tiles * 2 + cw) * kBlockFloats;
+  __device__ DqAccumulator(float* accum, int64_t b, int64_t heads, int64_t seqlen_q) : tiles((seqlen_q + kM - 1) / kM) {
+    base = accum + b * heads * tiles * kParts * kBlockFloats;
   }
-  __device__ float* block(int64_t h, int64_t m0) const { return base + (h * tiles + m0 / kM) * 2 * kBlockFloats; }
+  __device__ float* block(int64_t h, int64_t m0, int part) const {
+    return base + ((h * tiles + m0 / kM) * kParts + part) * kBlockFloats;
+  }
 };
 
 // The kernel's arguments: the call, the float32 dQ accumulator and TMA descriptors of q,
@@ -269,6 +285,87 @@ __device__ __forceinline__ void store_scores(uint32_t ds, int row0, int lane, co
   }
 }
 
+// The consumers' zeroing of the padding tokens' rows of two tiles of kRows rows (K and V,
+// or Q and dO; see zero_padding_rows), ordered before the products that read them.
+template <int kRows, int kAtoms, int kConsumerThreads>
+__device__ __forceinline__ void zero_padding_tiles(uint32_t first, uint32_t second, const int32_t* seg, int64_t row0,
+                                                   int64_t seqlen, int consumer_thread) {
+  zero_padding_rows<kRows, kAtoms, kConsumerThreads>(first, seg, row0, seqlen, consumer_thread);
+  zero_padding_rows<kRows, kAtoms, kConsumerThreads>(second, seg, row0, seqlen, consumer_thread);
+  fence_proxy_async();
+  named_barrier_sync(kConsumersBarrier, kConsumerThreads);
+}
+
+// A consumer's elementwise work on one query tile of stage s: from S^T and dP^T (st, dpt:
+// its keys, the rows of `at`, by kCols queries from qc's first column, m0 the tile's first
+// query), P^T = exp(scale S^T - lse) masked, then dS^T = P^T o (drop o dP^T - delta), packed
+// as A operands: weights = (P o drop)^T, scores = dS^T; with ALiBi the slope gradient's
+// share adds to slope_partial. wait_dp() waits for dP^T (without dropout P^T is packed first,
+// while that product runs).
+template <ElementType ET, int kCols, bool kDropout, bool kAlibi, typename Control, typename Context, typename WaitDp>
+__device__ __forceinline__ void tile_operands(const FlashArgs& a, const Control* control, int s, int64_t b, int64_t h,
+                                              int64_t m0, bool all_visible, const FragmentCoords& at,
+                                              const FragmentCoords& qc, Context context, float (&st)[kCols / 8][4],
+                                              float (&dpt)[kCols / 8][4], uint32_t (&weights)[kCols / 16][4],
+                                              uint32_t (&scores)[kCols / 16][4], float& slope_partial, WaitDp wait_dp) {
+  const AttentionParams& p = a.p;
+  const float scale_log2 = p.scale * kLog2e;
+  // + 8 n + e % 2: query column (n, e); the two of each 8 with one 8-byte load
+  const int column0 = static_cast<int>(qc.col0 - m0) + 2 * (at.lane % 4);
+  const float* lse_log2 = control->lse_log2[s] + column0;
+  const float* delta = control->delta[s] + column0;
+  const auto pair_at = [](const float* x) { return *reinterpret_cast<const float2*>(x); };
+  // The lane's keys' positions read again for each tile (registers: see context()).
+  const KeyRows keys_at = kAlibi ? key_rows(context(), at, p.seqlen_kv) : KeyRows{};
+  const float key_pos[2] = {static_cast<float>(keys_at.pos[0]), static_cast<float>(keys_at.pos[1])};
+  const auto distance = [&](int n, int e) {
+    return alibi_distance(control->diagonal[s][qc.col(n, e) - m0], key_pos[e / 2]);
+  };
+  if constexpr (kAlibi) add_alibi<kCols>(st, alibi_coefficient(a, b, h), distance);
+#pragma unroll
+  for (int n = 0; n < kCols / 8; ++n) {
+    const float2 lse = pair_at(lse_log2 + 8 * n);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) st[n][e] = fast_exp2(fmaf(st[n][e], scale_log2, -(e % 2 ? lse.y : lse.x)));
+  }
+  if (!all_visible) {
+    const KeyRows keys = key_rows(context(), at, p.seqlen_kv);
+    const uint32_t seen = fragment_bits<kCols>([&](int n, int e) {
+      return in_range(control->sees[s][qc.col(n, e) - m0], keys.seg[e / 2], keys.pos[e / 2]);
+    });
+    mask_fragment(st, 0.0f, [&](int n, int e) { return ((seen >> (4 * n + e)) & 1u) != 0; });
+  }
+  if constexpr (!kDropout) pack_operand<ET, kCols>(st, weights);  // P^T is final: packed while dP runs
+  wait_dp();
+  // st: P^T; then dS^T = P^T o (drop o dP^T - delta) into dpt, and st: (P o drop)^T
+  if constexpr (kDropout) {
+    const HeadContext c = context();
+    const uint32_t kept = fragment_bits<kCols>([&](int n, int e) {
+      return dropout_factor(p, c, h, qc.col(n, e), qc.row(e)) != 0.0f;
+    });
+#pragma unroll
+    for (int n = 0; n < kCols / 8; ++n) {
+      const float2 row_delta = pair_at(delta + 8 * n);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float f = ((kept >> (4 * n + e)) & 1u) != 0 ? p.dropout_scale : 0.0f;
+        dpt[n][e] = st[n][e] * (f * dpt[n][e] - (e % 2 ? row_delta.y : row_delta.x));
+        st[n][e] *= f;
+      }
+    }
+    pack_operand<ET, kCols>(st, weights);
+  } else {
+#pragma unroll
+    for (int n = 0; n < kCols / 8; ++n) {
+      const float2 row_delta = pair_at(delta + 8 * n);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dpt[n][e] = st[n][e] * (dpt[n][e] - (e % 2 ? row_delta.y : row_delta.x));
+    }
+  }
+  if constexpr (kAlibi) slope_partial += alibi_slope_partial<kCols>(dpt, distance);
+  pack_operand<ET, kCols>(dpt, scores);
+}
+
 // One consumer warpgroup (index cw, 0 or 1): keys n0 + 64 cw .. + 63. kDropout: p.dropout,
 // kAlibi: p.alibi (template arguments, so that the loop without them carries none of their
 // registers).
@@ -301,14 +398,10 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
   mbarrier_wait(smem_address(&control->kv_full), 0);
   stamps[1] = trace_clock();
   if (const HeadContext c = context(); !tile_span<T::kN>(c.kv_spans, c.n_kv_spans, n0).complete) {
-    zero_padding_rows<T::kN, T::kAtoms, T::kConsumerThreads>(k_tile, c.kv_seg, n0, p.seqlen_kv, consumer_thread);
-    zero_padding_rows<T::kN, T::kAtoms, T::kConsumerThreads>(v_tile, c.kv_seg, n0, p.seqlen_kv, consumer_thread);
-    fence_proxy_async();
-    named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
+    zero_padding_tiles<T::kN, T::kAtoms, T::kConsumerThreads>(k_tile, v_tile, c.kv_seg, n0, p.seqlen_kv, consumer_thread);
   }
-  const float scale_log2 = p.scale * kLog2e;
   const bool dq_issuer = consumer_thread % 128 == 0;  // issues the warpgroup's dQ reductions
-  const DqAccumulator<D> dq_blocks(args.dq_accum, b, cw, p.heads, p.seqlen_q);
+  const DqAccumulator<D> dq_blocks(args.dq_accum, b, p.heads, p.seqlen_q);
   // With ALiBi: the slope gradient of the query head in progress (the heads come in order:
   // each is flushed to its warp's slot when it ends).
   int slope_head = -1;
@@ -337,11 +430,8 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
     const uint32_t q_tile = base + T::kQOffset + s * T::kQueryBytes;
     const uint32_t do_tile = base + T::kDoOffset + s * T::kQueryBytes;
     if (control->padded[s] != 0) {
-      const HeadContext c = context();
-      zero_padding_rows<T::kM, T::kAtoms, T::kConsumerThreads>(q_tile, c.q_seg, m0, p.seqlen_q, consumer_thread);
-      zero_padding_rows<T::kM, T::kAtoms, T::kConsumerThreads>(do_tile, c.q_seg, m0, p.seqlen_q, consumer_thread);
-      fence_proxy_async();
-      named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
+      zero_padding_tiles<T::kM, T::kAtoms, T::kConsumerThreads>(q_tile, do_tile, context().q_seg, m0, p.seqlen_q,
+                                                                consumer_thread);
     }
 
     // S^T = K Q^T and dP^T = V dO^T: two commit groups.
@@ -359,65 +449,15 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
       mbarrier_arrive(smem_address(&control->empty[(i - 1) % T::kStages]));
     }
 
-    // + 8 n + e % 2: query column (n, e); the two of each 8 with one 8-byte load
-    const float* lse_log2 = control->lse_log2[s] + 2 * (lane % 4);
-    const float* delta = control->delta[s] + 2 * (lane % 4);
-    const auto pair_at = [](const float* x) { return *reinterpret_cast<const float2*>(x); };
     const FragmentCoords qc{at.row0, m0, lane};  // columns: queries
-
     cute::warpgroup_wait<1>();
     fence_accumulators(st);
-    // The lane's keys' positions read again for each tile (registers: see context()).
-    const KeyRows keys_at = kAlibi ? key_rows(context(), at, p.seqlen_kv) : KeyRows{};
-    const float key_pos[2] = {static_cast<float>(keys_at.pos[0]), static_cast<float>(keys_at.pos[1])};
-    const auto distance = [&](int n, int e) {
-      return alibi_distance(control->diagonal[s][qc.col(n, e) - m0], key_pos[e / 2]);
-    };
-    if constexpr (kAlibi) add_alibi<T::kM>(st, alibi_coefficient(a, b, h), distance);
-#pragma unroll
-    for (int n = 0; n < T::kM / 8; ++n) {
-      const float2 lse = pair_at(lse_log2 + 8 * n);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) st[n][e] = fast_exp2(fmaf(st[n][e], scale_log2, -(e % 2 ? lse.y : lse.x)));
-    }
-    if (!all_visible) {
-      const KeyRows keys = key_rows(context(), at, p.seqlen_kv);
-      const uint32_t seen = fragment_bits<T::kM>([&](int n, int e) {
-        return in_range(control->sees[s][qc.col(n, e) - m0], keys.seg[e / 2], keys.pos[e / 2]);
-      });
-      mask_fragment(st, 0.0f, [&](int n, int e) { return ((seen >> (4 * n + e)) & 1u) != 0; });
-    }
     uint32_t weights[T::kM / 16][4], scores[T::kM / 16][4];  // (P o drop)^T and dS^T as A operands
-    if constexpr (!kDropout) pack_operand<ET, T::kM>(st, weights);  // P^T is final: packed while dP runs
-    cute::warpgroup_wait<0>();
-    fence_accumulators(dpt);
-    // st: P^T; then dS^T = P^T o (drop o dP^T - delta) into dpt, and st: (P o drop)^T
-    if constexpr (kDropout) {
-      const HeadContext c = context();
-      const uint32_t kept = fragment_bits<T::kM>([&](int n, int e) {
-        return dropout_factor(p, c, h, qc.col(n, e), qc.row(e)) != 0.0f;
-      });
-#pragma unroll
-      for (int n = 0; n < T::kM / 8; ++n) {
-        const float2 row_delta = pair_at(delta + 8 * n);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float f = ((kept >> (4 * n + e)) & 1u) != 0 ? p.dropout_scale : 0.0f;
-          dpt[n][e] = st[n][e] * (f * dpt[n][e] - (e % 2 ? row_delta.y : row_delta.x));
-          st[n][e] *= f;
-        }
-      }
-      pack_operand<ET, T::kM>(st, weights);
-    } else {
-#pragma unroll
-      for (int n = 0; n < T::kM / 8; ++n) {
-        const float2 row_delta = pair_at(delta + 8 * n);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dpt[n][e] = st[n][e] * (dpt[n][e] - (e % 2 ? row_delta.y : row_delta.x));
-      }
-    }
-    if constexpr (kAlibi) slope_partial += alibi_slope_partial<T::kM>(dpt, distance);
-    pack_operand<ET, T::kM>(dpt, scores);
+    tile_operands<ET, T::kM, kDropout, kAlibi>(a, control, s, b, h, m0, all_visible, at, qc, context, st, dpt,
+                                               weights, scores, slope_partial, [&] {
+                                                 cute::warpgroup_wait<0>();
+                                                 fence_accumulators(dpt);
+                                               });
     const uint32_t ds_tile = base + T::kDsOffset + (i % 2) * T::kDsBytes;
     store_scores<T::kM>(ds_tile + cw * T::kDsAtomBytes, 16 * warp, lane, scores);
 
@@ -463,8 +503,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
     fence_proxy_async();
     named_barrier_sync(kWarpgroupBarrier + cw, 128);
     if (dq_issuer) {
-      bulk_reduce_add(dq_blocks.block(h, m0), dq_buffer,
-                      T::kDqBytes);
+      bulk_reduce_add(dq_blocks.block(h, m0, cw), dq_buffer, T::kDqBytes);
     }
   }
   cute::warpgroup_wait<0>();  // the last dK
@@ -489,6 +528,155 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
       const uint32_t offset = atom * T::kConsumerKeys * kAtomRowBytes;
       tma_store_4d(&args.dk_map, dk_tile + offset, atom * kAtomColumns, static_cast<int>(g), key0, static_cast<int>(b));
       tma_store_4d(&args.dv_map, dv_tile + offset, atom * kAtomColumns, static_cast<int>(g), key0, static_cast<int>(b));
+    }
+    bulk_wait_read();
+  }
+  stamps[4] = trace_clock();
+  if (consumer_thread == 0) trace_block(stamps, tiles);
+}
+
+// One consumer warpgroup (index cw) of the split arrangement (head dim 256, T::kSplit):
+// both consumers take the block's kN = 64 keys, consumer cw the S^T and dP^T of queries
+// kConsumerQueries cw .. of each tile and dK and dV of head-dim columns kConsumerDims cw ..
+// (64 keys' dK and dV of 256 columns would alone fill a consumer's registers). So P^T and
+// dS^T pass through shared memory, stored query-major (stmatrix.trans) into two buffers:
+// dV += (P o drop)^T dO and dK += dS^T Q read both operands there (MN-major), and dQ_tile^T =
+// K^T dS^T for the consumer's two head-dim atoms (dQ parts atom0, atom0 + 1) is added to the
+// float32 workspace from registers by 16-byte vector reductions. Two barriers of both
+// consumers a tile: the buffers free (both consumers' products of the previous tile done),
+// then written. No ALiBi here (launch.h's slope slots count 128-key blocks): the sm_80
+// kernels serve head dim 256 with ALiBi (backward_kernel_of).
+template <ElementType ET, int D, bool kDropout>
+__device__ __forceinline__ void consume_backward_split(const BackwardArgs& args, uint32_t base,
+                                                       typename BackwardTiles<D>::Control* control, int64_t b,
+                                                       int64_t g, int64_t n0, int cw) {
+  using T = BackwardTiles<D>;
+  static_assert(T::kSplit && T::kDqQueries == T::kM && T::kConsumerDims == 2 * kAtomColumns,
+                "two dQ parts of every query per consumer");
+  const FlashArgs& a = args.a;
+  const AttentionParams& p = a.p;
+  const int64_t group = p.heads / p.kv_heads;
+  const auto context = [&] { return head_context(a, b, g * group); };
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int consumer_thread = static_cast<int>(threadIdx.x) - 128;
+  long long stamps[kBlockEvents] = {trace_clock()};  // the block's trace (trace.cuh)
+  int tiles = 0;
+  const FragmentCoords at{n0 + 16 * warp, 0, lane};  // rows: the block's keys
+  float dk[T::kConsumerDims / 8][4], dv[T::kConsumerDims / 8][4];
+  zero(dk);
+  zero(dv);
+  const uint32_t k_tile = base + T::kKOffset, v_tile = base + T::kVOffset;
+  const uint32_t weights_tile = base + T::kDsOffset, scores_tile = weights_tile + T::kDsBytes;  // P, dS [kM x kN]
+  const int atom0 = cw * T::kConsumerDims / kAtomColumns;  // the consumer's first head-dim atom
+  const uint32_t query_rows = cw * T::kConsumerQueries * kAtomRowBytes;  // its queries' first row in a tile
+  // dQ_tile^T of atom atom0 + j = K^T dS^T: A = that atom of the K tile (MN-major), B = dS (K-major).
+  const uint64_t k_atoms[2] = {mn_major_descriptor(k_tile + atom0 * T::kN * kAtomRowBytes, T::kN * kAtomRowBytes),
+                               mn_major_descriptor(k_tile + (atom0 + 1) * T::kN * kAtomRowBytes, T::kN * kAtomRowBytes)};
+  const uint64_t scores_k = k_major_descriptor(scores_tile);
+  const uint64_t weights_mn = mn_major_descriptor(weights_tile, T::kDsAtomBytes);
+  const uint64_t scores_mn = mn_major_descriptor(scores_tile, T::kDsAtomBytes);
+
+  mbarrier_wait(smem_address(&control->kv_full), 0);
+  stamps[1] = trace_clock();
+  if (const HeadContext c = context(); !tile_span<T::kN>(c.kv_spans, c.n_kv_spans, n0).complete) {
+    zero_padding_tiles<T::kN, T::kAtoms, T::kConsumerThreads>(k_tile, v_tile, c.kv_seg, n0, p.seqlen_kv, consumer_thread);
+  }
+  const DqAccumulator<D> dq_blocks(args.dq_accum, b, p.heads, p.seqlen_q);
+  float no_slope = 0.0f;
+  for (int i = 0;; ++i) {
+    const int s = i % T::kStages;
+    mbarrier_wait(smem_address(&control->full[s]), (i / T::kStages) & 1);
+    if (i == 0) stamps[2] = trace_clock();
+    const int64_t h = control->head[s], m0 = control->first[s];
+    if (h < 0) break;
+    ++tiles;
+    const bool all_visible = control->all_visible[s] != 0;
+    const uint32_t q_tile = base + T::kQOffset + s * T::kQueryBytes;
+    const uint32_t do_tile = base + T::kDoOffset + s * T::kQueryBytes;
+    if (control->padded[s] != 0) {
+      zero_padding_tiles<T::kM, T::kAtoms, T::kConsumerThreads>(q_tile, do_tile, context().q_seg, m0, p.seqlen_q,
+                                                                consumer_thread);
+    }
+
+    // S^T = K Q^T and dP^T = V dO^T of the consumer's queries: two commit groups.
+    float st[T::kConsumerQueries / 8][4], dpt[T::kConsumerQueries / 8][4];
+    fence_accumulators(st);
+    fence_accumulators(dpt);
+    cute::warpgroup_arrive();
+    gmma_rows_times_rows<ET, T::kConsumerQueries, D>(k_tile, T::kN * kAtomRowBytes, q_tile + query_rows,
+                                                     T::kM * kAtomRowBytes, st);
+    cute::warpgroup_commit_batch();
+    gmma_rows_times_rows<ET, T::kConsumerQueries, D>(v_tile, T::kN * kAtomRowBytes, do_tile + query_rows,
+                                                     T::kM * kAtomRowBytes, dpt);
+    cute::warpgroup_commit_batch();
+    const FragmentCoords qc{at.row0, m0 + cw * T::kConsumerQueries, lane};  // columns: queries
+    cute::warpgroup_wait<1>();
+    fence_accumulators(st);
+    uint32_t weights[T::kConsumerQueries / 16][4], scores[T::kConsumerQueries / 16][4];
+    tile_operands<ET, T::kConsumerQueries, kDropout, false>(a, control, s, b, h, m0, all_visible, at, qc, context, st,
+                                                            dpt, weights, scores, no_slope, [&] {
+                                                              cute::warpgroup_wait<0>();
+                                                              fence_accumulators(dpt);
+                                                            });
+    named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);  // the buffers' last readers are done
+    store_scores<T::kConsumerQueries>(weights_tile + query_rows, 16 * warp, lane, weights);
+    store_scores<T::kConsumerQueries>(scores_tile + query_rows, 16 * warp, lane, scores);
+    fence_proxy_async();
+    named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
+
+    // dV += (P o drop)^T dO and dK += dS^T Q over the consumer's head-dim columns, and
+    // dQ_tile^T of its two atoms: one commit group.
+    float dq[2][T::kDqQueries / 8][4];
+    fence_accumulators(dv);
+    fence_accumulators(dk);
+    fence_accumulators(dq[0]);
+    fence_accumulators(dq[1]);
+    cute::warpgroup_arrive();
+    const uint64_t do0 = mn_major_descriptor(do_tile + atom0 * T::kM * kAtomRowBytes, T::kM * kAtomRowBytes);
+    const uint64_t q0 = mn_major_descriptor(q_tile + atom0 * T::kM * kAtomRowBytes, T::kM * kAtomRowBytes);
+#pragma unroll
+    for (int ks = 0; ks < T::kM / 16; ++ks) {
+      const uint32_t rows = ks * 16 * kAtomRowBytes;  // 16 queries
+      gmma_ss_mn<ET, T::kConsumerDims>(descriptor_plus(weights_mn, rows), descriptor_plus(do0, rows), dv, true);
+      gmma_ss_mn<ET, T::kConsumerDims>(descriptor_plus(scores_mn, rows), descriptor_plus(q0, rows), dk, true);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int ks = 0; ks < T::kN / 16; ++ks) {  // 16 keys: rows of K's atom, 32 bytes of dS's rows
+        gmma_ss_mk<ET, T::kDqQueries>(descriptor_plus(k_atoms[j], ks * 16 * kAtomRowBytes),
+                                      descriptor_plus(scores_k, ks * 32), dq[j], ks > 0);
+      }
+    }
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+    fence_accumulators(dv);
+    fence_accumulators(dk);
+    fence_accumulators(dq[0]);
+    fence_accumulators(dq[1]);
+    mbarrier_arrive(smem_address(&control->empty[s]));  // Q and dO read: the stage goes back
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      float* block = dq_blocks.block(h, m0, atom0 + j) + (consumer_thread % 128) * 4;
+#pragma unroll
+      for (int t = 0; t < T::kDqQueries / 8; ++t) reduce_add_v4(block + t * 128 * 4, dq[j][t]);
+    }
+  }
+  stamps[3] = trace_clock();
+  // dK (times scale) and dV leave through the Q and dO stages by TMA, as in consume_backward.
+  named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
+  const uint32_t dk_tile = base + T::kQOffset + 2 * cw * T::kGradientBytes, dv_tile = dk_tile + T::kGradientBytes;
+  stage_rows<ET, T::kConsumerDims, T::kConsumerKeys>(dk, {p.scale, p.scale}, dk_tile, 16 * warp, lane);
+  stage_rows<ET, T::kConsumerDims, T::kConsumerKeys>(dv, {1.0f, 1.0f}, dv_tile, 16 * warp, lane);
+  fence_proxy_async();
+  named_barrier_sync(kWarpgroupBarrier + cw, 128);
+  if (consumer_thread % 128 == 0) {
+#pragma unroll
+    for (int atom = 0; atom < T::kConsumerDims / kAtomColumns; ++atom) {
+      const uint32_t offset = atom * T::kConsumerKeys * kAtomRowBytes;
+      const int column = (atom0 + atom) * kAtomColumns;
+      tma_store_4d(&args.dk_map, dk_tile + offset, column, static_cast<int>(g), static_cast<int>(n0), static_cast<int>(b));
+      tma_store_4d(&args.dv_map, dv_tile + offset, column, static_cast<int>(g), static_cast<int>(n0), static_cast<int>(b));
     }
     bulk_wait_read();
   }
@@ -529,7 +717,12 @@ __global__ void __launch_bounds__(BackwardTiles<D>::kThreads, 1)
     if (threadIdx.x < 32) produce_backward<D, kAlibi>(args, base, control, b, g, n0);
   } else {
     registers_increase<T::kConsumerRegisters>();
-    consume_backward<ET, D, kDropout, kAlibi>(args, base, control, b, g, n0, warpgroup - 1);
+    if constexpr (T::kSplit) {
+      static_assert(!kAlibi, "the split arrangement takes no ALiBi");
+      consume_backward_split<ET, D, kDropout>(args, base, control, b, g, n0, warpgroup - 1);
+    } else {
+      consume_backward<ET, D, kDropout, kAlibi>(args, base, control, b, g, n0, warpgroup - 1);
+    }
   }
 }
 
@@ -545,7 +738,7 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const float* dq_accum, 
   // 32 different banks.
   __shared__ float rows[T::kDqQueries][kAtomColumns + 4];
   constexpr int kChunks = kAtomColumns / 8;  // 16-byte stores per query
-  const int64_t tiles = (p.seqlen_q + A::kM - 1) / A::kM, blocks = p.batch * p.heads * tiles * 2;
+  const int64_t tiles = (p.seqlen_q + A::kM - 1) / A::kM, blocks = p.batch * p.heads * tiles * A::kParts;
   for (int64_t block = blockIdx.x; block < blocks; block += gridDim.x) {
     const float4* src = reinterpret_cast<const float4*>(dq_accum + block * A::kBlockFloats);
     for (int i = threadIdx.x; i < A::kBlockFloats / 4; i += blockDim.x) {
@@ -558,8 +751,8 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const float* dq_accum, 
       rows[query + 1][column + 8] = x.w;
     }
     __syncthreads();
-    const int part = static_cast<int>(block % 2);
-    const int64_t tile = block / 2 % tiles, bh = block / 2 / tiles;
+    const int part = static_cast<int>(block % A::kParts);
+    const int64_t tile = block / A::kParts % tiles, bh = block / A::kParts / tiles;
     const int64_t q0 = tile * A::kM + part / T::kAtoms * T::kDqQueries, d0 = part % T::kAtoms * kAtomColumns;
     for (int i = threadIdx.x; i < T::kDqQueries * kChunks; i += blockDim.x) {
       const int row = i / kChunks, chunk = i % kChunks;

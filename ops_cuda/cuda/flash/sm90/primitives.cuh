@@ -108,6 +108,12 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, uint32_t src, uint32
                : "memory");
 }
 
+// Adds four float32 to global dst (16-byte aligned) element by element (no return value).
+__device__ __forceinline__ void reduce_add_v4(float* dst, const float (&x)[4]) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(x[0]), "f"(x[1]), "f"(x[2]), "f"(x[3])
+               : "memory");
+}
+
 // The thread's warpgroup in the block, through a shuffle: the compiler then knows it is
 // warp-uniform and keeps what derives from it (the consumers' shared-memory descriptors)
 // in uniform registers, not rebuilt per thread before every wgmma.

@@ -1,0 +1,12 @@
+// The Hopper flash backward for head dim 256 (see kernels.cuh).
+#include "kernels.cuh"
+
+namespace fusedattn {
+namespace flash {
+namespace sm90 {
+
+template std::string launch_backward<256>(gpuStream_t, const FlashArgs&, ElementType, float*);
+
+}  // namespace sm90
+}  // namespace flash
+}  // namespace fusedattn
