@@ -379,9 +379,8 @@ def _bound_variants(case: Case) -> list[BoundVariant]:
     ]
 
 
-def _run_traced(case: Case, config, v: BoundVariant) -> np.ndarray:
-    """The call of v's data under jit, every length, offset and the table traced."""
-    qkv = (case.q, case.k, case.v)
+def _run_traced(case: Case, qkv: tuple, config, v: BoundVariant) -> np.ndarray:
+    """The call of v's data on qkv under jit, every length, offset and the table traced."""
     if case.layout == THD:
         b, m, sq = case.b, case.m, case.q.shape[1]
         offsets = np.concatenate([v.q_start.reshape(b, m), np.full((b, 1), sq)], axis=1)
@@ -403,13 +402,16 @@ def _run_traced(case: Case, config, v: BoundVariant) -> np.ndarray:
 
 def check_bound_variants(case: Case, check_bounds: bool) -> None:
     """Each of _bound_variants through the decode backend under jit: NaN on exactly the
-    broken sequence's query rows (every head and dim), the xla backend's outputs elsewhere."""
+    broken sequence's query rows (every head and dim), the xla backend's outputs elsewhere.
+    The pools' unread entries are zeros, not the Case's NaN: a key read past a bound must
+    not pass for the NaN mark."""
+    qkv = (case.q, jnp.nan_to_num(case.k), jnp.nan_to_num(case.v))
     for v in _bound_variants(case):
         outs = {}
         for backend in ("xla", "decode"):
             config = case.config(backend=backend, mask="padding_causal_bottom_right",
                                  sequence={"check_bounds": check_bounds, **v.bounds})
-            out = _run_traced(case, config, v)
+            out = _run_traced(case, qkv, config, v)
             nan = np.isnan(out)
             assert (nan.all(axis=(2, 3)) == v.nan).all(), (backend, v.name)
             assert not nan[~v.nan].any(), (backend, v.name)
