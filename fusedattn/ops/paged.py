@@ -28,8 +28,8 @@ than fit in the row, a page number outside the pool among the pages a sequence
 uses) marks that sequence broken: every backend writes NaN to its queries' outputs,
 and base.guard raises (eagerly) or reports through checkify (under jit). A negative
 key length counts as 0 keys. `broken_sequences` computes the marks; the decode
-kernels find them themselves (fusedattn/paged.h), so a jitted, unchecked decode call
-passes the lengths to its kernel as they are.
+kernels find them themselves (ops_cuda/include/fusedattn/paged.h), so a jitted,
+unchecked decode call passes the lengths to its kernel as they are.
 """
 
 from __future__ import annotations

@@ -11,12 +11,12 @@
 // Query i of a sequence sits at position i with mask diagonal
 // i + (bottom_right ? kv_len - q_len : 0); key j at position j (mask.h).
 // The lengths are the caller's, unchecked: q_len <= 0 leaves slot s unused, and a
-// negative kv_len means no keys. The kernels read a negative kv_len as it is, without
-// clamping it: it breaks no bound below, uses no page, and every key range they clip to
-// kv_len is empty. A used sequence whose data breaks the call's bounds is broken (every
-// output of its queries NaN): paged_lengths_ok and paged_page_ok are the kernels' one
-// definition of that (fusedattn/ops/paged.py's broken_sequences is its twin, for the
-// guard and the xla backend).
+// negative kv_len means no keys. The kernels read a negative kv_len as it is (a clamp
+// cost the sm_80 CUDA kernels registers and spills): it breaks no bound below, uses no
+// page, and every key range they clip to kv_len is empty. A used sequence whose data
+// breaks the call's bounds is broken (every output of its queries NaN): paged_lengths_ok
+// and paged_page_ok are the kernels' one definition of that (fusedattn/ops/paged.py's
+// broken_sequences is its twin, for the guard and the xla backend).
 #ifndef FUSEDATTN_PAGED_H_
 #define FUSEDATTN_PAGED_H_
 
