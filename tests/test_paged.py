@@ -11,11 +11,14 @@ sequence uses for its first kv_len tokens.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_close, make_config, poison_like, tolerance
+from jax.extend.core import Literal
 from reference import reference_attention
 
 from fusedattn.ops import SequenceDescriptor, _library, explain, fused_attn
@@ -213,25 +216,40 @@ def test_auto_picks_decode_for_decoding_and_xla_for_prefill(rng):
 
 
 @needs_host
-@pytest.mark.parametrize("softmax", ["vanilla", "off_by_one"])
-def test_decode_call_has_one_op_before_the_kernel(rng, softmax):
-    """Unchecked BSHD decode compiles to the kernel and one fusion before it (the key
-    lengths' broken marks): zero q_start and offsets go as empty operands, not as device
-    fills (paged_decode_ffi.h), and q_len as given."""
+@pytest.mark.parametrize("softmax", ["vanilla", "off_by_one", "learnable"])
+def test_unchecked_decode_call_is_the_kernel_alone(rng, softmax):
+    """Jitted and unchecked, a BSHD decode call lowers to its custom call and nothing else:
+    the lengths and the table go in as the caller passed them (the kernel finds the broken
+    sequences itself), zero q_start and offsets as empty operands, not device fills
+    (paged_decode_ffi.h)."""
     case = Case(rng, b=2, sq=1, h=4, h_kv=2, page_size=4, pages=3)
     config = case.config(backend="decode", mask="padding_causal_bottom_right", softmax=softmax,
                          sequence={"check_bounds": False})
+    offset = jnp.asarray(rng.standard_normal(4), jnp.float32) if softmax == "learnable" else None
 
     def attend(q_len, kv_len, table):
         return fused_attn((case.q, case.k, case.v), config=config, page_table=table,
-                          sequence=SequenceDescriptor.from_seqlens(q_len, kv_len))
+                          sequence=SequenceDescriptor.from_seqlens(q_len, kv_len),
+                          softmax_offset=offset)
 
-    args = (jnp.asarray(case.q_len), jnp.asarray(case.kv_len), case.table)
+    args = (jnp.asarray(case.q_len, jnp.int32), jnp.asarray(case.kv_len, jnp.int32), case.table)
+    jaxpr = jax.make_jaxpr(attend)(*args).jaxpr
+    inputs = set(jaxpr.invars)
+    readers = [e for e in jaxpr.eqns
+               if any(v in inputs for v in e.invars if not isinstance(v, Literal))]
+    assert [e.primitive.name for e in readers] == ["custom_vjp_call"], jaxpr
+    inner = readers[0].params["call_jaxpr"].jaxpr
+    assert [e.primitive.name for e in inner.eqns] == ["ffi_call"], inner
     hlo = jax.jit(attend).lower(*args).compile().as_text()
-    entry = hlo[hlo.index("\nENTRY"):]
-    assert entry.count(" fusion(") == 1, entry
-    assert entry.count("s32[0]{0} constant({})") == 1 and entry.count("f32[0]{0} constant({})") == 1
-    expected = case.reference("padding_causal_bottom_right", softmax=softmax)
+    entry = hlo[hlo.index("\nENTRY"):].splitlines()[1:-1]
+    ops = [line.split(" = ", 1)[1].split("(", 1)[0].split()[-1] for line in entry if " = " in line]
+    assert sorted(set(ops)) == ["constant", "custom-call", "parameter"], entry
+    assert ops.count("custom-call") == 1, entry
+    call = next(line for line in entry if "custom-call(" in line)
+    assert "%q_len" in call and "%kv_len" in call and "%table" in call, call
+    assert "s32[0]{0} constant({})" in "\n".join(entry)
+    expected = case.reference("padding_causal_bottom_right", softmax=softmax,
+                              offset=None if offset is None else np.asarray(offset))
     assert_close(jax.jit(attend)(*args), expected, tolerance(jnp.float32), "out")
 
 
@@ -274,8 +292,8 @@ def _broken_cases(case):
 @pytest.mark.parametrize("check_bounds", [True, False], ids=["checked", "unchecked"])
 @pytest.mark.parametrize("backend", ["xla", pytest.param("decode", marks=needs_host)])
 def test_broken_sequences_raise_eagerly_and_are_nan_under_jit(rng, backend, check_bounds):
-    """Unchecked (no guard under jit), the decode backend leaves the page check to its
-    kernel; the NaN marks must be the same."""
+    """Unchecked (no guard under jit), the decode backend leaves finding the broken
+    sequences to its kernel; the NaN marks must be the same."""
     case = Case(rng, sq=3)
     config = case.config(backend=backend, mask="padding_causal_bottom_right",
                          sequence={"check_bounds": check_bounds})
@@ -293,6 +311,126 @@ def test_broken_sequences_raise_eagerly_and_are_nan_under_jit(rng, backend, chec
         expected = fused_attn((case.q[rows], case.k, case.v), config=config, sequence=good,
                               page_table=case.table[rows])
         assert_close(out[rows], expected, tolerance(jnp.float32), name)
+
+
+class BoundVariant(NamedTuple):
+    """A call's data with one sequence's bound broken (or none): the lengths [S], q_start [S]
+    (THD), the table, config.sequence bounds, and nan, bool [b, sq]: its NaN query rows."""
+
+    name: str
+    q_len: np.ndarray
+    kv_len: np.ndarray
+    q_start: np.ndarray
+    table: np.ndarray
+    bounds: dict
+    nan: np.ndarray
+
+
+def _bound_variants(case: Case) -> list[BoundVariant]:
+    """Every way a used sequence breaks the call's bounds, each applied to sequence 1 alone
+    (BSHD: row 1; THD: row 0's second slot), and two changes that break nothing: a
+    negative key length (0 keys) and an unused slot with lengths past every bound.
+
+    Every sequence keeps fewer than cap - 1 keys (cap: a table row's), so that a declared
+    max_seqlen_kv of cap - 2 breaks sequence 1 alone; BSHD cases need max_queries=2 < sq
+    (likewise for max_seqlen_q=2), THD ones m >= 3 (slot 1 used) and sq >= 8.
+    """
+    cap = case.table.shape[1] * case.k.shape[1]
+    num_pages = case.k.shape[0]
+    b, sq = case.q.shape[:2]
+    row, bounds = (0, {"max_seqlen_q": 3}) if case.layout == THD else (1, {})
+    kv_lens = np.minimum(case.kv_len, cap - 2)
+
+    def variant(name, broken=True, q_len=None, kv_len=None, q_start=None, page=None,
+                **declared):
+        q_lens, q_starts, kv = case.q_len.copy(), case.q_start.copy(), kv_lens.copy()
+        table = np.array(case.table)
+        table[1] = np.arange(table.shape[1]) % num_pages  # pages inside the pool: one bound broken
+        for array, value in ((q_lens, q_len), (kv, kv_len), (q_starts, q_start)):
+            if value is not None:
+                array[1] = value
+        if page is not None:
+            table[1, 0] = page  # among the pages sequence 1 uses (kv_len >= 1)
+        nan = np.zeros((b, sq), bool)
+        if broken:  # its rows that lie in its q row
+            nan[row, max(q_starts[1], 0):max(min(q_starts[1] + q_lens[1], sq), 0)] = True
+        return BoundVariant(name, q_lens, kv, q_starts, table, {**bounds, **declared}, nan)
+
+    some_keys = max(kv_lens[1], 1)
+    variants = [
+        variant("more keys than its pages hold", kv_len=cap + 1),
+        variant("more keys than max_seqlen_kv", kv_len=cap - 1, max_seqlen_kv=cap - 2),
+        variant("a page past the pool", kv_len=some_keys, page=num_pages),
+        variant("a negative page number", kv_len=some_keys, page=-3),
+        variant("a negative key count (no keys)", broken=False, kv_len=-3),
+    ]
+    if case.layout == THD:
+        return variants + [
+            variant("queries before its q row", q_start=-1, q_len=2),
+            variant("queries past its q row", q_start=sq - 1, q_len=2),
+            variant("an unused slot with lengths past every bound", broken=False, q_len=0,
+                    kv_len=cap + 5, q_start=sq + 3, page=num_pages),
+        ]
+    return variants + [
+        variant("more queries than max_seqlen_q", q_len=3, max_seqlen_q=2),
+        variant("more queries than its q row holds", q_len=sq + 1),
+        variant("an unused sequence with lengths past every bound", broken=False, q_len=0,
+                kv_len=cap + 5, page=num_pages),
+    ]
+
+
+def _run_traced(case: Case, qkv: tuple, config, v: BoundVariant) -> np.ndarray:
+    """The call of v's data on qkv under jit, every length, offset and the table traced."""
+    if case.layout == THD:
+        b, m, sq = case.b, case.m, case.q.shape[1]
+        offsets = np.concatenate([v.q_start.reshape(b, m), np.full((b, 1), sq)], axis=1)
+
+        def call(q_len, kv_len, q_offsets, table):
+            sequence = SequenceDescriptor.from_seqlens_and_offsets(
+                q_len, kv_len, q_offsets, jnp.zeros_like(q_offsets))
+            return fused_attn(qkv, config=config, sequence=sequence, page_table=table)
+
+        args = (v.q_len.reshape(b, m), v.kv_len.reshape(b, m), offsets, v.table)
+    else:
+        def call(q_len, kv_len, table):
+            return fused_attn(qkv, config=config, page_table=table,
+                              sequence=SequenceDescriptor.from_seqlens(q_len, kv_len))
+
+        args = (v.q_len, v.kv_len, v.table)
+    return np.asarray(jax.jit(call)(*(jnp.asarray(x, jnp.int32) for x in args)), np.float32)
+
+
+def check_bound_variants(case: Case, check_bounds: bool) -> None:
+    """Each of _bound_variants through the decode backend under jit: NaN on exactly the
+    broken sequence's query rows (every head and dim), the xla backend's outputs elsewhere.
+    The pools' unread entries are zeros, not the Case's NaN: a key read past a bound must
+    not pass for the NaN mark."""
+    qkv = (case.q, jnp.nan_to_num(case.k), jnp.nan_to_num(case.v))
+    for v in _bound_variants(case):
+        outs = {}
+        for backend in ("xla", "decode"):
+            config = case.config(backend=backend, mask="padding_causal_bottom_right",
+                                 sequence={"check_bounds": check_bounds, **v.bounds})
+            out = _run_traced(case, qkv, config, v)
+            nan = np.isnan(out)
+            assert (nan.all(axis=(2, 3)) == v.nan).all(), (backend, v.name)
+            assert not nan[~v.nan].any(), (backend, v.name)
+            outs[backend] = np.where(nan, 0.0, out)
+        assert_close(outs["decode"], outs["xla"], tolerance(case.q.dtype), v.name)
+
+
+@needs_host
+@pytest.mark.parametrize("check_bounds", [False, True], ids=["unchecked", "checked"])
+@pytest.mark.parametrize("layout", [BSHD, THD])
+def test_decode_kernel_finds_each_broken_sequence(rng, layout, check_bounds):
+    """Traced, the host kernel decides which sequences are broken from the lengths as given
+    (unchecked, nothing computes the marks before it): every bound of paged.py's
+    broken_sequences, one at a time."""
+    if layout == THD:
+        case = Case(rng, THD, b=2, m=3, sq=12)
+    else:
+        case = Case(rng, b=3, sq=4, max_queries=2)
+    check_bound_variants(case, check_bounds)
 
 
 @pytest.mark.parametrize("backend", ["xla", pytest.param("decode", marks=needs_host)])

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_close, poison_like, tolerance
-from test_paged import BSHD, MASKS, THD, Case, _broken_cases
+from test_paged import BSHD, MASKS, THD, Case, _broken_cases, check_bound_variants
 
 from fusedattn.ops import SequenceDescriptor, explain, fused_attn
 
@@ -106,7 +106,8 @@ def test_softmax_variants(rng, softmax):
 
 @pytest.mark.parametrize("check_bounds", [True, False], ids=["checked", "unchecked"])
 def test_broken_sequences_are_nan_and_other_rows_exact(rng, check_bounds):
-    """Unchecked, the page check is the kernel's alone (paged.canonical leaves it out)."""
+    """Unchecked, finding the broken sequences is the kernel's alone (paged.canonical
+    computes nothing before it)."""
     case = Case(rng, b=3, sq=3, h=8, h_kv=2, d=64, dv=64, page_size=16, pages=30,
                 dtype=jnp.bfloat16)
     config = case.config(backend="decode", mask="padding_causal_bottom_right",
@@ -124,6 +125,23 @@ def test_broken_sequences_are_nan_and_other_rows_exact(rng, check_bounds):
                               config=case.config(backend="xla", mask="padding_causal_bottom_right"),
                               sequence=good, page_table=case.table[rows])
         assert_close(out[rows], expected, tolerance(jnp.bfloat16), name)
+
+
+@pytest.mark.parametrize("check_bounds", [False, True], ids=["unchecked", "checked"])
+@pytest.mark.parametrize("shape", ["bshd_split", "bshd_one_cta", "thd_split"])
+def test_kernel_finds_each_broken_sequence(rng, shape, check_bounds):
+    """test_paged's bound variants (every bound broken one at a time, from the lengths as
+    given) on the CUDA kernel, with the split-KV combine (few CTAs) and without."""
+    if shape == "thd_split":
+        case = Case(rng, THD, b=2, m=3, sq=12, h=8, h_kv=2, d=64, dv=64, page_size=16,
+                    pages=30, dtype=jnp.bfloat16)
+    elif shape == "bshd_split":
+        case = Case(rng, b=3, sq=4, h=8, h_kv=2, d=64, dv=64, page_size=16, pages=30,
+                    dtype=jnp.bfloat16, max_queries=2)
+    else:
+        case = Case(rng, b=128, sq=4, h=32, h_kv=8, d=128, dv=128, page_size=16, pages=8,
+                    dtype=jnp.bfloat16, max_queries=2)
+    check_bound_variants(case, check_bounds)
 
 
 def test_auto_picks_the_cuda_kernel_for_decoding(rng):

@@ -162,7 +162,7 @@ def _paged_attn(spec: AttentionSpec, qkv: tuple, bias, softmax_offset, sequence,
     backend = registry.select(spec, shapes, registry.current_platform())
     args = paged.canonical(spec, q, k, v, sequence, page_table,
                            _softmax_offset(spec, softmax_offset, shapes.num_heads),
-                           kernel_checks_pages=getattr(backend, "checks_pages", False))
+                           kernel_checks_sequences=getattr(backend, "checks_sequences", False))
     scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(shapes.head_dim_qk)
     largest = (max_logit.max_logit(spec, paged.dense_view(spec, args)[0], scale)
                if return_max_logit else None)

@@ -26,7 +26,10 @@ Data that breaks the call's bounds (more keys than the sequence's pages hold or 
 config.sequence.max_seqlen_kv, more queries than config.sequence.max_seqlen_q or
 than fit in the row, a page number outside the pool among the pages a sequence
 uses) marks that sequence broken: every backend writes NaN to its queries' outputs,
-and base.guard raises (eagerly) or reports through checkify (under jit).
+and base.guard raises (eagerly) or reports through checkify (under jit). A negative
+key length counts as 0 keys. `broken_sequences` computes the marks; the decode
+kernels find them themselves (ops_cuda/include/fusedattn/paged.h), so a jitted,
+unchecked decode call passes the lengths to its kernel as they are.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fusedattn.ops.backends.base import CallShapes, CanonicalArgs, TokenInfo, guard
 from fusedattn.ops.enums import BiasType, SequenceFormat
@@ -51,7 +55,10 @@ class PagedArgs(NamedTuple):
     with S = b * m (m sequences per row); sequence s lives in q row s // m.
     q_start: int32 [S], the row offset of the sequence's first query (0 for BSHD).
     q_len: int32 [S], its query count (<= 0 for an unused slot).
-    kv_len: int32 [S], its key count; -1 marks a broken sequence (NaN outputs).
+    kv_len: int32 [S], its key count as the caller gave it (a negative one counts as 0).
+    broken: None or bool [S], broken_sequences(): the used sequences whose data breaks the
+        call's bounds (NaN outputs); None where canonical left finding them to the
+        backend's kernel.
     softmax_offset: None or float32 [h] (off_by_one passes zeros).
     """
 
@@ -62,6 +69,7 @@ class PagedArgs(NamedTuple):
     q_start: jax.Array
     q_len: jax.Array
     kv_len: jax.Array
+    broken: jax.Array | None = None
     softmax_offset: jax.Array | None = None
 
     @property
@@ -166,41 +174,60 @@ def call_shapes(spec: AttentionSpec, q, k, v, bias, sequence, page_table,
 
 
 def canonical(spec: AttentionSpec, q, k_pages, v_pages, sequence: SequenceDescriptor,
-              page_table, softmax_offset, kernel_checks_pages: bool = False) -> PagedArgs:
-    """The call's PagedArgs, with broken sequences marked (kv_len -1) and guarded.
+              page_table, softmax_offset, kernel_checks_sequences: bool = False) -> PagedArgs:
+    """The call's PagedArgs, with its broken sequences found (`broken`) and guarded.
 
-    kernel_checks_pages: the backend's kernel marks sequences with a page outside the pool
-    broken by itself (the decode kernels: paged_sequence_ok); then, where no guard reads
-    it (traced, config.sequence.check_bounds off), the [S, pages] page check is left out
-    here, one device op less before the kernel.
+    kernel_checks_sequences: the backend's kernels find the broken sequences themselves,
+    from the lengths as given and the call's bounds (the decode kernels: paged.h's
+    paged_sequence_ok). Then, where no guard reads the marks (traced values,
+    config.sequence.check_bounds off), nothing is computed here (`broken` None): the
+    lengths reach the kernel untouched and the call is the kernel alone.
     """
-    b, sq = q.shape[:2]
+    b = q.shape[0]
     if spec.qkv_layout.is_thd:
         q_start = sequence.q_offsets[:, :-1].reshape(-1)
         q_len, kv_len = sequence.q_seqlens.reshape(-1), sequence.kv_seqlens.reshape(-1)
     else:
-        q_start = jnp.zeros((b,), jnp.int32)
+        q_start = np.zeros((b,), np.int32)  # a constant: no device op where nothing reads it
         q_len, kv_len = sequence.q_seqlens, sequence.kv_seqlens
-    page_table = jnp.asarray(page_table, jnp.int32)
-    used = q_len > 0  # q_len stays as given: every reader takes q_len <= 0 as an unused slot
-    kv_len = jnp.maximum(kv_len, 0)
+    # astype and asarray add no op where the values are int32 already (the descriptor's are)
+    args = PagedArgs(q=q, k_pages=k_pages, v_pages=v_pages,
+                     page_table=jnp.asarray(page_table, jnp.int32),
+                     q_start=q_start.astype(jnp.int32), q_len=q_len.astype(jnp.int32),
+                     kv_len=kv_len.astype(jnp.int32), softmax_offset=softmax_offset)
+    traced = any(isinstance(x, jax.core.Tracer)
+                 for x in (args.q_start, args.q_len, args.kv_len, args.page_table))
+    if kernel_checks_sequences and traced and not spec.check_bounds:
+        return args
+    broken = broken_sequences(spec, args)
     num_pages, page_size = k_pages.shape[:2]
-    pages = page_table.shape[1]
-    broken = (kv_len > pages * page_size) | (q_start < 0) | (q_start + q_len > sq)
-    traced = any(isinstance(x, jax.core.Tracer) for x in (q_start, q_len, kv_len, page_table))
-    if not (kernel_checks_pages and traced and not spec.check_bounds):
-        page_in_use = jnp.arange(pages)[None, :] * page_size < kv_len[:, None]
-        broken |= jnp.any(page_in_use & ((page_table < 0) | (page_table >= num_pages)), axis=1)
+    guard(broken, _guard_message(spec, args.page_table.shape[1], page_size, num_pages), spec)
+    return args._replace(broken=broken)
+
+
+def broken_sequences(spec: AttentionSpec, args: PagedArgs) -> jax.Array:
+    """bool [S]: the used sequences (q_len > 0) whose data breaks the call's bounds.
+
+    Broken: more keys (a negative count read as 0) than the sequence's pages hold or than
+    config.sequence.max_seqlen_kv, a query range outside its q row, more queries than
+    config.sequence.max_seqlen_q, or a page number outside the pool among the pages its
+    keys use. The twin of the decode kernels' paged_lengths_ok and paged_page_ok
+    (ops_cuda/include/fusedattn/paged.h): the two must agree.
+    """
+    sq = args.q.shape[1]
+    num_pages, page_size = args.k_pages.shape[:2]
+    pages = args.page_table.shape[1]
+    kv_len = jnp.maximum(args.kv_len, 0)
+    broken = ((kv_len > pages * page_size) | (args.q_start < 0)
+              | (args.q_start + args.q_len > sq))
+    page_in_use = jnp.arange(pages)[None, :] * page_size < kv_len[:, None]
+    outside_pool = (args.page_table < 0) | (args.page_table >= num_pages)
+    broken |= jnp.any(page_in_use & outside_pool, axis=1)
     if spec.max_seqlen_q is not None:
-        broken |= q_len > spec.max_seqlen_q
+        broken |= args.q_len > spec.max_seqlen_q
     if spec.max_seqlen_kv is not None:
         broken |= kv_len > spec.max_seqlen_kv
-    broken &= used
-    guard(broken, _guard_message(spec, pages, page_size, num_pages), spec)
-    return PagedArgs(q=q, k_pages=k_pages, v_pages=v_pages, page_table=page_table,
-                     q_start=q_start.astype(jnp.int32), q_len=q_len.astype(jnp.int32),
-                     kv_len=jnp.where(broken, -1, kv_len).astype(jnp.int32),
-                     softmax_offset=softmax_offset)
+    return broken & (args.q_len > 0)
 
 
 def _guard_message(spec: AttentionSpec, pages: int, page_size: int, num_pages: int) -> str:
@@ -217,8 +244,8 @@ def dense_view(spec: AttentionSpec, args: PagedArgs) -> tuple[CanonicalArgs, jax
 
     Returns CanonicalArgs with k, v [b, m * cap, h_kv, d] (row r holds its m sequences'
     pages one after another, cap = pages_per_seq * page_size tokens each) and TokenInfo
-    whose segments are the sequences, and a boolean [b, sq] marking the query tokens of
-    broken sequences.
+    whose segments are the sequences (a broken one's without keys), and a boolean [b, sq]
+    marking the query tokens of broken sequences.
     """
     b, sq = args.q.shape[:2]
     m = args.segments_per_row
@@ -231,7 +258,10 @@ def dense_view(spec: AttentionSpec, args: PagedArgs) -> tuple[CanonicalArgs, jax
         dense = jnp.take(pool, table, axis=0)  # [S, pages, page_size, h_kv, d]
         return dense.reshape(b, m * cap, *pool.shape[2:])
 
-    q_start, q_len, kv_len = (x.reshape(b, m) for x in (args.q_start, args.q_len, args.kv_len))
+    broken = args.broken if args.broken is not None else broken_sequences(spec, args)
+    kv_len = jnp.where(broken, 0, jnp.maximum(args.kv_len, 0))
+    q_start, q_len, kv_len, broken = (x.reshape(b, m) for x in (args.q_start, args.q_len, kv_len,
+                                                                 broken))
     slot = jnp.arange(1, m + 1, dtype=jnp.int32)
     token = jnp.arange(sq, dtype=jnp.int32)[None, :, None]
     inside = (q_len[:, None, :] > 0) & (token >= q_start[:, None, :]) & (
@@ -245,7 +275,7 @@ def dense_view(spec: AttentionSpec, args: PagedArgs) -> tuple[CanonicalArgs, jax
     kv_seg = jnp.where(kv_pos[None, :] < jnp.take(kv_len, kv_slot, axis=1), kv_slot + 1, 0)
     tokens = TokenInfo(*(jnp.asarray(x, jnp.int32) for x in (
         q_seg, q_pos, q_diag, kv_seg, jnp.broadcast_to(kv_pos, (b, m * cap)))))
-    broken_token = jnp.any(inside & (kv_len < 0)[:, None, :], axis=-1)
+    broken_token = jnp.any(inside & broken[:, None, :], axis=-1)
     dense = CanonicalArgs(q=args.q, k=gather(args.k_pages), v=gather(args.v_pages),
                           tokens=tokens, softmax_offset=args.softmax_offset)
     return dense, broken_token

@@ -24,10 +24,12 @@
 // causal diagonals; windows), and the accumulators are rescaled only when a maximum grew.
 // The four warps' (m, l, O) are merged through shared memory at the end.
 //
-// A CTA's start: the key lengths are checked first (no read depends on them failing), then
-// the query rows and the first tiles are issued together (cp.async), and the sequence's
-// page-table entries are checked while they are in flight; a tile never reads through an
-// entry outside the pool (zero-filled instead), and a broken sequence's rows become NaN.
+// A CTA's start: the caller's lengths are checked against the call's bounds first
+// (paged_lengths_ok: the q range in its row, max_seqlen_q and max_seqlen_kv, the keys within
+// the table; no read depends on them failing), then the query rows and the first tiles are
+// issued together (cp.async), and the sequence's page-table entries are checked while they
+// are in flight; a tile never reads through an entry outside the pool (zero-filled
+// instead), and a broken sequence's rows become NaN.
 //
 // Flash-decoding: when the CTAs of the call would not fill the GPU (its SM count times the
 // kernel's resident CTAs per SM), each (sequence, head) range of keys is split over up to
@@ -115,7 +117,7 @@ struct DecodeArgs {
   const int32_t* page_table;
   const int32_t* q_start;  // nullptr: every q_start 0
   const int32_t* q_len;
-  const int32_t* kv_len;
+  const int32_t* kv_len;  // as the caller gave them (paged.h)
   const float* offset;  // nullptr: every offset 0
   uint16_t* o;
   int page_shift;     // log2(page_size) when a power of two, else -1
@@ -808,11 +810,13 @@ ffi::Error PagedDecodeFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
                               ffi::AnyBuffer page_table, ffi::AnyBuffer q_start, ffi::AnyBuffer q_len,
                               ffi::AnyBuffer kv_len, ffi::AnyBuffer softmax_offset, ffi::Result<ffi::AnyBuffer> o,
                               ffi::Result<ffi::AnyBuffer> workspace, float scale, bool causal, bool bottom_right,
-                              int64_t window_left, int64_t window_right, int32_t softmax_type) {
+                              int64_t window_left, int64_t window_right, int32_t softmax_type,
+                              int64_t max_seqlen_q, int64_t max_seqlen_kv) {
   constexpr const char* kOp = "fusedattn_paged_decode_fwd (CUDA)";
   PagedParams p;
   if (auto e = parse_paged_decode_call(kOp, q, k, v, page_table, q_start, q_len, kv_len, softmax_offset, o, scale,
-                                       causal, bottom_right, window_left, window_right, softmax_type, &p);
+                                       causal, bottom_right, window_left, window_right, softmax_type, max_seqlen_q,
+                                       max_seqlen_kv, &p);
       e.failure()) {
     return e;
   }

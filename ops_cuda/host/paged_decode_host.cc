@@ -34,7 +34,7 @@ struct PagedOperands {
   const int32_t* page_table;
   const int32_t* q_start;  // nullptr: every q_start 0
   const int32_t* q_len;
-  const int32_t* kv_len;
+  const int32_t* kv_len;  // as the caller gave them (paged.h)
   const float* offset;  // nullptr: every offset 0
   Store<ET>* o;
 };
@@ -116,11 +116,13 @@ void paged_forward(const PagedParams& p, const PagedOperands<ET>& a) {
 ffi::Error PagedDecodeFwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer page_table,
                               ffi::AnyBuffer q_start, ffi::AnyBuffer q_len, ffi::AnyBuffer kv_len,
                               ffi::AnyBuffer softmax_offset, ffi::Result<ffi::AnyBuffer> o, float scale, bool causal,
-                              bool bottom_right, int64_t window_left, int64_t window_right, int32_t softmax_type) {
+                              bool bottom_right, int64_t window_left, int64_t window_right, int32_t softmax_type,
+                              int64_t max_seqlen_q, int64_t max_seqlen_kv) {
   constexpr const char* kOp = "fusedattn_paged_decode_fwd (cpu)";
   PagedParams p;
   if (auto e = parse_paged_decode_call(kOp, q, k, v, page_table, q_start, q_len, kv_len, softmax_offset, o, scale,
-                                       causal, bottom_right, window_left, window_right, softmax_type, &p);
+                                       causal, bottom_right, window_left, window_right, softmax_type, max_seqlen_q,
+                                       max_seqlen_kv, &p);
       e.failure()) {
     return e;
   }

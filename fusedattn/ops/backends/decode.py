@@ -14,7 +14,13 @@ would not fill the GPU and then takes a uint8 workspace result (sized here).
                                softmax_offset) -> o  (CUDA: -> o, workspace)
     (q_start and softmax_offset empty where all zero: BSHD, vanilla and off_by_one)
     attributes: scale f32, causal bool, bottom_right bool, window_left i64,
-                window_right i64, softmax_type i32
+                window_right i64, softmax_type i32, max_seqlen_q i64, max_seqlen_kv i64
+                (config.sequence's bounds, -1 for none)
+
+The kernels take the lengths as the caller gave them and find the broken sequences
+themselves (paged.h: the q range in its row, the keys within the table and the pool, the
+declared bounds), so paged.canonical computes nothing before them where no guard reads
+its marks (jitted, config.sequence.check_bounds off): the call is the kernel alone.
 
 Forward only: decoding takes no gradient, so the kernel keeps no softmax
 statistics for a backward; jax.grad through it raises and names backend='xla',
@@ -100,6 +106,11 @@ def query_bound(spec: AttentionSpec, shapes: CallShapes) -> int:
     return min(spec.max_seqlen_q or shapes.seqlen_q, shapes.seqlen_q)
 
 
+def _bound_attribute(bound: int | None) -> int:
+    """A declared config.sequence bound as the kernel's attribute (-1: none)."""
+    return -1 if bound is None else int(bound)
+
+
 class _Static(NamedTuple):
     """The kernel's attributes (hashable: a nondiff argument)."""
 
@@ -109,13 +120,17 @@ class _Static(NamedTuple):
     window_left: int
     window_right: int
     softmax_type: int
+    max_seqlen_q: int  # -1: no bound
+    max_seqlen_kv: int  # -1: no bound
 
     def attributes(self) -> dict:
         return dict(scale=np.float32(self.scale), causal=bool(self.causal),
                     bottom_right=bool(self.bottom_right),
                     window_left=np.int64(self.window_left),
                     window_right=np.int64(self.window_right),
-                    softmax_type=np.int32(self.softmax_type))
+                    softmax_type=np.int32(self.softmax_type),
+                    max_seqlen_q=np.int64(self.max_seqlen_q),
+                    max_seqlen_kv=np.int64(self.max_seqlen_kv))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -150,7 +165,7 @@ class DecodeBackend:
 
     name = "decode"
     serves_paged = True
-    checks_pages = True  # both builds mark a sequence with a page outside the pool broken
+    checks_sequences = True  # both builds find the broken sequences (paged.canonical)
 
     def supports(self, spec: AttentionSpec, shapes: CallShapes, platform: str) -> str | None:
         if not spec.qkv_layout.is_paged:
@@ -191,7 +206,9 @@ class DecodeBackend:
                          bottom_right=spec.mask.is_bottom_right,
                          window_left=int(spec.window_size[0]),
                          window_right=int(spec.window_size[1]),
-                         softmax_type=_SOFTMAX_TYPES[spec.softmax])
+                         softmax_type=_SOFTMAX_TYPES[spec.softmax],
+                         max_seqlen_q=_bound_attribute(spec.max_seqlen_q),
+                         max_seqlen_kv=_bound_attribute(spec.max_seqlen_kv))
         return _decode(static, workspace, args.q, args.k_pages, args.v_pages, args.page_table,
                        q_start, args.q_len, args.kv_len, offset)
 

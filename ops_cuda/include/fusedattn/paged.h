@@ -10,8 +10,13 @@
 // (0 <= j < kv_len[s]) is token j % PS of pool page page_table[s, j / PS].
 // Query i of a sequence sits at position i with mask diagonal
 // i + (bottom_right ? kv_len - q_len : 0); key j at position j (mask.h).
-// A sequence is broken (every output of its queries NaN) when kv_len < 0 (the
-// caller's mark) or its data would make a kernel read out of bounds.
+// The lengths are the caller's, unchecked: q_len <= 0 leaves slot s unused, and a
+// negative kv_len means no keys. The kernels read a negative kv_len as it is (a clamp
+// cost the sm_80 CUDA kernels registers and spills): it breaks no bound below, uses no
+// page, and every key range they clip to kv_len is empty. A used sequence whose data
+// breaks the call's bounds is broken (every output of its queries NaN): paged_lengths_ok
+// and paged_page_ok are the kernels' one definition of that (fusedattn/ops/paged.py's
+// broken_sequences is its twin, for the guard and the xla backend).
 #ifndef FUSEDATTN_PAGED_H_
 #define FUSEDATTN_PAGED_H_
 
@@ -33,6 +38,8 @@ struct PagedParams {
   int64_t page_size;      // PS
   int64_t sequences;      // S = B * M
   int64_t pages_per_seq;  // P
+  int64_t max_seqlen_q;   // declared bound on a sequence's queries (-1: none)
+  int64_t max_seqlen_kv;  // declared bound on a sequence's keys (-1: none)
   float scale;
   MaskParams mask;
   bool bottom_right;
@@ -62,11 +69,13 @@ FA_HOST_DEVICE FA_INLINE int64_t paged_kv_offset(const int32_t* table_row, int64
   return ((page * PS + j % PS) * Hkv + g) * Dx + d;
 }
 
-// The length part of paged_sequence_ok: the caller's mark, the q range in its row, and
-// the key count within the table.
+// The length part of paged_sequence_ok, for a used sequence (q_len > 0): its q range lies
+// in its row, its keys within its table row, and both counts within the declared bounds.
 FA_HOST_DEVICE FA_INLINE bool paged_lengths_ok(const PagedParams& p, int32_t q_start, int32_t q_len,
                                                int32_t kv_len) {
-  if (kv_len < 0 || q_start < 0 || static_cast<int64_t>(q_start) + q_len > p.seqlen_q) return false;
+  if (q_start < 0 || static_cast<int64_t>(q_start) + q_len > p.seqlen_q) return false;
+  if (p.max_seqlen_q >= 0 && q_len > p.max_seqlen_q) return false;
+  if (p.max_seqlen_kv >= 0 && kv_len > p.max_seqlen_kv) return false;
   return kv_len <= p.pages_per_seq * p.page_size;
 }
 
@@ -75,7 +84,7 @@ FA_HOST_DEVICE FA_INLINE bool paged_page_ok(const PagedParams& p, int32_t page) 
   return page >= 0 && page < p.num_pages;
 }
 
-// Whether sequence s can be served: paged_lengths_ok, and every page it uses inside the pool.
+// Whether a used sequence can be served: paged_lengths_ok, and every page it uses inside the pool.
 FA_HOST_DEVICE FA_INLINE bool paged_sequence_ok(const PagedParams& p, const int32_t* table_row, int32_t q_start,
                                                 int32_t q_len, int32_t kv_len) {
   if (!paged_lengths_ok(p, q_start, q_len, kv_len)) return false;

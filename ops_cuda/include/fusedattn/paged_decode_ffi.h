@@ -5,12 +5,14 @@
 //                              softmax_offset) -> o
 //   operands: 0 q [B, Sq, H, D]   1 k_pages [N, PS, Hkv, D]   2 v_pages [N, PS, Hkv, Dv]
 //             (one dtype: F32, BF16 or F16)
-//             3 page_table S32 [S, P]   4 q_start 5 q_len 6 kv_len S32 [S]  (S = B * M)
+//             3 page_table S32 [S, P]   4 q_start 5 q_len 6 kv_len S32 [S]  (S = B * M),
+//             the caller's lengths as given: the kernels find the broken sequences (paged.h)
 //             7 softmax_offset F32 [H]
 //             q_start and softmax_offset may be empty ([0]): every q_start 0, every offset 0
 //             (zero operands XLA would otherwise fill with a kernel of their own before each call)
 //   attributes: scale f32, causal bool, bottom_right bool, window_left i64,
-//               window_right i64, softmax_type i32
+//               window_right i64, softmax_type i32, max_seqlen_q i64, max_seqlen_kv i64
+//               (the declared bounds on a sequence's queries and keys; -1: none)
 //   result: o [B, Sq, H, Dv] in q's dtype (paged.h says which rows hold what)
 //   the CUDA handler (ops_cuda/cuda/paged_decode.cu) binds one more result, its
 //   uint8 scratch workspace (sized by decode.py)
@@ -33,7 +35,8 @@ inline ffi::Error parse_paged_decode_call(const char* op, const ffi::AnyBuffer& 
                                           const ffi::AnyBuffer& kv_len, const ffi::AnyBuffer& softmax_offset,
                                           ffi::Result<ffi::AnyBuffer>& o, float scale, bool causal,
                                           bool bottom_right, int64_t window_left, int64_t window_right,
-                                          int32_t softmax_type, PagedParams* p) {
+                                          int32_t softmax_type, int64_t max_seqlen_q, int64_t max_seqlen_kv,
+                                          PagedParams* p) {
   const ffi::DataType dt = q.element_type();
   if (!is_supported_float(dt)) {
     return invalid(op, std::string("q must be float32, bfloat16 or float16, got ") + dtype_name(dt));
@@ -88,6 +91,12 @@ inline ffi::Error parse_paged_decode_call(const char* op, const ffi::AnyBuffer& 
     return invalid(op, "softmax_type must be 0 (vanilla), 1 (off_by_one) or 2 (learnable), got " +
                            std::to_string(softmax_type));
   }
+  if (max_seqlen_q < -1 || max_seqlen_kv < -1) {
+    return invalid(op, "max_seqlen_q and max_seqlen_kv must be bounds >= 0 or -1 (none), got " +
+                           std::to_string(max_seqlen_q) + " and " + std::to_string(max_seqlen_kv));
+  }
+  p->max_seqlen_q = max_seqlen_q;
+  p->max_seqlen_kv = max_seqlen_kv;
   p->scale = scale;
   p->mask.causal = causal;
   p->mask.window_left = window_left;
@@ -111,7 +120,8 @@ auto bind_paged_decode(FfiBinding&& binding) {
                     ffi::StructMember<float>("scale"),
                     ffi::StructMember<bool>("causal"), ffi::StructMember<bool>("bottom_right"),
                     ffi::StructMember<int64_t>("window_left"), ffi::StructMember<int64_t>("window_right"),
-                    ffi::StructMember<int32_t>("softmax_type"));
+                    ffi::StructMember<int32_t>("softmax_type"), ffi::StructMember<int64_t>("max_seqlen_q"),
+                    ffi::StructMember<int64_t>("max_seqlen_kv"));
 }
 
 }  // namespace fusedattn
