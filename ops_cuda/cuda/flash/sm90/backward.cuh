@@ -624,22 +624,13 @@ __device__ __forceinline__ void consume_backward_split(const BackwardArgs& args,
     fence_proxy_async();
     named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
 
-    // dV += (P o drop)^T dO and dK += dS^T Q over the consumer's head-dim columns, and
-    // dQ_tile^T of its two atoms: one commit group.
+    // dQ_tile^T of the consumer's two atoms, then dV += (P o drop)^T dO and dK += dS^T Q over
+    // its head-dim columns: two commit groups, so that dQ's vector reductions (the load-store
+    // queue's busiest stretch) are issued while dV's and dK's products run.
     float dq[2][T::kDqQueries / 8][4];
-    fence_accumulators(dv);
-    fence_accumulators(dk);
     fence_accumulators(dq[0]);
     fence_accumulators(dq[1]);
     cute::warpgroup_arrive();
-    const uint64_t do0 = mn_major_descriptor(do_tile + atom0 * T::kM * kAtomRowBytes, T::kM * kAtomRowBytes);
-    const uint64_t q0 = mn_major_descriptor(q_tile + atom0 * T::kM * kAtomRowBytes, T::kM * kAtomRowBytes);
-#pragma unroll
-    for (int ks = 0; ks < T::kM / 16; ++ks) {
-      const uint32_t rows = ks * 16 * kAtomRowBytes;  // 16 queries
-      gmma_ss_mn<ET, T::kConsumerDims>(descriptor_plus(weights_mn, rows), descriptor_plus(do0, rows), dv, true);
-      gmma_ss_mn<ET, T::kConsumerDims>(descriptor_plus(scores_mn, rows), descriptor_plus(q0, rows), dk, true);
-    }
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
 #pragma unroll
@@ -649,18 +640,30 @@ __device__ __forceinline__ void consume_backward_split(const BackwardArgs& args,
       }
     }
     cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<0>();
     fence_accumulators(dv);
     fence_accumulators(dk);
+    const uint64_t do0 = mn_major_descriptor(do_tile + atom0 * T::kM * kAtomRowBytes, T::kM * kAtomRowBytes);
+    const uint64_t q0 = mn_major_descriptor(q_tile + atom0 * T::kM * kAtomRowBytes, T::kM * kAtomRowBytes);
+#pragma unroll
+    for (int ks = 0; ks < T::kM / 16; ++ks) {
+      const uint32_t rows = ks * 16 * kAtomRowBytes;  // 16 queries
+      gmma_ss_mn<ET, T::kConsumerDims>(descriptor_plus(weights_mn, rows), descriptor_plus(do0, rows), dv, true);
+      gmma_ss_mn<ET, T::kConsumerDims>(descriptor_plus(scores_mn, rows), descriptor_plus(q0, rows), dk, true);
+    }
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<1>();
     fence_accumulators(dq[0]);
     fence_accumulators(dq[1]);
-    mbarrier_arrive(smem_address(&control->empty[s]));  // Q and dO read: the stage goes back
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       float* block = dq_blocks.block(h, m0, atom0 + j) + (consumer_thread % 128) * 4;
 #pragma unroll
       for (int t = 0; t < T::kDqQueries / 8; ++t) reduce_add_v4(block + t * 128 * 4, dq[j][t]);
     }
+    cute::warpgroup_wait<0>();
+    fence_accumulators(dv);
+    fence_accumulators(dk);
+    mbarrier_arrive(smem_address(&control->empty[s]));  // Q and dO read: the stage goes back
   }
   stamps[3] = trace_clock();
   // dK (times scale) and dV leave through the Q and dO stages by TMA, as in consume_backward.
