@@ -3,7 +3,8 @@
 // P = 0; delta = rowsum(dO o O) and the sink's gradient from the shared prologue) from
 // warpgroup matrix products, in the FlashAttention-3 arrangement.
 //
-// A block owns kN = 128 keys of one (batch row, K/V head) and has three warpgroups:
+// A block owns kN = 128 keys of one (batch row, K/V head) and has three warpgroups (at head
+// dim 256, 64 keys whose work the consumers split otherwise: consume_backward_split):
 //   warpgroup 0, the producer: one thread loads the block's K and V tiles once, then, for
 //     each (query head of the GQA group, query tile of kM = 64) that some of the keys can
 //     see (one warp searches them, ../spans.cuh, 32 at a time), that tile's Q and dO with
