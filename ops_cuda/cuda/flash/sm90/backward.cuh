@@ -297,6 +297,21 @@ __device__ __forceinline__ void zero_padding_tiles(uint32_t first, uint32_t seco
   named_barrier_sync(kConsumersBarrier, kConsumerThreads);
 }
 
+// S^T = K Q^T and dP^T = V dO^T of one consumer (64 key rows from k_rows and v_rows, kCols
+// query rows from q_rows and do_rows, rows kN and kM apart per atom): two commit groups.
+template <ElementType ET, typename T, int kCols>
+__device__ __forceinline__ void issue_scores(uint32_t k_rows, uint32_t v_rows, uint32_t q_rows, uint32_t do_rows,
+                                             float (&st)[kCols / 8][4], float (&dpt)[kCols / 8][4]) {
+  constexpr int kDepth = T::kAtoms * kAtomColumns;
+  fence_accumulators(st);
+  fence_accumulators(dpt);
+  cute::warpgroup_arrive();
+  gmma_rows_times_rows<ET, kCols, kDepth>(k_rows, T::kN * kAtomRowBytes, q_rows, T::kM * kAtomRowBytes, st);
+  cute::warpgroup_commit_batch();
+  gmma_rows_times_rows<ET, kCols, kDepth>(v_rows, T::kN * kAtomRowBytes, do_rows, T::kM * kAtomRowBytes, dpt);
+  cute::warpgroup_commit_batch();
+}
+
 // A consumer's elementwise work on one query tile of stage s: from S^T and dP^T (st, dpt:
 // its keys, the rows of `at`, by kCols queries from qc's first column, m0 the tile's first
 // query), P^T = exp(scale S^T - lse) masked, then dS^T = P^T o (drop o dP^T - delta), packed
@@ -434,16 +449,8 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
       zero_padding_tiles<T::kM, T::kAtoms, T::kConsumerThreads>(q_tile, do_tile, context().q_seg, m0, p.seqlen_q,
                                                                 consumer_thread);
     }
-
-    // S^T = K Q^T and dP^T = V dO^T: two commit groups.
     float st[T::kM / 8][4], dpt[T::kM / 8][4];
-    fence_accumulators(st);
-    fence_accumulators(dpt);
-    cute::warpgroup_arrive();
-    gmma_rows_times_rows<ET, T::kM, D>(k_rows, T::kN * kAtomRowBytes, q_tile, T::kM * kAtomRowBytes, st);
-    cute::warpgroup_commit_batch();
-    gmma_rows_times_rows<ET, T::kM, D>(v_rows, T::kN * kAtomRowBytes, do_tile, T::kM * kAtomRowBytes, dpt);
-    cute::warpgroup_commit_batch();
+    issue_scores<ET, T, T::kM>(k_rows, v_rows, q_tile, do_tile, st, dpt);
     if (i > 0) {  // the previous tile's dK (issued before these) has read its Q: that stage goes back
       cute::warpgroup_wait<2>();
       fence_accumulators(dk);
@@ -598,18 +605,9 @@ __device__ __forceinline__ void consume_backward_split(const BackwardArgs& args,
       zero_padding_tiles<T::kM, T::kAtoms, T::kConsumerThreads>(q_tile, do_tile, context().q_seg, m0, p.seqlen_q,
                                                                 consumer_thread);
     }
-
-    // S^T = K Q^T and dP^T = V dO^T of the consumer's queries: two commit groups.
+    // S^T and dP^T of the consumer's queries
     float st[T::kConsumerQueries / 8][4], dpt[T::kConsumerQueries / 8][4];
-    fence_accumulators(st);
-    fence_accumulators(dpt);
-    cute::warpgroup_arrive();
-    gmma_rows_times_rows<ET, T::kConsumerQueries, D>(k_tile, T::kN * kAtomRowBytes, q_tile + query_rows,
-                                                     T::kM * kAtomRowBytes, st);
-    cute::warpgroup_commit_batch();
-    gmma_rows_times_rows<ET, T::kConsumerQueries, D>(v_tile, T::kN * kAtomRowBytes, do_tile + query_rows,
-                                                     T::kM * kAtomRowBytes, dpt);
-    cute::warpgroup_commit_batch();
+    issue_scores<ET, T, T::kConsumerQueries>(k_tile, v_tile, q_tile + query_rows, do_tile + query_rows, st, dpt);
     const FragmentCoords qc{at.row0, m0 + cw * T::kConsumerQueries, lane};  // columns: queries
     cute::warpgroup_wait<1>();
     fence_accumulators(st);
