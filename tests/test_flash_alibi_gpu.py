@@ -111,7 +111,7 @@ def test_softmax_variants(rng, softmax):
     check(rng, alibi_spec("packed_bottom_right", softmax), with_slopes(rng, args, True))
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_dropout(rng, d):
     """Dropout and ALiBi together (the same Philox mask in both backends)."""
     args = make_args(rng, b=2, sq=97, skv=133, h=4, h_kv=2, d=d, dtype=jnp.bfloat16,

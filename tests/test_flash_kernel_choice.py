@@ -67,24 +67,22 @@ def test_the_forward_kernel_rule(device, capability, head_dims, d, skv, expected
     assert flash_gpu.cuda_forward_kernel(d, skv) == expected
 
 
-@pytest.mark.parametrize("capability,head_dims,d,sq,skv,deterministic,alibi,expected", [
-    ((9, 0), {64, 128}, 128, 300, 1, False, False, "sm90"),
-    ((9, 0), {64, 128}, 64, 1, 300, False, False, "sm90"),
-    ((9, 0), {64, 128}, 128, 300, 300, True, False, "sm80"),  # atomics are not bitwise repeatable
-    ((9, 0), {128}, 64, 300, 300, False, False, "sm80"),      # no sm_90a backward for the head dim
-    ((9, 0), {64, 128, 256}, 256, 300, 300, False, False, "sm90"),
-    ((9, 0), {64, 128, 256}, 256, 300, 300, False, True, "sm80"),  # d256 with ALiBi: sm_80
-    ((9, 0), {64, 128, 256}, 128, 300, 300, False, True, "sm90"),
-    ((9, 0), set(), 128, 300, 300, False, False, "sm80"),     # a library built without sm_90
-    ((9, 0), {128}, 128, 0, 300, False, False, "sm80"),       # no queries or no keys: TMA describes
-    ((9, 0), {128}, 128, 300, 0, False, False, "sm80"),       # no empty tensor
-    ((8, 0), {64, 128}, 128, 300, 300, False, False, "sm80"),
-    ((10, 0), {64, 128}, 128, 300, 300, False, False, "sm80"),
+@pytest.mark.parametrize("capability,head_dims,d,sq,skv,deterministic,expected", [
+    ((9, 0), {64, 128}, 128, 300, 1, False, "sm90"),
+    ((9, 0), {64, 128}, 64, 1, 300, False, "sm90"),
+    ((9, 0), {64, 128}, 128, 300, 300, True, "sm80"),  # atomics are not bitwise repeatable
+    ((9, 0), {128}, 64, 300, 300, False, "sm80"),      # no sm_90a backward for the head dim
+    ((9, 0), {64, 128, 256}, 256, 300, 300, False, "sm90"),
+    ((9, 0), set(), 128, 300, 300, False, "sm80"),     # a library built without sm_90
+    ((9, 0), {128}, 128, 0, 300, False, "sm80"),       # no queries or no keys: TMA describes
+    ((9, 0), {128}, 128, 300, 0, False, "sm80"),       # no empty tensor
+    ((8, 0), {64, 128}, 128, 300, 300, False, "sm80"),
+    ((10, 0), {64, 128}, 128, 300, 300, False, "sm80"),
 ])
-def test_the_backward_kernel_rule(device, capability, head_dims, d, sq, skv, deterministic, alibi,
+def test_the_backward_kernel_rule(device, capability, head_dims, d, sq, skv, deterministic,
                                   expected):
     device(capability, head_dims | {256}, head_dims)
-    assert flash_gpu.cuda_backward_kernel(d, sq, skv, deterministic, alibi) == expected
+    assert flash_gpu.cuda_backward_kernel(d, sq, skv, deterministic) == expected
 
 
 def test_kernel_text_names_both_passes(device):
@@ -153,9 +151,9 @@ def test_kernel_text_says_alibi(device):
         "gradient summed in a fixed order)")
     assert "ALiBi in the kernels" in flash.BACKEND.kernel(spec, _shapes(128), "rocm")
     assert "ALiBi" not in flash.BACKEND.kernel(_spec(), _shapes(128), "cuda")
-    device((9, 0), {128, 256})  # head dim 256 with ALiBi: the sm_80 backward
+    device((9, 0), {128, 256})
     assert flash.BACKEND.kernel(spec, _shapes(256), "cuda").startswith(
-        "flash: sm90 wgmma forward, sm80 backward, ALiBi")
+        "flash: sm90 wgmma forward, sm90 wgmma backward, ALiBi")
 
 
 def test_the_backward_call_carries_the_deterministic_attribute():

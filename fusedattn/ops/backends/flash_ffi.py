@@ -112,7 +112,7 @@ def cuda_workspace(q, k, tokens, backward: bool, deterministic: bool = False,
         return ()
     b, sq, h, d = q.shape
     sm90 = (backward and platform == "cuda"
-            and flash_gpu.cuda_backward_kernel(d, sq, k.shape[1], deterministic, alibi) == "sm90")
+            and flash_gpu.cuda_backward_kernel(d, sq, k.shape[1], deterministic) == "sm90")
     size = _library.flash_workspace_bytes(
         platform, token_rows=math.prod(tokens.shape[:-1]), batch=b, heads=h, seqlen_q=sq,
         seqlen_kv=k.shape[1], head_dim=d, backward=backward, sm90_backward=sm90, alibi=alibi)

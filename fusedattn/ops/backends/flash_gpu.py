@@ -99,18 +99,17 @@ def cuda_forward_kernel(head_dim: int, seqlen_kv: int) -> str:
 
 
 def cuda_backward_kernel(head_dim: int, seqlen_q: int, seqlen_kv: int,
-                          deterministic: bool, alibi: bool = False) -> str:
+                          deterministic: bool) -> str:
     """"sm90" or "sm80": the backward kernel of a CUDA call. The rule of
     ops_cuda/cuda/flash/flash.cu (backward_kernel_of): the sm_90a (wgmma) kernel on a device
-    of compute capability 9.0 where the library holds it for the head dim (64, 128 and 256;
-    at 256 not with ALiBi), the call has queries and keys, and config.deterministic_backward
+    of compute capability 9.0 where the library holds it for the head dim (64, 128 and 256),
+    the call has queries and keys, and config.deterministic_backward
     is False (its dQ sums with float32 atomics, in no fixed order) and FUSEDATTN_FLASH_KERNEL
     does not name the sm_80 kernels; else the sm_80 kernels (bitwise repeatable)."""
     if named_kernel() == "sm80":
         return "sm80"
     if (not deterministic and compute_capability() == (9, 0) and seqlen_q > 0 and seqlen_kv > 0
-            and head_dim in _library.flash_sm90_backward_head_dims("cuda")
-            and not (alibi and head_dim == 256)):
+            and head_dim in _library.flash_sm90_backward_head_dims("cuda")):
         return "sm90"
     return "sm80"
 
@@ -141,7 +140,7 @@ def kernels(spec: AttentionSpec, shapes: CallShapes | None, platform: str) -> st
     deterministic = bool(spec.deterministic_backward)
     text = _kernels_text(cuda_forward_kernel(d, shapes.seqlen_kv),
                          cuda_backward_kernel(d, shapes.seqlen_q, shapes.seqlen_kv,
-                                              deterministic, bool(alibi)), deterministic) + alibi
+                                              deterministic), deterministic) + alibi
     if named_kernel() == "sm80":
         return f"{text} (named by {KERNEL_VARIABLE}=sm80)"
     return text

@@ -54,8 +54,7 @@ constexpr int kSm90HeadDims =
     0;
 #endif
 
-// The head dims of the sm_90a backward: those of the forward (at 256 without ALiBi:
-// backward_kernel_of).
+// The head dims of the sm_90a backward: those of the forward.
 constexpr int kSm90BackwardHeadDims = kSm90HeadDims;
 
 bool head_dim_built(int64_t d) { return (d == 64 || d == 128 || d == 256) && (kBuiltHeadDims & (d / 64)); }
@@ -131,10 +130,7 @@ ffi::Error backward_kernel_of(const char* op, const AttentionParams& p, int32_t 
                               BackwardKernel* kernel) {
   *kernel = BackwardKernel::kSm80;
 #ifdef FUSEDATTN_FLASH_SM90
-  // Head dim 256 splits a block's keys between the consumers, whose ALiBi slope slots
-  // (launch.h) it does not fill: ALiBi there stays on the sm_80 kernels.
-  const bool held = head_dim_built(p.head_dim) && (kSm90BackwardHeadDims & (p.head_dim / 64)) != 0 &&
-                    !(p.alibi && p.head_dim == 256);
+  const bool held = head_dim_built(p.head_dim) && (kSm90BackwardHeadDims & (p.head_dim / 64)) != 0;
   if (named == kSm80Named || !held || deterministic || p.seqlen_q == 0 || p.seqlen_kv == 0) {
     return ffi::Error::Success();
   }
@@ -234,7 +230,7 @@ int64_t dq_accum_bytes(const AttentionParams& p) {
 int64_t slope_slot_count(const AttentionParams& p, BackwardKernel kernel) {
   if (!p.alibi) return 0;
 #ifdef FUSEDATTN_FLASH_SM90
-  if (kernel == BackwardKernel::kSm90) return sm90::slope_slots(p.seqlen_kv);
+  if (kernel == BackwardKernel::kSm90) return sm90::slope_slots(p.seqlen_kv, p.head_dim);
 #endif
   return sm80_slope_slots(p.seqlen_q);
 }

@@ -78,7 +78,7 @@ struct BackwardTiles {
   // Head dim 256 splits the work of a block between its consumers (consume_backward_split):
   // one consumer's dK and dV of 64 keys would alone fill its registers there.
   static constexpr bool kSplit = D == 256;
-  static constexpr int kN = kSplit ? 64 : 128;  // keys per block
+  static constexpr int kN = backward_key_tile(D);  // keys per block (64 at d256)
   static constexpr int kConsumerKeys = 64;  // the keys of a consumer's products (M): one swizzle atom of dS
   static constexpr int kM = kBackwardQueryTile;  // queries per streamed tile
   static constexpr int kStages = 2;
@@ -130,8 +130,7 @@ struct BackwardTiles {
                 "lse and delta two queries a lane; whole products of dQ^T (N = kDqQueries); a dS atom per consumer");
   static_assert(kQueryBytes % 1024 == 0 && kDsAtomBytes % 1024 == 0 && kDqOffset % 1024 == 0,
                 "swizzle atoms 1024-byte aligned");
-  static_assert(kSplit || (kN == kBackwardKeyTile && kConsumerThreads / 32 == kSlopeWarpsPerKeyTile),
-                "the slope-gradient slots of launch.h (the split arrangement takes no ALiBi)");
+  static_assert(kConsumerThreads / 32 == kSlopeWarpsPerKeyTile, "the slope-gradient slots of launch.h");
 };
 
 // The float32 dQ accumulator's order: per (batch row, head, query tile of kM, part) a block
@@ -286,6 +285,20 @@ __device__ __forceinline__ void store_scores(uint32_t ds, int row0, int lane, co
   }
 }
 
+// With ALiBi, a consumer warp's share of the slope gradient of the query head in progress,
+// for its slot of the block (launch.h: slope_slots): the heads come in order, so each is
+// stored when the next begins (next_head(-1) stores the last).
+struct SlopeShare {
+  float partial = 0.0f;
+  int64_t head = -1;
+  __device__ __forceinline__ void next_head(const FlashArgs& a, int64_t b, int64_t h, int64_t slot) {
+    if (h == head) return;
+    if (head >= 0) store_warp_partial(partial, head_slope_slots(a, b, head) + slot);
+    partial = 0.0f;
+    head = h;
+  }
+};
+
 // The consumers' zeroing of the padding tokens' rows of two tiles of kRows rows (K and V,
 // or Q and dO; see zero_padding_rows), ordered before the products that read them.
 template <int kRows, int kAtoms, int kConsumerThreads>
@@ -418,28 +431,14 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
   }
   const bool dq_issuer = consumer_thread % 128 == 0;  // issues the warpgroup's dQ reductions
   const DqAccumulator<D> dq_blocks(args.dq_accum, b, p.heads, p.seqlen_q);
-  // With ALiBi: the slope gradient of the query head in progress (the heads come in order:
-  // each is flushed to its warp's slot when it ends).
-  int slope_head = -1;
-  float slope_partial = 0.0f;
-  const auto flush_slope = [&] {
-    if (slope_head >= 0) {
-      store_warp_partial(slope_partial,
-                         head_slope_slots(a, b, slope_head) + n0 / T::kN * kSlopeWarpsPerKeyTile + 4 * cw + warp);
-    }
-    slope_partial = 0.0f;
-  };
+  SlopeShare slope;
+  const int64_t slope_slot = n0 / T::kN * kSlopeWarpsPerKeyTile + 4 * cw + warp;
   for (int i = 0;; ++i) {
     const int s = i % T::kStages;
     mbarrier_wait(smem_address(&control->full[s]), (i / T::kStages) & 1);
     if (i == 0) stamps[2] = trace_clock();
     const int64_t h = control->head[s], m0 = control->first[s];
-    if constexpr (kAlibi) {
-      if (h != slope_head) {
-        flush_slope();
-        slope_head = static_cast<int>(h);
-      }
-    }
+    if constexpr (kAlibi) slope.next_head(a, b, h, slope_slot);
     if (h < 0) break;
     ++tiles;
     const bool all_visible = control->all_visible[s] != 0;
@@ -462,7 +461,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
     fence_accumulators(st);
     uint32_t weights[T::kM / 16][4], scores[T::kM / 16][4];  // (P o drop)^T and dS^T as A operands
     tile_operands<ET, T::kM, kDropout, kAlibi>(a, control, s, b, h, m0, all_visible, at, qc, context, st, dpt,
-                                               weights, scores, slope_partial, [&] {
+                                               weights, scores, slope.partial, [&] {
                                                  cute::warpgroup_wait<0>();
                                                  fence_accumulators(dpt);
                                                });
@@ -552,9 +551,8 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
 // K^T dS^T for the consumer's two head-dim atoms (dQ parts atom0, atom0 + 1) is added to the
 // float32 workspace from registers by 16-byte vector reductions. Two barriers of both
 // consumers a tile: the buffers free (both consumers' products of the previous tile done),
-// then written. No ALiBi here (launch.h's slope slots count 128-key blocks): the sm_80
-// kernels serve head dim 256 with ALiBi (backward_kernel_of).
-template <ElementType ET, int D, bool kDropout>
+// then written. With ALiBi each warp's slope share covers its 16 keys and its consumer's queries.
+template <ElementType ET, int D, bool kDropout, bool kAlibi>
 __device__ __forceinline__ void consume_backward_split(const BackwardArgs& args, uint32_t base,
                                                        typename BackwardTiles<D>::Control* control, int64_t b,
                                                        int64_t g, int64_t n0, int cw) {
@@ -590,12 +588,14 @@ __device__ __forceinline__ void consume_backward_split(const BackwardArgs& args,
     zero_padding_tiles<T::kN, T::kAtoms, T::kConsumerThreads>(k_tile, v_tile, c.kv_seg, n0, p.seqlen_kv, consumer_thread);
   }
   const DqAccumulator<D> dq_blocks(args.dq_accum, b, p.heads, p.seqlen_q);
-  float no_slope = 0.0f;
+  SlopeShare slope;
+  const int64_t slope_slot = n0 / T::kN * kSlopeWarpsPerKeyTile + 4 * cw + warp;
   for (int i = 0;; ++i) {
     const int s = i % T::kStages;
     mbarrier_wait(smem_address(&control->full[s]), (i / T::kStages) & 1);
     if (i == 0) stamps[2] = trace_clock();
     const int64_t h = control->head[s], m0 = control->first[s];
+    if constexpr (kAlibi) slope.next_head(a, b, h, slope_slot);
     if (h < 0) break;
     ++tiles;
     const bool all_visible = control->all_visible[s] != 0;
@@ -612,8 +612,8 @@ __device__ __forceinline__ void consume_backward_split(const BackwardArgs& args,
     cute::warpgroup_wait<1>();
     fence_accumulators(st);
     uint32_t weights[T::kConsumerQueries / 16][4], scores[T::kConsumerQueries / 16][4];
-    tile_operands<ET, T::kConsumerQueries, kDropout, false>(a, control, s, b, h, m0, all_visible, at, qc, context, st,
-                                                            dpt, weights, scores, no_slope, [&] {
+    tile_operands<ET, T::kConsumerQueries, kDropout, kAlibi>(a, control, s, b, h, m0, all_visible, at, qc, context,
+                                                             st, dpt, weights, scores, slope.partial, [&] {
                                                               cute::warpgroup_wait<0>();
                                                               fence_accumulators(dpt);
                                                             });
@@ -720,8 +720,7 @@ __global__ void __launch_bounds__(BackwardTiles<D>::kThreads, 1)
   } else {
     registers_increase<T::kConsumerRegisters>();
     if constexpr (T::kSplit) {
-      static_assert(!kAlibi, "the split arrangement takes no ALiBi");
-      consume_backward_split<ET, D, kDropout>(args, base, control, b, g, n0, warpgroup - 1);
+      consume_backward_split<ET, D, kDropout, kAlibi>(args, base, control, b, g, n0, warpgroup - 1);
     } else {
       consume_backward<ET, D, kDropout, kAlibi>(args, base, control, b, g, n0, warpgroup - 1);
     }

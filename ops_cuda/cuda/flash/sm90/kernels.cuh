@@ -53,7 +53,6 @@ template <ElementType ET, int D>
 std::string backward(gpuStream_t stream, const FlashArgs& a, float* dq_accum) {
   using T = BackwardTiles<D>;
   const AttentionParams& p = a.p;
-  if (T::kSplit && p.alibi) return "no sm_90a backward for ALiBi at head dim " + std::to_string(D);
   BackwardArgs args;
   args.a = a;
   args.dq_accum = dq_accum;
@@ -74,19 +73,13 @@ std::string backward(gpuStream_t stream, const FlashArgs& a, float* dq_accum) {
   if (p.alibi) gpuMemsetAsync(a.slope_partials, 0, sizeof(float) * p.batch * p.heads * a.slope_slots, stream);
   const int64_t blocks = (p.seqlen_kv + T::kN - 1) / T::kN * p.kv_heads * p.batch;
   if (blocks > 0) {
-    const auto kernel = [&] {
-      if constexpr (T::kSplit) {  // no ALiBi: backward_kernel_of gives such calls the sm_80 kernels
-        return p.dropout ? backward_kernel<ET, D, true, false> : backward_kernel<ET, D, false, false>;
-      } else {
-        return p.alibi ? (p.dropout ? backward_kernel<ET, D, true, true> : backward_kernel<ET, D, false, true>)
-                       : (p.dropout ? backward_kernel<ET, D, true, false> : backward_kernel<ET, D, false, false>);
-      }
-    }();
+    const auto kernel = p.alibi ? (p.dropout ? backward_kernel<ET, D, true, true> : backward_kernel<ET, D, false, true>)
+                                : (p.dropout ? backward_kernel<ET, D, true, false> : backward_kernel<ET, D, false, false>);
     gpuFuncSetAttribute(reinterpret_cast<const void*>(kernel), gpuFuncAttributeMaxDynamicSharedMemorySize,
                         T::kSharedBytes);
     kernel<<<static_cast<unsigned>(blocks), T::kThreads, T::kSharedBytes, stream>>>(args);
   }
-  if (p.alibi) flash::launch_slope_gradient(stream, a);  // a.slope_slots: slope_slots(Skv)
+  if (p.alibi) flash::launch_slope_gradient(stream, a);  // a.slope_slots: slope_slots(Skv, D)
   const int64_t convert_blocks = std::min<int64_t>(floats / DqAccumulator<D>::kBlockFloats, 65536);
   if (convert_blocks > 0) {
     dq_convert_kernel<ET, D><<<static_cast<unsigned>(convert_blocks), 256, 0, stream>>>(dq_accum, a.dq, p);

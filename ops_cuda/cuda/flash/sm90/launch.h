@@ -29,12 +29,15 @@ FA_HOST_DEVICE inline int64_t dq_accum_floats(int64_t batch, int64_t heads, int6
   return batch * heads * ((seqlen_q + kBackwardQueryTile - 1) / kBackwardQueryTile * kBackwardQueryTile) * head_dim;
 }
 
-// With ALiBi the backward also needs a.slope_partials, slope_slots(Skv) floats per (b, h),
-// zeroed by the launcher: one per consumer warp of each block of kBackwardKeyTile keys.
-constexpr int64_t kBackwardKeyTile = 128;
+// The keys of a backward block (BackwardTiles::kN): 128, 64 at head dim 256.
+FA_HOST_DEVICE constexpr int64_t backward_key_tile(int64_t head_dim) { return head_dim == 256 ? 64 : 128; }
+
+// With ALiBi the backward also needs a.slope_partials, slope_slots(Skv, D) floats per (b, h),
+// zeroed by the launcher: one per consumer warp of each block of backward_key_tile(D) keys.
 constexpr int64_t kSlopeWarpsPerKeyTile = 8;
-FA_HOST_DEVICE inline int64_t slope_slots(int64_t seqlen_kv) {
-  return (seqlen_kv + kBackwardKeyTile - 1) / kBackwardKeyTile * kSlopeWarpsPerKeyTile;
+FA_HOST_DEVICE inline int64_t slope_slots(int64_t seqlen_kv, int64_t head_dim) {
+  const int64_t keys = backward_key_tile(head_dim);
+  return (seqlen_kv + keys - 1) / keys * kSlopeWarpsPerKeyTile;
 }
 
 // Launches the backward of head dim D (64 or 128: BackwardTiles) on a device of compute
