@@ -27,12 +27,19 @@ The byte floor of a call is the bytes it must move: the K/V it reads (b * s_kv *
 d * 2 for each of K and V), q and the output, over --peak bytes/s (the H200's 4.8 TB/s);
 "fraction_of_floor" is floor time over measured time.
 
+With --layers L (default 1) each timed call is one jitted program of L decode calls in
+sequence, as the L layers of a model's decode step: layer i + 1's queries are layer i's
+output, every layer reads the same cache (far larger than L2), and the row's "ms" is the
+time per layer. One call per program (L = 1) counts the host's dispatch and the idle GPU
+between calls; a step of layers, as a server runs it, leaves only the gaps between kernels.
+
 With --profile DIR the "paged" and "fa3_paged" rows are also traced (PROFILE_STEPS
 back-to-back calls into DIR/<name>_<impl>; benchmarks/kernel_profile.py) and get
 "profile": device ms per call by kernel (ours: the decode kernel, its combine kernel
 when it splits, and the XLA fusions before the call), and the GPU's idle time.
 
     python benchmarks/decode.py --out benchmarks/results/decode.json
+    python benchmarks/decode.py --layers 8 --out benchmarks/results/decode_layers.json
     python benchmarks/decode.py --quick   # one small shape on any device, seconds on a CPU
 """
 
@@ -70,6 +77,9 @@ def add_arguments(parser):
                         help="HBM bytes/s of the byte floor (default: the H200's 4.8e12)")
     parser.add_argument("--impls", default=",".join(IMPL_NAMES),
                         help=f"comma-separated subset of {','.join(IMPL_NAMES)}")
+    parser.add_argument("--layers", type=int, default=1,
+                        help="decode calls per timed program, in sequence (a step of layers); "
+                             "rows report the time per call")
     parser.add_argument("--profile", metavar="DIR", default=None,
                         help=f"also trace {PROFILE_STEPS} calls of each {'/'.join(PROFILED)} row "
                              "into DIR and add its device time by kernel")
@@ -160,28 +170,46 @@ def fa3_available() -> str | None:
     return None
 
 
-def case_calls(b: int, s_kv: int, s_q: int, chosen: list[str]) -> list[tuple[int | None, dict]]:
-    """[(page or None, {impl: zero-argument call})] of one (b, s_kv, s_q) case."""
+def layer_step(attend, args: tuple, layers: int):
+    """A zero-argument call of `attend(q, *rest)` (args = (q, *rest)): one program of `layers`
+    calls, each taking the previous one's output as its queries (unrolled: a loop's trip
+    test would cost a device-to-host copy per layer)."""
+    if layers == 1:
+        return functools.partial(attend, *args)
+    q, rest = args[0], args[1:]
+
+    @jax.jit
+    def step(q, *rest):
+        def layer(x, _):
+            return attend(x, *rest).astype(x.dtype), None
+        return jax.lax.scan(layer, q, None, length=layers, unroll=True)[0]
+    return functools.partial(step, q, *rest)
+
+
+def case_calls(b: int, s_kv: int, s_q: int, chosen: list[str],
+               layers: int = 1) -> list[tuple[int | None, dict]]:
+    """[(page or None, {impl: zero-argument call})] of one (b, s_kv, s_q) case; each call
+    runs `layers` decode calls in sequence (layer_step)."""
     keys = jax.random.split(jax.random.key(b * 7 + s_kv + s_q), 4)
     q = random_normal(keys[0], (b, s_q, HEADS, HEAD_DIM), jnp.bfloat16)
     k = random_normal(keys[1], (b, s_kv, KV_HEADS, HEAD_DIM), jnp.bfloat16)
     v = random_normal(keys[2], (b, s_kv, KV_HEADS, HEAD_DIM), jnp.bfloat16)
     q_len = jnp.full((b,), s_q, jnp.int32)
     kv_len = jnp.full((b,), s_kv, jnp.int32)
-    contiguous = {"contiguous": functools.partial(ours_contiguous(), q, k, v),
-                  "jax_xla": functools.partial(jax_xla(s_q, s_kv), q, k, v)}
+    contiguous = {"contiguous": layer_step(ours_contiguous(), (q, k, v), layers),
+                  "jax_xla": layer_step(jax_xla(s_q, s_kv), (q, k, v), layers)}
     if fa3_available() is None:
-        contiguous["fa3"] = functools.partial(fa3(b, paged=False), q, k, v)
+        contiguous["fa3"] = layer_step(fa3(b, paged=False), (q, k, v), layers)
     calls = [(None, {n: f for n, f in contiguous.items() if n in chosen})]
     for page in PAGE_SIZES:
         if s_kv % page:
             continue
         k_pages, v_pages, table = paged_cache(keys[3], k, v, page)
-        paged = {"paged": functools.partial(ours_paged(s_q), q, k_pages, v_pages, table, q_len,
-                                            kv_len)}
+        paged = {"paged": layer_step(ours_paged(s_q), (q, k_pages, v_pages, table, q_len, kv_len),
+                                     layers)}
         if fa3_available() is None:
-            paged["fa3_paged"] = functools.partial(fa3(b, paged=True), q, k_pages, v_pages,
-                                                   table, kv_len)
+            paged["fa3_paged"] = layer_step(fa3(b, paged=True), (q, k_pages, v_pages, table, kv_len),
+                                            layers)
         calls.append((page, {n: f for n, f in paged.items() if n in chosen}))
     return calls
 
@@ -204,8 +232,9 @@ def rows_of_case(b: int, s_kv: int, s_q: int, args) -> list[dict]:
     chosen = args.impls.split(",")
     floor_ms = floor_bytes(b, s_kv, s_q) / args.peak * 1e3
     rows = []
-    for page, calls in case_calls(b, s_kv, s_q, chosen):
+    for page, calls in case_calls(b, s_kv, s_q, chosen, args.layers):
         times, errors = interleaved_ms(calls, (), args.repeats, args.iters, args.min_window_ms)
+        times = {impl: ms / args.layers for impl, ms in times.items()}
         for impl in calls:
             row = {"name": f"b{b}_skv{s_kv}_sq{s_q}" + (f"_page{page}" if page else ""),
                    "shape": {"b": b, "s_kv": s_kv, "s_q": s_q, "page": page},
@@ -263,6 +292,10 @@ def main():
     unknown = sorted(set(args.impls.split(",")) - set(IMPL_NAMES))
     if unknown:
         raise SystemExit(f"--impls: unknown {', '.join(unknown)}; choose from {','.join(IMPL_NAMES)}")
+    if args.layers < 1:
+        raise SystemExit(f"--layers: a step has at least one layer, got {args.layers}")
+    if args.profile and args.layers > 1:
+        raise SystemExit("--profile traces one decode call per program; leave --layers at 1")
     rows = []
     for b, s_kv in QUICK_SHAPES if args.quick else SHAPES:
         for s_q in QUERIES:
@@ -272,7 +305,10 @@ def main():
                   head_dim=HEAD_DIM, dtype="bfloat16", peak_bytes_per_s=args.peak,
                   fa3=fa3_available() or "installed",
                   floor="K and V read once, q read, output written, at peak_bytes_per_s",
-                  method="interleaved rotated rounds, median per impl",
+                  method="interleaved rotated rounds, median per impl" + (
+                      f"; each timed program runs {args.layers} decode calls in sequence (layers "
+                      "of a step), ms per call" if args.layers > 1 else ""),
+                  layers=args.layers,
                   quick=bool(args.quick))
     for entry in summary:
         print(entry)

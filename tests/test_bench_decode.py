@@ -112,3 +112,16 @@ def test_kernel_variants_edit_the_current_source():
     for name, edits in decode_variants.VARIANTS.items():
         for old, new in edits.items():
             assert source.count(old) == 1 and old != new, (name, old)
+
+
+@pytest.mark.skipif(_library.available("cpu") is not None, reason="no host op library")
+def test_layer_step_feeds_each_layer_the_previous_output():
+    b, s_kv = bench.QUICK_SHAPES[0]
+    layers = 3
+    one = dict(bench.case_calls(b, s_kv, 1, ["paged"]))[16]["paged"]
+    stacked = dict(bench.case_calls(b, s_kv, 1, ["paged"], layers))[16]["paged"]
+    x = one()
+    attend, args = one.func, one.args
+    for _ in range(layers - 1):
+        x = attend(x.astype(args[0].dtype), *args[1:])
+    assert_close(stacked(), x, tolerance(jnp.bfloat16), f"{layers} layers")

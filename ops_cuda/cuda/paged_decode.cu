@@ -645,38 +645,61 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(DecodeArgs a) {
   if (!ok && split == 0) fill_rows<ET>(a, b, first, last, h0, nh, NAN);
 }
 
-// grid (S, H): the output rows of sequence s, head h, from the splits' partials.
+// grid (S, slices): a warp per output row (query i of sequence s, head h), the sequence's
+// rows r = i H + h taken by its warps in turn. A row costs two rounds of loads whatever its
+// number of splits: the lanes read 32 splits' (m, l) at once (lane z: split z) and reduce
+// them by shuffles, then each lane sums its 4 columns of those splits' accumulators, every
+// load of the round issued before the sums. A split that saw no key (m = -inf) holds zeros
+// and gets the factor 0.
 template <ElementType ET>
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(DecodeArgs a) {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the split kernel has finished, its writes visible
 #endif
   const PagedParams& p = a.p;
-  const int64_t s = blockIdx.x, h = blockIdx.y;
+  const int64_t s = blockIdx.x;
   const int32_t q_len = a.q_len[s];
   if (q_len <= 0 || !a.ok[s]) return;
-  const int64_t b = paged_row_of(p, s);
+  const int lane = threadIdx.x % 32;
   const int64_t rows = p.batch * p.seqlen_q * p.heads;
-  const float sink = softmax_sink_logit(p.softmax_type, paged_softmax_offset(a.offset, h));
-  for (int32_t i = 0; i < q_len; ++i) {
-    const int64_t row = (b * p.seqlen_q + paged_q_start(a.q_start, s) + i) * p.heads + h;
+  const int64_t q_row0 = paged_row_of(p, s) * p.seqlen_q + paged_q_start(a.q_start, s);
+  // 32-bit row indices (launch() bounds seqlen_q * heads): no 64-bit division in the loop
+  const uint32_t heads = static_cast<uint32_t>(p.heads), warps = kCombineThreads / 32 * gridDim.y;
+  for (uint32_t r = blockIdx.y * (kCombineThreads / 32) + threadIdx.x / 32; r < q_len * heads; r += warps) {
+    const int64_t h = r % heads;
+    const int64_t row = (q_row0 + r / heads) * p.heads + h;
     float m = -INFINITY;
-    for (int z = 0; z < a.splits; ++z) m = fmaxf(m, a.part_m[z * rows + row]);
+    for (int z = lane; z < a.splits; z += 32) m = fmaxf(m, a.part_m[z * rows + row]);
+#pragma unroll
+    for (int mask = 16; mask >= 1; mask /= 2) m = fmaxf(m, warp_shfl_xor(m, mask));
     float l = 0.0f;
-    for (int z = 0; z < a.splits; ++z) {
+    for (int z = lane; z < a.splits; z += 32) {
       const float mz = a.part_m[z * rows + row];
       if (mz != -INFINITY) l += a.part_l[z * rows + row] * expf(mz - m);
     }
+#pragma unroll
+    for (int mask = 16; mask >= 1; mask /= 2) l += warp_shfl_xor(l, mask);
     SoftmaxState st{m, l, m != -INFINITY};
     float inv = 0.0f;
-    st.finalize(p.softmax_type, sink, &inv);
-    for (int64_t d = threadIdx.x; d < p.head_dim_v; d += kCombineThreads) {
-      float sum = 0.0f;
-      for (int z = 0; z < a.splits; ++z) {
-        const float mz = a.part_m[z * rows + row];
-        if (mz != -INFINITY) sum += a.part_acc[(z * rows + row) * p.head_dim_v + d] * expf(mz - m);
+    st.finalize(p.softmax_type, softmax_sink_logit(p.softmax_type, paged_softmax_offset(a.offset, h)), &inv);
+    for (int64_t c = 4 * lane; c < p.head_dim_v; c += 4 * 32) {
+      float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      for (int z0 = 0; z0 < a.splits; z0 += 32) {
+        const float mz = z0 + lane < a.splits ? a.part_m[(z0 + lane) * rows + row] : -INFINITY;
+        const float factor = mz == -INFINITY ? 0.0f : expf(mz - m);  // of split z0 + lane
+        const int n = std::min(a.splits - z0, 32);
+#pragma unroll 4
+        for (int z = 0; z < n; ++z) {
+          const float f = warp_shfl(factor, z);
+          const float4 x = *reinterpret_cast<const float4*>(a.part_acc + ((z0 + z) * rows + row) * p.head_dim_v + c);
+          sum.x += f * x.x;
+          sum.y += f * x.y;
+          sum.z += f * x.z;
+          sum.w += f * x.w;
+        }
       }
-      a.o[row * p.head_dim_v + d] = from_float<ET>(sum * inv);
+      *reinterpret_cast<uint2*>(a.o + row * p.head_dim_v + c) =
+          make_uint2(flash::pack2<ET>(sum.x * inv, sum.y * inv), flash::pack2<ET>(sum.z * inv, sum.w * inv));
     }
   }
 }
@@ -737,7 +760,10 @@ cudaError_t launch_combine(gpuStream_t stream, const DecodeArgs& a) {
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(a.p.sequences), static_cast<unsigned>(a.p.heads));
+  // enough warps for a row each at up to kMaxQueries queries a sequence (more loop)
+  const int64_t slices = (std::min<int64_t>(a.p.seqlen_q, kMaxQueries) * a.p.heads + kCombineThreads / 32 - 1) /
+                         (kCombineThreads / 32);
+  config.gridDim = dim3(static_cast<unsigned>(a.p.sequences), static_cast<unsigned>(std::min<int64_t>(slices, 65535)));
   config.blockDim = dim3(kCombineThreads);
   config.dynamicSmemBytes = 0;
   config.stream = stream;
@@ -783,6 +809,10 @@ ffi::Error launch(const char* op, gpuStream_t stream, DecodeArgs a, ffi::Result<
       gpuMemsetAsync(a.o, 0, p.batch * p.seqlen_q * p.heads * p.head_dim_v * sizeof(uint16_t), stream) !=
           gpuSuccess) {
     return launch_status(op);
+  }
+  if (p.seqlen_q * p.heads > std::numeric_limits<uint32_t>::max()) {
+    return invalid(op, "the CUDA paged decode kernel takes at most 2^32 - 1 query rows x heads per q row, got " +
+                           std::to_string(p.seqlen_q) + " x " + std::to_string(p.heads));
   }
   const int64_t grid = ctas * a.splits;
   if (grid > std::numeric_limits<int32_t>::max()) {
