@@ -176,14 +176,13 @@ def layer_step(attend, args: tuple, layers: int):
     test would cost a device-to-host copy per layer)."""
     if layers == 1:
         return functools.partial(attend, *args)
-    q, rest = args[0], args[1:]
 
     @jax.jit
     def step(q, *rest):
         def layer(x, _):
             return attend(x, *rest).astype(x.dtype), None
         return jax.lax.scan(layer, q, None, length=layers, unroll=True)[0]
-    return functools.partial(step, q, *rest)
+    return functools.partial(step, *args)
 
 
 def case_calls(b: int, s_kv: int, s_q: int, chosen: list[str],
