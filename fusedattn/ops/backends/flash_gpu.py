@@ -103,9 +103,9 @@ def cuda_backward_kernel(head_dim: int, seqlen_q: int, seqlen_kv: int,
     """"sm90" or "sm80": the backward kernel of a CUDA call. The rule of
     ops_cuda/cuda/flash/flash.cu (backward_kernel_of): the sm_90a (wgmma) kernel on a device
     of compute capability 9.0 where the library holds it for the head dim (64, 128 and 256),
-    the call has queries and keys, and config.deterministic_backward
-    is False (its dQ sums with float32 atomics, in no fixed order) and FUSEDATTN_FLASH_KERNEL
-    does not name the sm_80 kernels; else the sm_80 kernels (bitwise repeatable)."""
+    the call has queries and keys, config.deterministic_backward is False (its dQ sums with
+    float32 reductions, in no fixed order) and FUSEDATTN_FLASH_KERNEL does not name the sm_80
+    kernels; else the sm_80 kernels (bitwise repeatable)."""
     if named_kernel() == "sm80":
         return "sm80"
     if (not deterministic and compute_capability() == (9, 0) and seqlen_q > 0 and seqlen_kv > 0
