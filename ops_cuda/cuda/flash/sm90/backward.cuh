@@ -310,6 +310,43 @@ __device__ __forceinline__ void zero_padding_tiles(uint32_t first, uint32_t seco
   named_barrier_sync(kConsumersBarrier, kConsumerThreads);
 }
 
+// The consumers' start: the block's K and V tiles landed (`landed`: the trace's stamp), then
+// their padding keys' rows zeroed where the block's keys are not one complete span.
+template <typename T>
+__device__ __forceinline__ void wait_keys_values(typename T::Control* control, uint32_t base, const HeadContext& c,
+                                                 int64_t n0, int64_t seqlen_kv, int consumer_thread,
+                                                 long long& landed) {
+  mbarrier_wait(smem_address(&control->kv_full), 0);
+  landed = trace_clock();
+  if (!tile_span<T::kN>(c.kv_spans, c.n_kv_spans, n0).complete) {
+    zero_padding_tiles<T::kN, T::kAtoms, T::kConsumerThreads>(base + T::kKOffset, base + T::kVOffset, c.kv_seg, n0,
+                                                              seqlen_kv, consumer_thread);
+  }
+}
+
+// Query tile i of a block, once its stage has landed: the stage, the tile's head (< 0: the
+// block's end, nothing else read), first query, whether every pair is visible, whether it
+// may hold padding queries, and its Q and dO tiles.
+struct QueryStage {
+  int s;
+  int64_t h, m0;
+  bool all_visible, padded;
+  uint32_t q_tile, do_tile;
+};
+
+template <typename T>
+__device__ __forceinline__ QueryStage wait_query_stage(typename T::Control* control, uint32_t base, int i) {
+  const int s = i % T::kStages;
+  mbarrier_wait(smem_address(&control->full[s]), (i / T::kStages) & 1);
+  return QueryStage{s,
+                    control->head[s],
+                    control->first[s],
+                    control->all_visible[s] != 0,
+                    control->padded[s] != 0,
+                    base + T::kQOffset + s * T::kQueryBytes,
+                    base + T::kDoOffset + s * T::kQueryBytes};
+}
+
 // S^T = K Q^T and dP^T = V dO^T of one consumer (64 key rows from k_rows and v_rows, kCols
 // query rows from q_rows and do_rows, rows kN and kM apart per atom): two commit groups.
 template <ElementType ET, typename T, int kCols>
@@ -424,27 +461,18 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
   const uint64_t k_atom = mn_major_descriptor(k_tile + (cw % T::kAtoms) * T::kN * kAtomRowBytes, T::kN * kAtomRowBytes);
   const uint32_t ds_part = (cw / T::kAtoms) * T::kDqQueries * kAtomRowBytes;
 
-  mbarrier_wait(smem_address(&control->kv_full), 0);
-  stamps[1] = trace_clock();
-  if (const HeadContext c = context(); !tile_span<T::kN>(c.kv_spans, c.n_kv_spans, n0).complete) {
-    zero_padding_tiles<T::kN, T::kAtoms, T::kConsumerThreads>(k_tile, v_tile, c.kv_seg, n0, p.seqlen_kv, consumer_thread);
-  }
+  wait_keys_values<T>(control, base, context(), n0, p.seqlen_kv, consumer_thread, stamps[1]);
   const bool dq_issuer = consumer_thread % 128 == 0;  // issues the warpgroup's dQ reductions
   const DqAccumulator<D> dq_blocks(args.dq_accum, b, p.heads, p.seqlen_q);
   SlopeShare slope;
   const int64_t slope_slot = n0 / T::kN * kSlopeWarpsPerKeyTile + 4 * cw + warp;
   for (int i = 0;; ++i) {
-    const int s = i % T::kStages;
-    mbarrier_wait(smem_address(&control->full[s]), (i / T::kStages) & 1);
+    const auto [s, h, m0, all_visible, padded, q_tile, do_tile] = wait_query_stage<T>(control, base, i);
     if (i == 0) stamps[2] = trace_clock();
-    const int64_t h = control->head[s], m0 = control->first[s];
     if constexpr (kAlibi) slope.next_head(a, b, h, slope_slot);
     if (h < 0) break;
     ++tiles;
-    const bool all_visible = control->all_visible[s] != 0;
-    const uint32_t q_tile = base + T::kQOffset + s * T::kQueryBytes;
-    const uint32_t do_tile = base + T::kDoOffset + s * T::kQueryBytes;
-    if (control->padded[s] != 0) {
+    if (padded) {
       zero_padding_tiles<T::kM, T::kAtoms, T::kConsumerThreads>(q_tile, do_tile, context().q_seg, m0, p.seqlen_q,
                                                                 consumer_thread);
     }
@@ -582,26 +610,17 @@ __device__ __forceinline__ void consume_backward_split(const BackwardArgs& args,
   const uint64_t weights_mn = mn_major_descriptor(weights_tile, T::kDsAtomBytes);
   const uint64_t scores_mn = mn_major_descriptor(scores_tile, T::kDsAtomBytes);
 
-  mbarrier_wait(smem_address(&control->kv_full), 0);
-  stamps[1] = trace_clock();
-  if (const HeadContext c = context(); !tile_span<T::kN>(c.kv_spans, c.n_kv_spans, n0).complete) {
-    zero_padding_tiles<T::kN, T::kAtoms, T::kConsumerThreads>(k_tile, v_tile, c.kv_seg, n0, p.seqlen_kv, consumer_thread);
-  }
+  wait_keys_values<T>(control, base, context(), n0, p.seqlen_kv, consumer_thread, stamps[1]);
   const DqAccumulator<D> dq_blocks(args.dq_accum, b, p.heads, p.seqlen_q);
   SlopeShare slope;
   const int64_t slope_slot = n0 / T::kN * kSlopeWarpsPerKeyTile + 4 * cw + warp;
   for (int i = 0;; ++i) {
-    const int s = i % T::kStages;
-    mbarrier_wait(smem_address(&control->full[s]), (i / T::kStages) & 1);
+    const auto [s, h, m0, all_visible, padded, q_tile, do_tile] = wait_query_stage<T>(control, base, i);
     if (i == 0) stamps[2] = trace_clock();
-    const int64_t h = control->head[s], m0 = control->first[s];
     if constexpr (kAlibi) slope.next_head(a, b, h, slope_slot);
     if (h < 0) break;
     ++tiles;
-    const bool all_visible = control->all_visible[s] != 0;
-    const uint32_t q_tile = base + T::kQOffset + s * T::kQueryBytes;
-    const uint32_t do_tile = base + T::kDoOffset + s * T::kQueryBytes;
-    if (control->padded[s] != 0) {
+    if (padded) {
       zero_padding_tiles<T::kM, T::kAtoms, T::kConsumerThreads>(q_tile, do_tile, context().q_seg, m0, p.seqlen_q,
                                                                 consumer_thread);
     }
