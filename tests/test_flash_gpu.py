@@ -102,6 +102,22 @@ def test_softmax_variants(rng, softmax, kind):
     check(rng, make_spec(kind, softmax), args)
 
 
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["no_mask", "causal", "padding_causal"])
+@pytest.mark.parametrize("steep", [False, True])
+def test_running_max_rising_over_the_keys(rng, steep, kind, dtype, d):
+    """Key norms grow along the sequence, so each row's maximum rises from tile to tile:
+    gently (it stays within the kernels' stale-max margin of 8 ln 2 for several tiles, and
+    weights up to 2^8 are accumulated against the old max) or steeply (it moves by more at
+    every tile, and O is rescaled). Random inputs alone move it only at the first tile."""
+    args = make_args(rng, b=2, sq=300, skv=1000, h=2, h_kv=1, d=d, dtype=dtype, kind=kind)
+    growth = 1.0 + 3.0 * np.arange(1000) / 1000
+    k = (np.asarray(args.k, np.float32) * growth[None, :, None, None]).astype(args.k.dtype)
+    args = args._replace(k=jnp.asarray(k))
+    check(rng, make_spec(kind), args, scale=(6.0 if steep else 1.0) / math.sqrt(d))
+
+
 @pytest.mark.parametrize("window", [(0, 0), (16, 0), (70, 5), (-1, 33), (3, -1)])
 @pytest.mark.parametrize("kind", ["no_mask", "causal", "packed_bottom_right"])
 def test_windows(rng, window, kind):

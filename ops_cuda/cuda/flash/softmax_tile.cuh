@@ -35,13 +35,23 @@ __device__ __forceinline__ float combine_parts(const float (&parts)[kParts], Op 
 // contributes nothing), become the weights exp(scale s - m) (dropout applied) that O += P V
 // takes; the row statistics move to the new running max, and factor[r] receives what the
 // outputs accumulated so far must be multiplied by (rescale_rows) for the lane's row r.
-// kv: the fragment's coordinates (rows: queries, columns: keys). after_max() runs once the
-// maxima and factors are known, before the weights are computed (the sm90 forward waits
-// there for the product that still reads the previous weights, so that the rescale of O
-// and the packing of the weights can interleave with the exponentials). kMayDrop = false:
-// a kernel instance for calls without dropout (no branch after the exponentials).
+// kv: the fragment's coordinates (rows: queries, columns: keys).
+//
+// A row's running max moves only when a tile's exceeds it by more than kStaleMax (or the
+// row has seen nothing yet): the weights are then at most e^kStaleMax = 2^8, which float32
+// sums and bf16/fp16 weights hold exactly as well as weights <= 1, and the result, o / l
+// with the same m in both, is the same. Once the maxima settle, no row of the warp moves
+// and O's rescale is skipped: `moved` (warp-uniform) says whether factor holds anything
+// but ones.
+//
+// after_max(moved) runs once the maxima and factors are known, before the weights are
+// computed (the sm90 forward waits there for the product that still reads the previous
+// weights, so that the rescale of O and the packing of the weights can interleave with the
+// exponentials). kMayDrop = false: a kernel instance for calls without dropout (no branch
+// after the exponentials).
+constexpr float kStaleMax = 8.0f * 0.69314718f;  // 8 ln 2
 struct NoStep {
-  __device__ __forceinline__ void operator()() const {}
+  __device__ __forceinline__ void operator()(bool) const {}
 };
 template <int kN, bool kMayDrop = true, typename AfterMax = NoStep>
 __device__ __forceinline__ void softmax_weights(float (&scores)[kN / 8][4], SoftmaxState (&state)[kLaneRows],
@@ -75,17 +85,26 @@ __device__ __forceinline__ void softmax_weights(float (&scores)[kN / 8][4], Soft
     // The scale is positive (the op checks it), so the scaled scores' maximum is this one scaled.
     block_max[r] = row_reduce(block_max[r], [](float x, float y) { return fmaxf(x, y); }) * p.scale;
   }
+  bool move[kLaneRows], lane_moves = false;
 #pragma unroll
   for (int r = 0; r < kLaneRows; ++r) {
-    // Branch-free: exp2 of 0 is exactly 1 where the max stays; a row without a visible key
-    // so far has l = 0 and o = 0, whatever the factor.
-    const float m = fmaxf(state[r].m, block_max[r]);
-    factor[r] = state[r].any ? fast_exp2((state[r].m - m) * kLog2e) : 0.0f;
-    state[r].l *= factor[r];
-    state[r].m = m;
-    state[r].any |= block_max[r] > -INFINITY;
+    move[r] = block_max[r] > -INFINITY && (!state[r].any || block_max[r] - state[r].m > kStaleMax);
+    lane_moves |= move[r];
+    factor[r] = 1.0f;
   }
-  after_max();
+  const bool moved = warp_ballot(lane_moves) != 0;
+  if (moved) {
+#pragma unroll
+    for (int r = 0; r < kLaneRows; ++r) {
+      // A row without a visible key so far has m = -inf (factor 0) and l = 0, o = 0.
+      factor[r] = move[r] ? fast_exp2((state[r].m - block_max[r]) * kLog2e) : 1.0f;
+      state[r].l *= factor[r];
+      state[r].m = move[r] ? block_max[r] : state[r].m;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kLaneRows; ++r) state[r].any |= block_max[r] > -INFINITY;
+  after_max(moved);
   // exp(scale x - m) as exp2(x scale log2(e) - m log2(e)), one multiply-add per element;
   // masked x = -inf gives 0 (a row without a visible key so far has m = -inf and every
   // weight masked).
@@ -130,7 +149,7 @@ __device__ __forceinline__ void rescale_rows(float (&o)[D / 8][4], const float (
 }
 
 // softmax_weights, after masking the scores unless `full` (every (query, key) pair of the
-// tile visible), with o [kWarpRows x D] rescaled at once.
+// tile visible), with o [kWarpRows x D] rescaled where a row's max moved.
 template <int kN, int D>
 __device__ __forceinline__ void softmax_tile(float (&scores)[kN / 8][4], float (&o)[D / 8][4],
                                              SoftmaxState (&state)[kLaneRows], const FlashArgs& a,
@@ -142,8 +161,9 @@ __device__ __forceinline__ void softmax_tile(float (&scores)[kN / 8][4], float (
     });
   }
   float factor[kLaneRows];
-  softmax_weights<kN>(scores, state, a, c, h, kv, factor);
-  rescale_rows<D>(o, factor);
+  softmax_weights<kN>(scores, state, a, c, h, kv, factor, [&](bool moved) {
+    if (moved) rescale_rows<D>(o, factor);
+  });
 }
 
 // The statistics at the end of a warp's kWarpRows rows: completes the row sums over the
