@@ -790,6 +790,11 @@ ffi::Error launch(const char* op, gpuStream_t stream, DecodeArgs a, ffi::Result<
       cudaSuccess) {
     return launch_status(op);
   }
+  if (p.seqlen_q * p.heads > std::numeric_limits<uint32_t>::max()) {
+    return invalid(op, "the CUDA paged decode kernel takes at most 2^32 - 1 query rows x heads per q row, got " +
+                           std::to_string(p.seqlen_q) + " x " + std::to_string(p.heads) +
+                           "; pass fewer query rows per call (split the queries into chunks)");
+  }
   const int64_t group = p.heads / p.kv_heads;
   const int64_t queries = std::min<int64_t>(p.seqlen_q, kMaxQueries);
   a.heads_per_cta = static_cast<int>(std::min<int64_t>(group, T::kRows / queries));
@@ -809,10 +814,6 @@ ffi::Error launch(const char* op, gpuStream_t stream, DecodeArgs a, ffi::Result<
       gpuMemsetAsync(a.o, 0, p.batch * p.seqlen_q * p.heads * p.head_dim_v * sizeof(uint16_t), stream) !=
           gpuSuccess) {
     return launch_status(op);
-  }
-  if (p.seqlen_q * p.heads > std::numeric_limits<uint32_t>::max()) {
-    return invalid(op, "the CUDA paged decode kernel takes at most 2^32 - 1 query rows x heads per q row, got " +
-                           std::to_string(p.seqlen_q) + " x " + std::to_string(p.heads));
   }
   const int64_t grid = ctas * a.splits;
   if (grid > std::numeric_limits<int32_t>::max()) {
