@@ -30,30 +30,72 @@ __device__ __forceinline__ float combine_parts(const float (&parts)[kParts], Op 
   return x[0];
 }
 
+// The running maxima moved to the rows' block maxima (scaled, [kLaneRows]) wherever those
+// exceed them; factor[r]: what the row's past sums and outputs must be multiplied by.
+__device__ __forceinline__ void move_maxima(SoftmaxState (&state)[kLaneRows], const float (&block_max)[kLaneRows],
+                                            float (&factor)[kLaneRows]) {
+#pragma unroll
+  for (int r = 0; r < kLaneRows; ++r) {
+    // Branch-free: exp2 of 0 is exactly 1 where the max stays; a row without a visible key
+    // so far has l = 0 and o = 0, whatever the factor.
+    const float m = fmaxf(state[r].m, block_max[r]);
+    factor[r] = state[r].any ? fast_exp2((state[r].m - m) * kLog2e) : 0.0f;
+    state[r].l *= factor[r];
+    state[r].m = m;
+    state[r].any |= block_max[r] > -INFINITY;
+  }
+}
+
+// move_maxima with stale maxima: a row's running max moves only when its block max exceeds
+// it by more than kStaleMax (or the row has seen nothing yet). The weights are then at most
+// e^kStaleMax = 2^8, which float32 sums and bf16/fp16 weights hold as exactly as weights
+// <= 1, and o / l, with the same max in both, is unchanged. Returns whether any row of the
+// warp moved (warp-uniform; factor holds only ones otherwise): once the maxima settle, O's
+// rescale is skipped.
+constexpr float kStaleMax = 8.0f * 0.69314718f;  // 8 ln 2
+__device__ __forceinline__ bool move_stale_maxima(SoftmaxState (&state)[kLaneRows],
+                                                  const float (&block_max)[kLaneRows], float (&factor)[kLaneRows]) {
+  bool move[kLaneRows], lane_moves = false;
+#pragma unroll
+  for (int r = 0; r < kLaneRows; ++r) {
+    move[r] = block_max[r] > -INFINITY && (!state[r].any || block_max[r] - state[r].m > kStaleMax);
+    lane_moves |= move[r];
+    factor[r] = 1.0f;
+  }
+  const bool moved = warp_ballot(lane_moves) != 0;
+  if (moved) {
+#pragma unroll
+    for (int r = 0; r < kLaneRows; ++r) {
+      // A row without a visible key so far has m = -inf (factor 0) and l = 0, o = 0.
+      factor[r] = move[r] ? fast_exp2((state[r].m - block_max[r]) * kLog2e) : 1.0f;
+      state[r].l *= factor[r];
+      state[r].m = move[r] ? block_max[r] : state[r].m;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kLaneRows; ++r) state[r].any |= block_max[r] > -INFINITY;
+  return moved;
+}
+
 // One key tile of a warp's kWarpRows rows: unscaled scores [kWarpRows x kN] (fragments), masked
 // elements -inf (set by selection, never arithmetic, so that anything K holds there
 // contributes nothing), become the weights exp(scale s - m) (dropout applied) that O += P V
 // takes; the row statistics move to the new running max, and factor[r] receives what the
 // outputs accumulated so far must be multiplied by (rescale_rows) for the lane's row r.
-// kv: the fragment's coordinates (rows: queries, columns: keys).
-//
-// A row's running max moves only when a tile's exceeds it by more than kStaleMax (or the
-// row has seen nothing yet): the weights are then at most e^kStaleMax = 2^8, which float32
-// sums and bf16/fp16 weights hold exactly as well as weights <= 1, and the result, o / l
-// with the same m in both, is the same. Once the maxima settle, no row of the warp moves
-// and O's rescale is skipped: `moved` (warp-uniform) says whether factor holds anything
-// but ones.
+// kv: the fragment's coordinates (rows: queries, columns: keys). kStale: the maxima move
+// by move_stale_maxima (the sm90 forward, where the other warpgroup's products hide the
+// vote), else by move_maxima (the sm_80 and AMD kernels, whose warps would wait for the
+// vote before their exponentials; `moved` is then true).
 //
 // after_max(moved) runs once the maxima and factors are known, before the weights are
 // computed (the sm90 forward waits there for the product that still reads the previous
 // weights, so that the rescale of O and the packing of the weights can interleave with the
 // exponentials). kMayDrop = false: a kernel instance for calls without dropout (no branch
 // after the exponentials).
-constexpr float kStaleMax = 8.0f * 0.69314718f;  // 8 ln 2
 struct NoStep {
   __device__ __forceinline__ void operator()(bool) const {}
 };
-template <int kN, bool kMayDrop = true, typename AfterMax = NoStep>
+template <int kN, bool kMayDrop = true, bool kStale = false, typename AfterMax = NoStep>
 __device__ __forceinline__ void softmax_weights(float (&scores)[kN / 8][4], SoftmaxState (&state)[kLaneRows],
                                                 const FlashArgs& a, const HeadContext& c, int64_t h,
                                                 FragmentCoords kv, float (&factor)[kLaneRows],
@@ -85,25 +127,12 @@ __device__ __forceinline__ void softmax_weights(float (&scores)[kN / 8][4], Soft
     // The scale is positive (the op checks it), so the scaled scores' maximum is this one scaled.
     block_max[r] = row_reduce(block_max[r], [](float x, float y) { return fmaxf(x, y); }) * p.scale;
   }
-  bool move[kLaneRows], lane_moves = false;
-#pragma unroll
-  for (int r = 0; r < kLaneRows; ++r) {
-    move[r] = block_max[r] > -INFINITY && (!state[r].any || block_max[r] - state[r].m > kStaleMax);
-    lane_moves |= move[r];
-    factor[r] = 1.0f;
+  bool moved = true;
+  if constexpr (kStale) {
+    moved = move_stale_maxima(state, block_max, factor);
+  } else {
+    move_maxima(state, block_max, factor);
   }
-  const bool moved = warp_ballot(lane_moves) != 0;
-  if (moved) {
-#pragma unroll
-    for (int r = 0; r < kLaneRows; ++r) {
-      // A row without a visible key so far has m = -inf (factor 0) and l = 0, o = 0.
-      factor[r] = move[r] ? fast_exp2((state[r].m - block_max[r]) * kLog2e) : 1.0f;
-      state[r].l *= factor[r];
-      state[r].m = move[r] ? block_max[r] : state[r].m;
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < kLaneRows; ++r) state[r].any |= block_max[r] > -INFINITY;
   after_max(moved);
   // exp(scale x - m) as exp2(x scale log2(e) - m log2(e)), one multiply-add per element;
   // masked x = -inf gives 0 (a row without a visible key so far has m = -inf and every
@@ -149,7 +178,7 @@ __device__ __forceinline__ void rescale_rows(float (&o)[D / 8][4], const float (
 }
 
 // softmax_weights, after masking the scores unless `full` (every (query, key) pair of the
-// tile visible), with o [kWarpRows x D] rescaled where a row's max moved.
+// tile visible), with o [kWarpRows x D] rescaled at once.
 template <int kN, int D>
 __device__ __forceinline__ void softmax_tile(float (&scores)[kN / 8][4], float (&o)[D / 8][4],
                                              SoftmaxState (&state)[kLaneRows], const FlashArgs& a,
@@ -161,9 +190,8 @@ __device__ __forceinline__ void softmax_tile(float (&scores)[kN / 8][4], float (
     });
   }
   float factor[kLaneRows];
-  softmax_weights<kN>(scores, state, a, c, h, kv, factor, [&](bool moved) {
-    if (moved) rescale_rows<D>(o, factor);
-  });
+  softmax_weights<kN>(scores, state, a, c, h, kv, factor);
+  rescale_rows<D>(o, factor);
 }
 
 // The statistics at the end of a warp's kWarpRows rows: completes the row sums over the
