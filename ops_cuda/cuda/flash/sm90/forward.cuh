@@ -426,8 +426,8 @@ __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorM
     }
     float factor[2];
     // Once the maxima are known: K and the key tokens are read, and the product in flight
-    // (which reads the previous weights' registers) is waited for and O rescaled, so that
-    // the rescale interleaves with the exponentials.
+    // (which reads the previous weights' registers) is waited for and O rescaled where a
+    // row's max moved (move_stale_maxima), before the exponentials.
     softmax_weights<T::kN, kDropout, true>(scores, state, a, c, h, kv, factor, [&](bool moved) {
       mbarrier_arrive(smem_address(&control->k_empty[s]));
       retire();
