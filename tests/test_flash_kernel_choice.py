@@ -257,17 +257,19 @@ def test_the_named_kernel_travels_as_the_gpu_calls_attribute(monkeypatch, value,
 
 
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0)])
-def test_bias_arrays_run_the_sm80_kernels(device, capability):
-    """The sm_90a kernels read no bias array: a call with one runs the sm_80 kernels in both
-    passes, on every device, and explain says so."""
+def test_bias_arrays_run_the_sm80_backward(device, capability):
+    """Either forward reads a bias array; the sm_90a backward does not, so a call with one runs
+    the sm_80 backward on every device, and explain says so."""
     device(capability, {64, 128, 256})
-    assert flash_gpu.cuda_forward_kernel(128, 300, bias=True) == "sm80"
+    sm90 = capability == (9, 0)
+    assert flash_gpu.cuda_forward_kernel(128, 300) == ("sm90" if sm90 else "sm80")
     assert flash_gpu.cuda_backward_kernel(128, 300, 300, False, bias=True) == "sm80"
+    forward = "sm90 wgmma forward, sm80 backward" if sm90 else "sm80 mma.sync forward and backward"
     for bias in ("pre_scale_bias", "post_scale_bias"):
         spec = AttentionSpec.from_config(dict(bias=bias))
         assert flash.BACKEND.kernel(spec, _shapes(128), "cuda") == (
-            "flash: sm80 mma.sync forward and backward, the bias array in the sm80 kernels "
-            "(its gradient summed in a fixed order)")
+            f"flash: {forward}, the bias array in the kernels (its gradient from the sm80 "
+            "backward, summed in a fixed order)")
 
 
 @pytest.mark.parametrize("bias_batch,bias_heads,terms", [(2, 4, False), (1, 4, True), (2, 1, True),

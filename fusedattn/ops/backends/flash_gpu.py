@@ -84,14 +84,13 @@ def gpu_reason(shapes: CallShapes | None, platform: str) -> str | None:
     return None
 
 
-def cuda_forward_kernel(head_dim: int, seqlen_kv: int, bias: bool = False) -> str:
+def cuda_forward_kernel(head_dim: int, seqlen_kv: int) -> str:
     """"sm90" or "sm80": the forward kernel of a CUDA call. The rule of
     ops_cuda/cuda/flash/flash.cu (forward_kernel_of): the sm_80 (mma.sync) kernel when
-    FUSEDATTN_FLASH_KERNEL=sm80 names it or the call has a bias array (bias: config.bias
-    'pre_scale_bias' or 'post_scale_bias'); else the sm_90a (wgmma) kernel on a device of
+    FUSEDATTN_FLASH_KERNEL=sm80 names it; else the sm_90a (wgmma) kernel on a device of
     compute capability 9.0 where the library holds it for the head dim and there is at least
     one key (TMA describes no empty tensor), else the sm_80 kernel."""
-    if named_kernel() == "sm80" or bias:
+    if named_kernel() == "sm80":
         return "sm80"
     if (compute_capability() == (9, 0) and head_dim in _library.flash_sm90_head_dims("cuda")
             and seqlen_kv > 0):
@@ -126,7 +125,7 @@ def _kernels_text(forward: str, backward: str, deterministic: bool) -> str:
 
 # explain()'s words for a call with ALiBi or a bias array: the kernels add the term themselves.
 _ALIBI_TEXT = ", ALiBi in the kernels (slopes' gradient summed in a fixed order)"
-_BIAS_TEXT = ", the bias array in the sm80 kernels (its gradient summed in a fixed order)"
+_BIAS_TEXT = ", the bias array in the kernels (its gradient from the sm80 backward, summed in a fixed order)"
 
 
 def kernels(spec: AttentionSpec, shapes: CallShapes | None, platform: str) -> str | None:
@@ -141,7 +140,7 @@ def kernels(spec: AttentionSpec, shapes: CallShapes | None, platform: str) -> st
                 "gfx90a/gfx94x; compile-checked only, never run on AMD hardware)")
     d = shapes.head_dim_qk
     deterministic = bool(spec.deterministic_backward)
-    text = _kernels_text(cuda_forward_kernel(d, shapes.seqlen_kv, bias),
+    text = _kernels_text(cuda_forward_kernel(d, shapes.seqlen_kv),
                          cuda_backward_kernel(d, shapes.seqlen_q, shapes.seqlen_kv,
                                               deterministic, bias), deterministic) + alibi
     if named_kernel() == "sm80":

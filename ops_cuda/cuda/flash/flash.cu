@@ -11,7 +11,7 @@
 // A call whose attribute "kernel" names the sm_80 kernels (FUSEDATTN_FLASH_KERNEL=sm80 when
 // fusedattn/ops/backends/flash.py traced it) runs them in both passes on every device.
 // ALiBi (the attribute alibi) runs each kernel's ALiBi variant (alibi_tile.cuh); a bias
-// array (bias_type 1 or 2) the sm_80 kernels' bias variant (bias_tile.cuh) on every device.
+// array (bias_type 1 or 2) the forward's bias variant and the sm_80 backward's (bias_tile.cuh).
 // Scratch (the spans; the backward's softmax delta, the sm_90a dQ sum and ALiBi's partial
 // sums) lives in a uint8 workspace result that XLA allocates, sized when the call is traced
 // by fusedattn/ops/backends/flash_ffi.py through this library's own layout
@@ -108,13 +108,11 @@ ffi::Error check_named_kernel(const char* op, int32_t named) {
 // the sm_90a kernel on a device of compute capability exactly 9.0 when this library holds
 // it for the call's head dim and there is at least one key (TMA describes no empty tensor);
 // it serves every call the handler accepts otherwise (masks, windows, packing, GQA, softmax
-// variants, dropout) but bias arrays. The sm_80 kernel otherwise.
+// variants, dropout, bias arrays). The sm_80 kernel otherwise.
 ffi::Error forward_kernel_of(const char* op, const AttentionParams& p, int32_t named, ForwardKernel* kernel) {
   *kernel = ForwardKernel::kSm80;
 #ifdef FUSEDATTN_FLASH_SM90
-  if (named == kSm80Named || !head_dim_built(p.head_dim) || p.seqlen_kv == 0 || p.bias_type != kBiasNone) {
-    return ffi::Error::Success();
-  }
+  if (named == kSm80Named || !head_dim_built(p.head_dim) || p.seqlen_kv == 0) return ffi::Error::Success();
   bool sm90 = false;
   if (auto e = device_is_sm90(op, &sm90); e.failure()) return e;
   if (sm90) *kernel = ForwardKernel::kSm90;
