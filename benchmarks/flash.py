@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 import fusedattn
-from fusedattn.ops import fused_attn
+from fusedattn.ops import SequenceDescriptor, fused_attn
 
 from common import (H200_MEASURED_MATMUL_FLOPS, interleaved_ms, parse_args, passes, random_normal,
                     write_results)
@@ -49,20 +49,39 @@ ALIBI_WINDOW = (256, 0)
 
 
 def ours(backend: str, causal: bool, dropout: float = 0.0, alibi: bool = False,
-         window: tuple[int, int] = (-1, -1)):
+         window: tuple[int, int] = (-1, -1), bias=None, sequence=None):
+    """fused_attn on `backend`; bias: a post-scale bias array [b|1, h|1, s, s]; sequence: a
+    SequenceDescriptor (the mask then reads it: padding, causal within segments)."""
     config = fusedattn.configs.attention_config()
     config.backend = backend
     config.mask = "causal" if causal else "no_mask"
+    if sequence is not None:
+        config.mask = "padding_causal" if causal else "padding"
     config.dropout_rate = dropout
     if alibi:
         config.bias = "alibi"
+    if bias is not None:
+        config.bias = "post_scale_bias"
     config.window_size = window
     key = jax.random.key(0)
 
     def attend(q, k, v):
-        return fused_attn((q, k, v), config=config, dropout_rng=key if dropout else None,
-                          is_training=dropout > 0)
+        return fused_attn((q, k, v), config=config, bias=bias, sequence=sequence,
+                          dropout_rng=key if dropout else None, is_training=dropout > 0)
     return attend
+
+
+# The packed-bias impls: PACKED_SEGMENTS sequences of equal length per row, a post-scale
+# bias [1, h, s, s] (cuDNN refuses a bias under packing: flash against xla).
+PACKED_SEGMENTS = 4
+
+
+def packed_bias(b: int, s: int, h: int):
+    """(bias, sequence) of the packed-bias impls for one shape (fixed random bias)."""
+    segments = 1 + jnp.arange(s, dtype=jnp.int32) * PACKED_SEGMENTS // s
+    ids = jnp.broadcast_to(segments, (b, s))
+    bias = jax.random.normal(jax.random.key(s + h), (1, h, s, s), jnp.float32)
+    return bias, SequenceDescriptor.from_segment_ids_and_pos(ids, ids)
 
 
 @contextlib.contextmanager
@@ -102,7 +121,9 @@ def fa3(causal: bool):
     return attend
 
 
-def impls(causal: bool, d: int, dropout: bool) -> dict:
+def impls(causal: bool, d: int, dropout: bool, packed=None) -> dict:
+    """The impls of one case; packed: packed_bias's (bias, sequence) where a packed-bias impl
+    was chosen."""
     table = {"flash": ours("flash", causal), "flash_sm80": ours_sm80(causal), "xla": ours("xla", causal),
              "cudnn": ours("cudnn", causal), "jax_cudnn": jax_cudnn(causal)}
     if dropout:
@@ -111,15 +132,19 @@ def impls(causal: bool, d: int, dropout: bool) -> dict:
         table[f"{backend}_alibi"] = ours(backend, causal, alibi=True)
     for backend in ("flash", "xla"):
         table[f"{backend}_alibi_window"] = ours(backend, causal, alibi=True, window=ALIBI_WINDOW)
+    if packed is not None:
+        for backend in ("flash", "xla"):
+            table[f"{backend}_bias_packed"] = ours(backend, causal, bias=packed[0], sequence=packed[1])
     if d == 128:
         table["fa3"] = fa3(causal)
     return table
 
 
 DEFAULT_IMPLS = ("flash", "flash_sm80", "xla", "cudnn", "jax_cudnn", "fa3", "flash_dropout", "cudnn_dropout")
-# Opt-in (--impls): the ALiBi impls (the xla ones take 5-18 ms a call at the large shapes).
+# Opt-in (--impls): the ALiBi impls (the xla ones take 5-18 ms a call at the large shapes) and
+# the packed-bias ones (a float32 bias of h s^2 elements: 4 GB at s = 8192, h = 16).
 IMPL_NAMES = DEFAULT_IMPLS + ("flash_alibi", "cudnn_alibi", "xla_alibi", "flash_alibi_window",
-                              "xla_alibi_window")
+                              "xla_alibi_window", "flash_bias_packed", "xla_bias_packed")
 
 
 def add_arguments(parser):
@@ -169,7 +194,10 @@ def main():
         for causal in [mask == "causal" for mask in masks]:
             name = f"b{b}_s{s}_h{h}_{h_kv}_d{d}" + ("_causal" if causal else "")
             shape = {"b": b, "s": s, "h": h, "h_kv": h_kv, "d": d, "causal": causal}
-            table = {n: f for n, f in impls(causal, d, dropout=index == 0).items() if n in chosen}
+            packed = (packed_bias(b, s, h)
+                      if {"flash_bias_packed", "xla_bias_packed"} & set(chosen) else None)
+            table = {n: f for n, f in impls(causal, d, dropout=index == 0, packed=packed).items()
+                     if n in chosen}
             for pass_name in ("fwd", "fwd+bwd"):
                 fns = {n: passes(f)[pass_name] for n, f in table.items()}
                 times, errors = interleaved_ms(fns, (q, k, v, do), args.repeats, args.iters,
@@ -222,6 +250,10 @@ def summarize(rows):
         entry["flash_alibi_vs_cudnn_alibi"] = ratio(alibi["cudnn_alibi"], alibi["flash_alibi"])
         entry["flash_alibi_vs_xla_alibi"] = ratio(alibi["xla_alibi"], alibi["flash_alibi"])
         entry["flash_alibi_window_vs_xla"] = ratio(alibi["xla_alibi_window"], alibi["flash_alibi_window"])
+        # A bias under packing (its TF/s count dense work; the ratio is what compares).
+        packed = {n: by_key.get((r["name"], n, r["pass"]), {}).get("ms")
+                  for n in ("flash_bias_packed", "xla_bias_packed")}
+        entry["flash_bias_packed_vs_xla"] = ratio(packed["xla_bias_packed"], packed["flash_bias_packed"])
         out.append(entry)
     return out
 
@@ -250,6 +282,11 @@ def print_table(summary):
               f"{fmt(s['flash_alibi_window_vs_xla'], '{:.3f}'):>14}")
     print("ALiBi: alibi/plain = flash ALiBi's speed as a fraction of plain flash's; vs X = X's time "
           "/ flash ALiBi's (targets: ALiBi+window >= 5x xla)")
+    print(f"\n{'case':<30}{'pass':<8}{'bias packed vs xla':>19}")
+    for s in summary:
+        print(f"{s['name']:<30}{s['pass']:<8}{fmt(s['flash_bias_packed_vs_xla'], '{:.3f}'):>19}")
+    print(f"a post-scale bias [1, h, s, s] under {PACKED_SEGMENTS} packed segments a row: xla's time / "
+          "flash's (target >= 5)")
 
 
 if __name__ == "__main__":

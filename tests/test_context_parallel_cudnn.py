@@ -198,7 +198,7 @@ REFUSED = {  # config overrides, call shapes -> what the reason must say
     "bottom_right_cross": (dict(mask="causal_bottom_right"), dict(sq=16, skv=32),
                            r"as many query as key tokens"),
     "bias": (dict(mask="causal", bias="post_scale_bias"), dict(bias=True),
-             r"no bias array \(config.bias 'post_scale_bias'\); use backend='xla'"),
+             r"no bias array \(config.bias 'post_scale_bias'\); use backend='flash'"),
     "alibi": (dict(mask="causal", bias="alibi"), {},
               r"ALiBi term would be taken from block-local positions; use backend='xla'"),
     "dropout": (dict(mask="causal", dropout_rate=0.1), dict(dropout=True),

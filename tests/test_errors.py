@@ -387,20 +387,19 @@ def test_named_backend_small_seq_not_eligible():
 
 
 def test_named_backend_flash_with_unsupported_feature():
-    """flash's GPU kernels have no bias arrays yet (the host build's have): naming flash for
-    a GPU raises with its reason, it never falls back silently."""
+    """flash has no FP8 path: naming flash for an FP8 call raises with its reason, it never
+    falls back silently."""
     from fusedattn.ops import registry
     from fusedattn.ops.backends.base import CallShapes
     from fusedattn.ops.spec import AttentionSpec
 
-    config = make_config(backend="flash", mask="no_mask", bias="post_scale_bias")
+    config = make_config(backend="flash", mask="no_mask", fp8={"enabled": True})
     shapes = CallShapes(batch=1, seqlen_q=S, seqlen_kv=S, num_heads=2, num_kv_heads=2,
                         head_dim_qk=64, head_dim_v=64, dtype=jnp.dtype(jnp.bfloat16),
-                        bias_shape=(1, 1, S, S), dropout=False)
+                        bias_shape=None, dropout=False)
     with pytest.raises(ValueError, match=r"config.backend='flash' cannot serve") as info:
         registry.select(AttentionSpec.from_config(config), shapes, "cuda")
-    assert "flash: bias arrays (config.bias 'post_scale_bias') are not yet in the CUDA" in str(
-        info.value)
+    assert "flash: no FP8 path yet (config.fp8.enabled)" in str(info.value)
 
 
 def test_bad_config_value_raises_from_fused_attn():

@@ -1,7 +1,12 @@
-"""The CUDA flash handlers and bias arrays, marked `gpu`: the kernels do not read a bias yet,
-so the handlers refuse one with the reason (supports() refuses it first on the public path:
-tests/test_flash_bias_host.py), and the calls without one run with the bias operand's
-unread placeholder."""
+"""Bias arrays in the CUDA flash kernels, marked `gpu`: the forward the device picks (the
+sm_90a one on compute capability 9.0) and the sm_80 backward serve them (bias_tile.cuh; the
+sm_90a backward reads none), every test both with the device's forward and with the sm_80
+kernels named (FUSEDATTN_FLASH_KERNEL=sm80, test_flash_gpu's fixture), and each case compares flash with the xla backend (config.bias 'pre_scale_bias':
+s = (q.k + bias) * scale, or 'post_scale_bias': s = q.k * scale + bias, the bias
+[b|1, h|1, sq, skv]): the output and the gradients of sum(o * do) w.r.t. q, k, v, the softmax
+offset and the bias (summed over the bias's shared dims, in a fixed order), with every output
+poisoned first. Lengths are off the kernels' tiles (64 queries, 32/64 keys).
+"""
 
 from __future__ import annotations
 
@@ -9,46 +14,100 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close
-from test_flash_host import make_args, make_spec
+from conftest import make_config, poison_like
+from test_flash_alibi_host import check, run
+from test_flash_bias_host import BIASES, SHAPES, bias_spec, with_bias
+from test_flash_gpu import flash_kernel  # noqa: F401  (autouse: the device's forward, then sm80)
+from test_flash_host import make_args
 
-from fusedattn.ops.backends import flash, flash_ffi, xla
+from fusedattn.ops import _library, explain
+from fusedattn.ops.backends import flash, flash_gpu
 
 pytestmark = pytest.mark.gpu
 
 
-def _call(rng, bias_type: int):
-    """The forward and backward FFI calls of a causal bf16 d=64 call, past supports()."""
-    args = make_args(rng, b=2, sq=70, skv=70, h=4, h_kv=2, d=64, dtype=jnp.bfloat16,
+def checked(rng, spec, args, scale=None):
+    """check() (flash against xla, every gradient) on poisoned output buffers, after making
+    sure the call's backward is the sm_80 kernels' bias variant."""
+    d = args.q.shape[-1]
+    if d not in _library.flash_head_dims("cuda"):
+        pytest.skip(f"head dim {d} not in this build's FUSEDATTN_FLASH_HEAD_DIMS")
+    assert flash_gpu.cuda_backward_kernel(d, args.q.shape[1], args.k.shape[1], False, bias=True) == "sm80"
+    b, sq, h, _ = args.q.shape
+    poison_like(args.q, args.k, args.v, args.bias.astype(jnp.float32),
+                jnp.zeros((b, h, sq), jnp.float32))
+    return check(rng, spec, args, scale)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("bias", BIASES)
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_broadcast_shapes_and_head_dims(rng, d, bias, shape):
+    """Every broadcast form of the bias (its gradient summed over the shared dims by
+    bias_gradient.cu, or written in place when full), GQA (4 heads over 2)."""
+    args = make_args(rng, b=2, sq=150, skv=170, h=4, h_kv=2, d=d, dtype=jnp.bfloat16,
+                     kind="padding_causal")
+    checked(rng, bias_spec(bias, "padding_causal"), with_bias(rng, args, shape))
+
+
+@pytest.mark.parametrize("bias", BIASES)
+@pytest.mark.parametrize("kind", ["no_mask", "causal", "causal_bottom_right", "padding",
+                                  "packed", "packed_bottom_right"])
+def test_masks_and_packing(rng, kind, bias):
+    """Every mask, and packed segments (which cuDNN refuses with a bias)."""
+    args = make_args(rng, b=3, sq=130, skv=197, h=4, h_kv=4, d=128, dtype=jnp.float16, kind=kind)
+    checked(rng, bias_spec(bias, kind), with_bias(rng, args, "per_head"))
+
+
+@pytest.mark.parametrize("window", [(16, 0), (70, 5), (-1, 33)])
+def test_windows(rng, window):
+    args = make_args(rng, b=2, sq=200, skv=230, h=2, h_kv=1, d=64, dtype=jnp.bfloat16,
                      kind="causal")
-    spec = make_spec("causal")
-    static = flash._static(spec, 0.125, spec.softmax, False)._replace(bias_type=bias_type)
-    bias = (jnp.asarray(rng.standard_normal((1, 4, 70, 70)), jnp.float32) if bias_type
-            else None)
-    h = args.q.shape[2]
-    offset, seed = jnp.zeros((h,), jnp.float32), jnp.zeros((2,), jnp.uint32)
-    return static, args, spec, offset, seed, bias
+    checked(rng, bias_spec("post_scale_bias", "causal", window=window),
+            with_bias(rng, args, "shared"))
 
 
-@pytest.mark.parametrize("bias_type", [1, 2])
-def test_handlers_refuse_a_bias_with_the_reason(rng, bias_type):
-    static, args, _, offset, seed, bias = _call(rng, bias_type)
-    reason = (rf"bias arrays \(bias_type {bias_type}\) are not yet in the CUDA flash kernels "
-              r"\(the host build serves them\)")
-    with pytest.raises(Exception, match=reason):
-        jax.block_until_ready(flash_ffi.forward_call(static, args.q, args.k, args.v, offset, seed,
-                                                  tuple(args.tokens), bias=bias))
-    o = jnp.zeros(args.q.shape, args.q.dtype)
-    lse = jnp.zeros((2, 4, 70), jnp.float32)
-    with pytest.raises(Exception, match=reason):
-        jax.block_until_ready(flash_ffi.op(static, True)(
-            args.q, args.k, args.v, *args.tokens, *flash_ffi.row_operands(offset, seed, offset),
-            bias, o, lse, o))
+@pytest.mark.parametrize("softmax", ["off_by_one", "learnable"])
+def test_softmax_variants_and_dropout(rng, softmax):
+    """The sink, the Philox dropout mask (bit-identical to the xla backend's) and a bias."""
+    args = make_args(rng, b=2, sq=97, skv=133, h=4, h_kv=2, d=128, dtype=jnp.bfloat16,
+                     kind="packed", softmax=softmax,
+                     seed=rng.integers(0, 2**32, 2, dtype=np.uint64).astype(np.uint32))
+    checked(rng, bias_spec("pre_scale_bias", "packed", softmax, dropout_rate=0.2),
+            with_bias(rng, args, "per_row"))
 
 
-def test_calls_without_a_bias_run(rng):
-    """The unread placeholder passes the handlers' checks; the output matches xla."""
-    static, args, spec, offset, seed, _ = _call(rng, 0)
-    o, _ = flash_ffi.forward_call(static, args.q, args.k, args.v, offset, seed, tuple(args.tokens))
-    want = xla.BACKEND.attention(spec, args, 0.125)
-    assert_close(np.asarray(o, np.float32), np.asarray(want, np.float32), 2e-2, "o")
+@pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
+def test_bias_of_the_inputs_dtype(rng, bias_dtype):
+    """A bias of q's 16-bit dtype is cast to float32 for the kernels; its gradient comes back
+    in its own dtype."""
+    args = make_args(rng, b=2, sq=70, skv=90, h=4, h_kv=2, d=64, dtype=jnp.bfloat16,
+                     kind="causal_bottom_right")
+    checked(rng, bias_spec("post_scale_bias", "causal_bottom_right"),
+            with_bias(rng, args, "full", bias_dtype))
+
+
+def test_gradient_is_bitwise_repeatable_and_zero_where_masked(rng):
+    """A shared bias's gradient sums every row and head in a fixed order: bitwise the same on
+    every run; exactly 0 at the pairs that no query sees (skipped tiles included)."""
+    args = with_bias(rng, make_args(rng, b=2, sq=300, skv=300, h=4, h_kv=2, d=128,
+                                    dtype=jnp.bfloat16, kind="causal"), "shared")
+    spec = bias_spec("post_scale_bias", "causal")
+    do = jnp.asarray(rng.standard_normal(args.q.shape), jnp.float32).astype(args.q.dtype)
+    first = run(flash.BACKEND, spec, args, 0.1, do)
+    again = run(flash.BACKEND, spec, args, 0.1, do)
+    for name in ("o", "dq", "dk", "dv", "d_bias"):
+        np.testing.assert_array_equal(np.asarray(first[name]), np.asarray(again[name]), name)
+    d_bias = np.asarray(first["d_bias"])[0, 0]
+    future = np.triu(np.ones((300, 300), bool), k=1)
+    assert np.all(d_bias[future] == 0)
+    assert np.count_nonzero(d_bias[~future]) > 0.9 * np.count_nonzero(~future)
+
+
+def test_explain_names_the_kernels(rng):
+    q = jax.ShapeDtypeStruct((2, 300, 4, 128), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((1, 4, 300, 300), jnp.float32)
+    config = make_config(backend="flash", mask="causal", bias="pre_scale_bias")
+    text = str(explain((q, q, q), config=config, bias=bias))
+    assert "sm80 backward, the bias array in the kernels" in text or \
+        "sm80 mma.sync forward and backward, the bias array in the kernels" in text, text

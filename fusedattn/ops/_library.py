@@ -222,15 +222,16 @@ def _opened(ffi_platform: str) -> ctypes.CDLL:
 
 def flash_workspace_bytes(platform: str, *, token_rows: int, batch: int, heads: int, seqlen_q: int,
                           seqlen_kv: int, head_dim: int, backward: bool, sm90_backward: bool,
-                          alibi: bool) -> int:
+                          alibi: bool, bias_batch: int = 0, bias_heads: int = 0) -> int:
     """The bytes of the uint8 workspace result a flash call needs on "cuda" or "rocm": the
     library's own layout (ops_cuda/cuda/flash/flash.cu: workspace_of), which its handlers
     check, so that the size given when the call is traced cannot drift from it.
-    sm90_backward: the backward runs the sm_90a kernel (flash_gpu.cuda_backward_kernel)."""
+    sm90_backward: the backward runs the sm_90a kernel (flash_gpu.cuda_backward_kernel);
+    bias_batch, bias_heads: the bias array's leading dims (0, 0 without one)."""
     ffi_platform = _ffi_platform(platform)
     query = getattr(_opened(ffi_platform), "FusedattnFlashRocmWorkspaceBytes" if ffi_platform == "ROCM"
                     else "FusedattnFlashCudaWorkspaceBytes")
     query.restype = ctypes.c_int64
-    query.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_int32] * 3
+    query.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_int32] * 3 + [ctypes.c_int64] * 2
     return int(query(token_rows, batch, heads, seqlen_q, seqlen_kv, head_dim, int(backward),
-                     int(sm90_backward), int(alibi)))
+                     int(sm90_backward), int(alibi), bias_batch, bias_heads))

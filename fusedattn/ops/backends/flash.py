@@ -46,10 +46,6 @@ class FlashBackend:
 
     def supports(self, spec: AttentionSpec, shapes: CallShapes | None, platform: str) -> str | None:
         platform = (platform or "").lower()
-        if spec.bias in BIAS_TYPES and platform in ("gpu", "cuda", "rocm"):
-            return (f"flash: bias arrays (config.bias {str(spec.bias)!r}) are not yet in the "
-                    "CUDA and ROCm kernels (the host build serves them on cpu); use "
-                    "backend='xla' or 'auto'")
         if platform in ("gpu", "cuda"):
             return flash_gpu.gpu_reason(shapes, "cuda")
         if platform == "rocm":

@@ -26,9 +26,8 @@ paper's slopes, or config.bias 'alibi''s given ones; zeros without ALiBi), o [b,
 h, dv], lse float32 [b, h, sq], and d_offset, d_slopes float32 [b, h] (summed over b
 here). bias is float32 [b|1, h|1, sq, skv] (config.bias 'pre_scale_bias' or
 'post_scale_bias', cast from its dtype; an unread float32 [1, 1, 0, 0] without one) and
-d_bias float32 of its shape, summed over its dims of extent 1 inside the call. The
-host build serves bias arrays; the CUDA and ROCm handlers refuse them (supports() says
-so). softmax_offset, seed and alibi_slopes reach the kernels with a leading axis of
+d_bias float32 of its shape, summed over its dims of extent 1 inside the call (on CUDA
+and ROCm the sm_80 kernels serve calls with a bias array). softmax_offset, seed and alibi_slopes reach the kernels with a leading axis of
 rows ([L, h], [L, 2], [L, h]): batch row r reads row r // (B / L). Both calls go through partitioning.py: under
 jax.vmap the mapped axis folds into the kernel's batch (never a loop; mapped
 offsets and seeds become rows, so the dropout mask of a mapped example is that
@@ -103,19 +102,25 @@ class Static(NamedTuple):
 
 
 def cuda_workspace(q, k, tokens, backward: bool, deterministic: bool = False,
-                    alibi: bool = False) -> tuple[jax.ShapeDtypeStruct, ...]:
+                    alibi: bool = False, bias_shape: tuple[int, ...] | None = None,
+                    ) -> tuple[jax.ShapeDtypeStruct, ...]:
     """() on the host; on CUDA and ROCm the handlers' scratch, a uint8 result XLA allocates,
     sized by the library's own layout (_library.flash_workspace_bytes: the spans, and for the
-    backward the softmax delta, the sm_90a dQ accumulator and ALiBi's partial sums)."""
+    backward the softmax delta, the sm_90a dQ accumulator, ALiBi's partial sums and the terms
+    of a broadcast bias array's gradient). bias_shape: the bias array's [b|1, h|1, sq, skv]
+    (None without one)."""
     platform = current_platform()
     if platform not in ("cuda", "rocm"):
         return ()
     b, sq, h, d = q.shape
+    bias = bias_shape is not None
     sm90 = (backward and platform == "cuda"
-            and flash_gpu.cuda_backward_kernel(d, sq, k.shape[1], deterministic) == "sm90")
+            and flash_gpu.cuda_backward_kernel(d, sq, k.shape[1], deterministic, bias) == "sm90")
+    bias_batch, bias_heads = bias_shape[:2] if bias else (0, 0)
     size = _library.flash_workspace_bytes(
         platform, token_rows=math.prod(tokens.shape[:-1]), batch=b, heads=h, seqlen_q=sq,
-        seqlen_kv=k.shape[1], head_dim=d, backward=backward, sm90_backward=sm90, alibi=alibi)
+        seqlen_kv=k.shape[1], head_dim=d, backward=backward, sm90_backward=sm90, alibi=alibi,
+        bias_batch=bias_batch, bias_heads=bias_heads)
     return (jax.ShapeDtypeStruct((size,), jnp.uint8),)
 
 
@@ -140,7 +145,8 @@ def _backward(static: Static, q, k, v, *operands):
          jax.ShapeDtypeStruct((b, h), jnp.float32),
          jax.ShapeDtypeStruct(operands[_BIAS - 3].shape, jnp.float32))
         + cuda_workspace(q, k, operands[0], backward=True, deterministic=static.deterministic,
-                          alibi=static.alibi),
+                          alibi=static.alibi,
+                          bias_shape=operands[_BIAS - 3].shape if static.bias_type else None),
     )(q, k, v, *operands, **static.attributes(backward=True))[:6]
 
 

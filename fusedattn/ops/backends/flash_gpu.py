@@ -99,14 +99,14 @@ def cuda_forward_kernel(head_dim: int, seqlen_kv: int) -> str:
 
 
 def cuda_backward_kernel(head_dim: int, seqlen_q: int, seqlen_kv: int,
-                          deterministic: bool) -> str:
+                          deterministic: bool, bias: bool = False) -> str:
     """"sm90" or "sm80": the backward kernel of a CUDA call. The rule of
     ops_cuda/cuda/flash/flash.cu (backward_kernel_of): the sm_90a (wgmma) kernel on a device
     of compute capability 9.0 where the library holds it for the head dim (64, 128 and 256),
     the call has queries and keys, config.deterministic_backward is False (its dQ sums with
-    float32 reductions, in no fixed order) and FUSEDATTN_FLASH_KERNEL does not name the sm_80
-    kernels; else the sm_80 kernels (bitwise repeatable)."""
-    if named_kernel() == "sm80":
+    float32 reductions, in no fixed order), it has no bias array and FUSEDATTN_FLASH_KERNEL
+    does not name the sm_80 kernels; else the sm_80 kernels (bitwise repeatable)."""
+    if named_kernel() == "sm80" or bias:
         return "sm80"
     if (not deterministic and compute_capability() == (9, 0) and seqlen_q > 0 and seqlen_kv > 0
             and head_dim in _library.flash_sm90_backward_head_dims("cuda")):
@@ -123,8 +123,9 @@ def _kernels_text(forward: str, backward: str, deterministic: bool) -> str:
     return text + " (deterministic_backward)" if deterministic and backward == "sm80" else text
 
 
-# explain()'s words for a call with ALiBi: every GPU kernel adds the term itself.
+# explain()'s words for a call with ALiBi or a bias array: the kernels add the term themselves.
 _ALIBI_TEXT = ", ALiBi in the kernels (slopes' gradient summed in a fixed order)"
+_BIAS_TEXT = ", the bias array in the kernels (its gradient from the sm80 backward, summed in a fixed order)"
 
 
 def kernels(spec: AttentionSpec, shapes: CallShapes | None, platform: str) -> str | None:
@@ -132,7 +133,8 @@ def kernels(spec: AttentionSpec, shapes: CallShapes | None, platform: str) -> st
     platform = (platform or "").lower()
     if shapes is None or platform not in ("gpu", "cuda", "rocm"):
         return None
-    alibi = _ALIBI_TEXT if spec.bias == BiasType.ALIBI else ""
+    bias = spec.bias in (BiasType.PRE_SCALE_BIAS, BiasType.POST_SCALE_BIAS)
+    alibi = _ALIBI_TEXT if spec.bias == BiasType.ALIBI else _BIAS_TEXT if bias else ""
     if platform == "rocm":
         return (f"flash: MFMA forward and backward{alibi} (the sm80 kernels' text, "
                 "gfx90a/gfx94x; compile-checked only, never run on AMD hardware)")
@@ -140,7 +142,7 @@ def kernels(spec: AttentionSpec, shapes: CallShapes | None, platform: str) -> st
     deterministic = bool(spec.deterministic_backward)
     text = _kernels_text(cuda_forward_kernel(d, shapes.seqlen_kv),
                          cuda_backward_kernel(d, shapes.seqlen_q, shapes.seqlen_kv,
-                                              deterministic), deterministic) + alibi
+                                              deterministic, bias), deterministic) + alibi
     if named_kernel() == "sm80":
         return f"{text} (named by {KERNEL_VARIABLE}=sm80)"
     return text

@@ -33,8 +33,8 @@ pair's global chunk indices): "no_mask" where wholly visible, top-left "causal" 
 diagonal, nothing where invisible; that serves dense "no_mask" and "causal" masks
 (one call per block without a causal mask), and verdict says why not the rest. A pair
 runs the backend's log-sum-exp entry point: xla (every feature), flash
-(host build: bias arrays included; no ALiBi, and no dropout, its masks being keyed
-by block-local indices) or cudnn (backends/cudnn/lse.py). Softmax sinks (off_by_one,
+(bias arrays included; no ALiBi, and no dropout, its masks being keyed by
+block-local indices) or cudnn (backends/cudnn/lse.py). Softmax sinks (off_by_one,
 learnable) join once per query after the merge; dropout masks are drawn at the global
 query and key indices, so every result equals the unsharded call's (up to float32
 rounding of the merge).

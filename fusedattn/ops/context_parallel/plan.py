@@ -88,8 +88,8 @@ def _cudnn_reason(spec: AttentionSpec, shapes: CallShapes | None) -> str | None:
                 "use backend='xla'")
     if spec.bias != BiasType.NO_BIAS:
         return (f"cudnn: its context-parallel block calls take no bias array (config.bias "
-                f"{str(spec.bias)!r}); use backend='xla' (or 'flash' on a CPU, whose host "
-                "build takes each block's slice)")
+                f"{str(spec.bias)!r}); use backend='flash' (which takes each block's slice) or "
+                "'xla'")
     if shapes is not None and shapes.dropout:
         return ("cudnn: under context parallelism its dropout masks would come from cuDNN's "
                 "own generator at block-local indices, not the unsharded call's; use "

@@ -10,7 +10,8 @@
 //                          dK += dS^T Q with dS = P o (drop o dP - delta)
 //   dq_kernel              a block owns 64 queries of one head and streams the key tiles:
 //                          dQ += dS K (with ALiBi also each warp's part of the slope's gradient,
-//                          alibi_tile.cuh, summed by slope_gradient.cu)
+//                          alibi_tile.cuh, summed by slope_gradient.cu; with a bias array the
+//                          terms of its gradient, bias_tile.cuh)
 //
 // P is recomputed from the saved lse (+inf for rows without visible keys: P = 0).
 #ifndef FUSEDATTN_FLASH_BACKWARD_CUH_
@@ -19,6 +20,7 @@
 #include <cmath>
 
 #include "alibi_tile.cuh"
+#include "bias_tile.cuh"
 #include "launch.h"
 #include "params.cuh"
 #include "pipeline.cuh"
@@ -106,7 +108,7 @@ struct DkDvTiles {
   static_assert(kN == kThreads / kWarpSize * kWarpRows, "one fragment of rows per warp");
 };
 
-template <ElementType ET, int D, bool kAlibi>
+template <ElementType ET, int D, bool kAlibi, bool kBias = false>
 __global__ void __launch_bounds__(DkDvTiles<D>::kThreads) dkdv_kernel(const FlashArgs a) {
   using T = DkDvTiles<D>;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -171,6 +173,9 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads) dkdv_kernel(const Flas
                               static_cast<float>(keys.pos[e / kRowElems]));
       });
     }
+    if constexpr (kBias) {
+      add_bias<T::kM>(st, a, b, h, [&](int n, int e) { return qc.col(n, e); }, [&](int, int e) { return qc.row(e); });
+    }
     float lse_scaled[T::kM / 8][kRowElems], delta_of[T::kM / 8][kRowElems];  // the lane's query columns
 #pragma unroll
     for (int n = 0; n < T::kM / 8; ++n) {
@@ -232,7 +237,7 @@ struct DqTiles {
   static_assert(kM == kThreads / kWarpSize * kWarpRows, "one fragment of rows per warp");
 };
 
-template <ElementType ET, int D, bool kAlibi>
+template <ElementType ET, int D, bool kAlibi, bool kBias = false>
 __global__ void __launch_bounds__(DqTiles<D>::kThreads) dq_kernel(const FlashArgs a) {
   using T = DqTiles<D>;
   static_assert(T::kM == kSlopeQueryTile && T::kThreads / kWarpSize == kSlopeWarpsPerQueryTile,
@@ -301,6 +306,9 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads) dq_kernel(const FlashArg
       return alibi_distance(diagonal[e / kRowElems], key_position(c, kv.col(n, e), p.seqlen_kv));
     };
     if constexpr (kAlibi) add_alibi<T::kN>(sc, alibi, distance);
+    [[maybe_unused]] const auto query_of = [&](int, int e) { return kv.row(e); };
+    [[maybe_unused]] const auto key_of = [&](int n, int e) { return kv.col(n, e); };
+    if constexpr (kBias) add_bias<T::kN>(sc, a, b, h, query_of, key_of);
 #pragma unroll
     for (int n = 0; n < T::kN / 8; ++n) {
 #pragma unroll
@@ -328,6 +336,7 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads) dq_kernel(const FlashArg
       }
     }
     if constexpr (kAlibi) slope_partial += alibi_slope_partial<T::kN>(sc, distance);
+    if constexpr (kBias) store_bias_terms<T::kN>(sc, a, b, h, query_of, key_of);
     warp_regs_times_rows<ET, T::kN, D>(dq, sc, k_tile(s), 0);
   };
   stream_tiles<T::kThreads>(n_kv_tiles, relation, load, compute);

@@ -10,7 +10,8 @@
 // deterministic set: its dQ sums with atomics) or the sm_80 kernels (backward_kernel_of).
 // A call whose attribute "kernel" names the sm_80 kernels (FUSEDATTN_FLASH_KERNEL=sm80 when
 // fusedattn/ops/backends/flash.py traced it) runs them in both passes on every device.
-// ALiBi (the attribute alibi) runs each kernel's ALiBi variant (alibi_tile.cuh).
+// ALiBi (the attribute alibi) runs each kernel's ALiBi variant (alibi_tile.cuh); a bias
+// array (bias_type 1 or 2) the forward's bias variant and the sm_80 backward's (bias_tile.cuh).
 // Scratch (the spans; the backward's softmax delta, the sm_90a dQ sum and ALiBi's partial
 // sums) lives in a uint8 workspace result that XLA allocates, sized when the call is traced
 // by fusedattn/ops/backends/flash_ffi.py through this library's own layout
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "fusedattn/gpu_runtime.h"
+#include "bias_tile.cuh"
 #include "fusedattn/ffi_args.h"
 #include "launch.h"
 #include "xla/ffi/api/ffi.h"
@@ -106,7 +108,7 @@ ffi::Error check_named_kernel(const char* op, int32_t named) {
 // the sm_90a kernel on a device of compute capability exactly 9.0 when this library holds
 // it for the call's head dim and there is at least one key (TMA describes no empty tensor);
 // it serves every call the handler accepts otherwise (masks, windows, packing, GQA, softmax
-// variants, dropout). The sm_80 kernel otherwise.
+// variants, dropout, bias arrays). The sm_80 kernel otherwise.
 ffi::Error forward_kernel_of(const char* op, const AttentionParams& p, int32_t named, ForwardKernel* kernel) {
   *kernel = ForwardKernel::kSm80;
 #ifdef FUSEDATTN_FLASH_SM90
@@ -124,14 +126,15 @@ ffi::Error forward_kernel_of(const char* op, const AttentionParams& p, int32_t n
 // (kSm90BackwardHeadDims), the call has queries and keys (TMA describes no empty tensor)
 // and `deterministic` (config deterministic_backward) is false, since its dQ sums with
 // float32 atomics in no fixed order; it serves every other call the handler accepts (masks,
-// windows, packing, GQA, softmax variants, dropout). The sm_80 kernels otherwise (no
-// atomics: bitwise repeatable).
+// windows, packing, GQA, softmax variants, dropout) but bias arrays. The sm_80 kernels
+// otherwise (no atomics: bitwise repeatable).
 ffi::Error backward_kernel_of(const char* op, const AttentionParams& p, int32_t named, bool deterministic,
                               BackwardKernel* kernel) {
   *kernel = BackwardKernel::kSm80;
 #ifdef FUSEDATTN_FLASH_SM90
   const bool held = head_dim_built(p.head_dim) && (kSm90BackwardHeadDims & (p.head_dim / 64)) != 0;
-  if (named == kSm80Named || !held || deterministic || p.seqlen_q == 0 || p.seqlen_kv == 0) {
+  if (named == kSm80Named || !held || deterministic || p.seqlen_q == 0 || p.seqlen_kv == 0 ||
+      p.bias_type != kBiasNone) {
     return ffi::Error::Success();
   }
   bool sm90 = false;
@@ -159,9 +162,10 @@ ffi::Error launch_forward_kernel(const char* op, gpuStream_t stream, const Flash
 }
 
 // Launches the backward kernels of the call's head dim and the given kind (dq_accum: the
-// sm_90a kernel's float32 dQ sum, unused by the sm_80 kernels).
+// sm_90a kernel's float32 dQ sum, unused by the sm_80 kernels; d_bias: a bias array's
+// gradient, sm_80 kernels only).
 ffi::Error launch_backward_kernel(const char* op, gpuStream_t stream, const FlashArgs& a, ElementType type,
-                                  BackwardKernel kernel, float* dq_accum) {
+                                  BackwardKernel kernel, float* dq_accum, float* d_bias) {
   std::string error;
   with_head_dim(a.p.head_dim, [&](auto d) {
 #ifdef FUSEDATTN_FLASH_SM90
@@ -170,7 +174,7 @@ ffi::Error launch_backward_kernel(const char* op, gpuStream_t stream, const Flas
       return;
     }
 #endif
-    launch_backward<decltype(d)::value>(stream, a, type);
+    launch_backward<decltype(d)::value>(stream, a, type, d_bias);
   });
   if (!error.empty()) return ffi::Error::Internal(std::string(op) + ": the sm_90a backward could not launch: " + error);
   return launch_status(op);
@@ -193,20 +197,11 @@ ffi::Error check_kernel_support(const char* op, const AttentionParams& p, ffi::D
   return ffi::Error::Success();
 }
 
-// Parses the bias operand and refuses a bias array: the GPU kernels do not read one yet.
-ffi::Error check_no_bias(const char* op, const ffi::AnyBuffer& bias, int32_t bias_type, AttentionParams* p) {
-  if (auto e = parse_bias(op, bias, bias_type, p); e.failure()) return e;
-  if (p->bias_type != kBiasNone) {
-    return invalid(op, "bias arrays (bias_type " + std::to_string(bias_type) + ") are not yet in the " FA_FFI_PLATFORM
-                       " flash kernels (the host build serves them); use backend 'xla' or 'auto'");
-  }
-  return ffi::Error::Success();
-}
-
 // The workspace's layout: the spans, then (backward) the softmax delta, for the sm_90a
-// backward the float32 dQ accumulator [B, Sq, H, D] and, with ALiBi, the slope gradient's
-// partial sums [B, H, slots] (slots: sm80_slope_slots or sm90::slope_slots), each 256-byte
-// aligned.
+// backward the float32 dQ accumulator [B, Sq, H, D], with ALiBi the slope gradient's
+// partial sums [B, H, slots] (slots: sm80_slope_slots or sm90::slope_slots) and with a bias
+// array broadcast over batch rows or heads the terms of its gradient [B, H, Sq, Skv], each
+// 256-byte aligned.
 int64_t align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
 int64_t span_bytes(const AttentionParams& p) {
@@ -239,8 +234,8 @@ int64_t slope_slot_count(const AttentionParams& p, BackwardKernel kernel) {
 // spans; for the backward also the delta, the sm_90a kernel's dQ accumulator and ALiBi's
 // partial sums (slots per (b, h)).
 struct Workspace {
-  int64_t spans = 0, delta = 0, dq_accum = 0, slopes = 0, slots = 0;
-  int64_t bytes() const { return spans + delta + dq_accum + slopes; }
+  int64_t spans = 0, delta = 0, dq_accum = 0, slopes = 0, slots = 0, bias_terms = 0;
+  int64_t bytes() const { return spans + delta + dq_accum + slopes + bias_terms; }
 };
 
 Workspace workspace_of(const AttentionParams& p, bool backward, BackwardKernel kernel) {
@@ -251,6 +246,9 @@ Workspace workspace_of(const AttentionParams& p, bool backward, BackwardKernel k
   w.dq_accum = kernel == BackwardKernel::kSm90 ? dq_accum_bytes(p) : 0;
   w.slots = slope_slot_count(p, kernel);
   w.slopes = align256(p.batch * p.heads * w.slots * static_cast<int64_t>(sizeof(float)));
+  if (p.bias_type != kBiasNone && !bias_gradient_direct(p)) {
+    w.bias_terms = align256(p.batch * p.heads * p.seqlen_q * p.seqlen_kv * static_cast<int64_t>(sizeof(float)));
+  }
   return w;
 }
 
@@ -267,7 +265,7 @@ FlashArgs common_args(const AttentionParams& p, const ffi::AnyBuffer& q, const f
                       const ffi::AnyBuffer& v, const ffi::AnyBuffer& q_seg, const ffi::AnyBuffer& q_pos,
                       const ffi::AnyBuffer& q_diag, const ffi::AnyBuffer& kv_seg, const ffi::AnyBuffer& kv_pos,
                       const ffi::AnyBuffer& softmax_offset, const ffi::AnyBuffer& seed,
-                      const ffi::AnyBuffer& alibi_slopes) {
+                      const ffi::AnyBuffer& alibi_slopes, const ffi::AnyBuffer& bias) {
   FlashArgs a{};
   a.p = p;
   a.q = static_cast<const uint16_t*>(q.untyped_data());
@@ -281,6 +279,7 @@ FlashArgs common_args(const AttentionParams& p, const ffi::AnyBuffer& q, const f
   a.offset = softmax_offset.typed_data<float>();
   a.seed = seed.typed_data<uint32_t>();
   a.slopes = alibi_slopes.typed_data<float>();
+  a.bias = p.bias_type != kBiasNone ? bias.typed_data<float>() : nullptr;
   return a;
 }
 
@@ -308,7 +307,7 @@ ffi::Error FlashFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
       e.failure()) {
     return e;
   }
-  if (auto e = check_no_bias(kOp, bias, bias_type, &p); e.failure()) return e;
+  if (auto e = parse_bias(kOp, bias, bias_type, &p); e.failure()) return e;
   if (auto e = check_kernel_support(kOp, p, q.element_type()); e.failure()) return e;
   if (auto e = check_named_kernel(kOp, named_kernel); e.failure()) return e;
   if (auto e = check_forward_results(kOp, p, lead, q.element_type(), o, lse); e.failure()) return e;
@@ -316,7 +315,7 @@ ffi::Error FlashFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   if (auto e = check_workspace(kOp, workspace, workspace_of(p, false, BackwardKernel::kSm80).bytes()); e.failure()) {
     return e;
   }
-  FlashArgs a = common_args(p, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed, alibi_slopes);
+  FlashArgs a = common_args(p, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed, alibi_slopes, bias);
   a.o = static_cast<uint16_t*>(o->untyped_data());
   a.lse = lse->typed_data<float>();
   ForwardKernel kernel;
@@ -346,7 +345,7 @@ ffi::Error FlashBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
       e.failure()) {
     return e;
   }
-  if (auto e = check_no_bias(kOp, bias, bias_type, &p); e.failure()) return e;
+  if (auto e = parse_bias(kOp, bias, bias_type, &p); e.failure()) return e;
   if (auto e = check_bias_gradient(kOp, bias, d_bias); e.failure()) return e;
   if (auto e = check_kernel_support(kOp, p, q.element_type()); e.failure()) return e;
   if (auto e = check_named_kernel(kOp, named_kernel); e.failure()) return e;
@@ -357,7 +356,7 @@ ffi::Error FlashBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   if (auto e = backward_kernel_of(kOp, p, named_kernel, deterministic, &kernel); e.failure()) return e;
   const Workspace w = workspace_of(p, true, kernel);
   if (auto e = check_workspace(kOp, workspace, w.bytes()); e.failure()) return e;
-  FlashArgs a = common_args(p, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed, alibi_slopes);
+  FlashArgs a = common_args(p, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed, alibi_slopes, bias);
   a.o = static_cast<uint16_t*>(const_cast<void*>(o.untyped_data()));
   a.lse = const_cast<float*>(lse.typed_data<float>());
   a.dout = static_cast<const uint16_t*>(dout.untyped_data());
@@ -371,8 +370,11 @@ ffi::Error FlashBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   a.delta = reinterpret_cast<float*>(scratch + w.spans);
   a.slope_partials = reinterpret_cast<float*>(scratch + w.spans + w.delta + w.dq_accum);
   a.slope_slots = w.slots;
+  float* const d_bias_data = d_bias->typed_data<float>();
+  a.bias_terms = w.bias_terms > 0 ? reinterpret_cast<float*>(scratch + w.spans + w.delta + w.dq_accum + w.slopes)
+                                  : d_bias_data;
   return launch_backward_kernel(kOp, stream, a, element_type_of(dt), kernel,
-                                reinterpret_cast<float*>(scratch + w.spans + w.delta));
+                                reinterpret_cast<float*>(scratch + w.spans + w.delta), d_bias_data);
 }
 
 }  // namespace
@@ -422,10 +424,10 @@ extern "C" __attribute__((visibility("default"))) int FA_FLASH_HEAD_DIMS_SYMBOL(
 // fusedattn/ops/backends/flash_ffi.py, which sizes that result when the call is traced:
 // token_rows (L of the token vectors), B, H, Sq, Skv, D; backward: of the backward pass;
 // sm90_backward: the backward runs the sm_90a kernel (backward_kernel_of); alibi: the call
-// has ALiBi.
+// has ALiBi; bias_batch, bias_heads: the bias array's leading dims (0, 0 without one).
 extern "C" __attribute__((visibility("default"))) int64_t FA_FLASH_WORKSPACE_SYMBOL(
     int64_t token_rows, int64_t batch, int64_t heads, int64_t seqlen_q, int64_t seqlen_kv, int64_t head_dim,
-    int32_t backward, int32_t sm90_backward, int32_t alibi) {
+    int32_t backward, int32_t sm90_backward, int32_t alibi, int64_t bias_batch, int64_t bias_heads) {
   fusedattn::AttentionParams p{};
   p.token_rows = token_rows;
   p.batch = batch;
@@ -434,6 +436,9 @@ extern "C" __attribute__((visibility("default"))) int64_t FA_FLASH_WORKSPACE_SYM
   p.seqlen_kv = seqlen_kv;
   p.head_dim = p.head_dim_v = head_dim;
   p.alibi = alibi != 0;
+  p.bias_type = bias_batch > 0 ? fusedattn::kBiasPreScale : fusedattn::kBiasNone;  // either type: the same layout
+  p.bias_batch = bias_batch;
+  p.bias_heads = bias_heads;
   using fusedattn::flash::BackwardKernel;
   return fusedattn::flash::workspace_of(p, backward != 0, sm90_backward ? BackwardKernel::kSm90 : BackwardKernel::kSm80)
       .bytes();

@@ -5,7 +5,7 @@ namespace fusedattn {
 namespace flash {
 
 template void launch_forward<128>(gpuStream_t, const FlashArgs&, ElementType);
-template void launch_backward<128>(gpuStream_t, const FlashArgs&, ElementType);
+template void launch_backward<128>(gpuStream_t, const FlashArgs&, ElementType, float*);
 
 }  // namespace flash
 }  // namespace fusedattn

@@ -1,6 +1,7 @@
 // The flash forward kernel (CUDA sm_80 and later; AMD CDNA through mfma.cuh):
 // o = softmax(scale * q k^T (+ ALiBi) + mask) v with the softmax sink, dropout and lse of
-// fusedattn/softmax.h, for one head dim D; kAlibi: the call has ALiBi (alibi_tile.cuh).
+// fusedattn/softmax.h, for one head dim D; kAlibi: the call has ALiBi (alibi_tile.cuh);
+// kBias: a bias array (bias_tile.cuh).
 //
 // A block owns kM = 64 queries of one (batch row, head), kWarpRows per warp (NVIDIA: 16 for
 // each of 4 warps; AMD: 32 for each of 2 wavefronts), and streams the key/value tiles that
@@ -10,6 +11,7 @@
 #define FUSEDATTN_FLASH_FORWARD_CUH_
 
 #include "alibi_tile.cuh"
+#include "bias_tile.cuh"
 #include "params.cuh"
 #include "pipeline.cuh"
 #include "softmax_tile.cuh"
@@ -28,7 +30,7 @@ struct ForwardTiles {
   static_assert(kM == kThreads / kWarpSize * kWarpRows, "one fragment of rows per warp");
 };
 
-template <ElementType ET, int D, bool kAlibi>
+template <ElementType ET, int D, bool kAlibi, bool kBias = false>
 __global__ void __launch_bounds__(ForwardTiles<D>::kThreads) forward_kernel(const FlashArgs a) {
   using T = ForwardTiles<D>;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -86,6 +88,9 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads) forward_kernel(cons
       add_alibi<T::kN>(scores, alibi, [&](int n, int e) {
         return alibi_distance(diagonal[e / kRowElems], key_position(c, kv.col(n, e), p.seqlen_kv));
       });
+    }
+    if constexpr (kBias) {
+      add_bias<T::kN>(scores, a, b, h, [&](int, int e) { return kv.row(e); }, [&](int n, int e) { return kv.col(n, e); });
     }
     softmax_tile<T::kN, D>(scores, o, state, a, c, query, h, kv, full);
     warp_regs_times_rows<ET, T::kN, D>(o, scores, v_tile(s), 0);

@@ -25,8 +25,10 @@ void forward(gpuStream_t stream, const FlashArgs& a) {
   using T = ForwardTiles<D>;
   static_assert(T::kSharedBytes <= kMaxDynamicSharedBytes, "the forward's tiles exceed the shared memory");
   const int64_t blocks = (a.p.seqlen_q + T::kM - 1) / T::kM * a.p.heads * a.p.batch;
-  launch(a.p.alibi ? forward_kernel<ET, D, true> : forward_kernel<ET, D, false>, blocks, T::kThreads,
-         T::kSharedBytes, stream, a);
+  launch(a.p.bias_type != kBiasNone ? forward_kernel<ET, D, false, true>
+         : a.p.alibi                 ? forward_kernel<ET, D, true>
+                                     : forward_kernel<ET, D, false>,
+         blocks, T::kThreads, T::kSharedBytes, stream, a);
 }
 
 // What every backward runs first (the sm_80 kernels and the sm_90a one): a.delta =
@@ -50,21 +52,33 @@ void backward_prologue(gpuStream_t stream, const FlashArgs& a, float* zero = nul
   }
 }
 
+// The backward's kernels. With a bias array, d_bias [Bb, Hb, Sq, Skv]: a.bias_terms is
+// zeroed first and, unless it is d_bias itself (bias_gradient_direct), summed into it last.
 template <ElementType ET, int D>
-void backward(gpuStream_t stream, const FlashArgs& a) {
+void backward(gpuStream_t stream, const FlashArgs& a, float* d_bias) {
   const AttentionParams& p = a.p;
+  const bool bias = p.bias_type != kBiasNone;
+  if (bias) {
+    (void)gpuMemsetAsync(a.bias_terms, 0, sizeof(float) * p.batch * p.heads * p.seqlen_q * p.seqlen_kv,
+                         stream);  // errors: launch_status
+  }
   backward_prologue<ET, D>(stream, a);
   using KV = DkDvTiles<D>;
   using Q = DqTiles<D>;
   static_assert(KV::kSharedBytes <= kMaxDynamicSharedBytes && Q::kSharedBytes <= kMaxDynamicSharedBytes,
                 "the backward's tiles exceed the shared memory");
   const int64_t kv_blocks = (p.seqlen_kv + KV::kN - 1) / KV::kN * p.kv_heads * p.batch * (D / KV::kOut);
-  launch(p.alibi ? dkdv_kernel<ET, D, true> : dkdv_kernel<ET, D, false>, kv_blocks, KV::kThreads,
-         KV::kSharedBytes, stream, a);
+  launch(bias      ? dkdv_kernel<ET, D, false, true>
+         : p.alibi ? dkdv_kernel<ET, D, true>
+                   : dkdv_kernel<ET, D, false>,
+         kv_blocks, KV::kThreads, KV::kSharedBytes, stream, a);
   const int64_t q_blocks = (p.seqlen_q + Q::kM - 1) / Q::kM * p.heads * p.batch;
-  launch(p.alibi ? dq_kernel<ET, D, true> : dq_kernel<ET, D, false>, q_blocks, Q::kThreads, Q::kSharedBytes,
-         stream, a);
+  launch(bias      ? dq_kernel<ET, D, false, true>
+         : p.alibi ? dq_kernel<ET, D, true>
+                   : dq_kernel<ET, D, false>,
+         q_blocks, Q::kThreads, Q::kSharedBytes, stream, a);
   if (p.alibi) launch_slope_gradient(stream, a);  // a.slope_slots: sm80_slope_slots, every slot written
+  if (bias && !bias_gradient_direct(p)) launch_bias_gradient_sum(stream, a, d_bias);
 }
 
 template <int D>
@@ -77,11 +91,11 @@ void launch_forward(gpuStream_t stream, const FlashArgs& a, ElementType type) {
 }
 
 template <int D>
-void launch_backward(gpuStream_t stream, const FlashArgs& a, ElementType type) {
+void launch_backward(gpuStream_t stream, const FlashArgs& a, ElementType type, float* d_bias) {
   if (type == ElementType::kBF16) {
-    backward<ElementType::kBF16, D>(stream, a);
+    backward<ElementType::kBF16, D>(stream, a, d_bias);
   } else {
-    backward<ElementType::kF16, D>(stream, a);
+    backward<ElementType::kF16, D>(stream, a, d_bias);
   }
 }
 

@@ -11,12 +11,13 @@ namespace fusedattn {
 namespace flash {
 
 // Both need a.spans summarised (launch_summarise_spans) on the same stream first; the
-// backward also needs a.delta, a buffer of [B, H, Sq] floats it fills. Errors surface
-// through the stream's last error.
+// backward also needs a.delta, a buffer of [B, H, Sq] floats it fills, and with a bias array
+// a.bias_terms ([B, H, Sq, Skv] floats) and d_bias (the array's gradient; a.bias_terms
+// itself where bias_gradient_direct). Errors surface through the stream's last error.
 template <int D>
 void launch_forward(gpuStream_t stream, const FlashArgs& a, ElementType type);
 template <int D>
-void launch_backward(gpuStream_t stream, const FlashArgs& a, ElementType type);
+void launch_backward(gpuStream_t stream, const FlashArgs& a, ElementType type, float* d_bias);
 
 // With ALiBi the backward also needs a.slope_partials, sm80_slope_slots(Sq) floats per (b, h):
 // one per warp of each dq_kernel block (kSlopeQueryTile queries, kSlopeWarpsPerQueryTile warps).

@@ -31,6 +31,7 @@
 #define FUSEDATTN_FLASH_SM90_FORWARD_CUH_
 
 #include "../alibi_tile.cuh"
+#include "../bias_tile.cuh"
 #include "../softmax_tile.cuh"
 #include "primitives.cuh"
 #include "tiles.cuh"
@@ -299,7 +300,7 @@ __device__ __forceinline__ void release_query_stage(Control* control, int stage,
 // known). The first tile runs alone, so that the loop always has the same products in
 // flight (the compiler then keeps them asynchronous). Every K and V stage it takes is released, and the item's Q stage once O
 // has left through it. `round`: the block's item count so far (the trace's index).
-template <ElementType ET, int D, bool kAlibi, bool kDropout>
+template <ElementType ET, int D, bool kAlibi, bool kDropout, bool kBias = false>
 __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorMap* o_map, uint32_t base,
                                              Control* control, const QueryBlock& w,
                                              const Ring<ForwardTiles<D>::kQueryStages>& queries,
@@ -388,6 +389,9 @@ __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorM
       add_alibi<T::kN>(scores, alibi, [&](int n, int e) {
         return alibi_distance(diagonal[e / kRowElems], static_cast<float>(control->key_pos[s][kv.col(n, e) - kv.col0]));
       });
+    }
+    if constexpr (kBias) {
+      add_bias<T::kN>(scores, a, b, h, [&](int, int e) { return kv.row(e); }, [&](int n, int e) { return kv.col(n, e); });
     }
     if (!full && control->consecutive[s]) {
       // One segment at consecutive positions: each row sees an interval of the tile's key
@@ -501,7 +505,7 @@ __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorM
 
 
 // One consumer warpgroup over the block's work items.
-template <ElementType ET, int D, bool kAlibi, bool kDropout>
+template <ElementType ET, int D, bool kAlibi, bool kDropout, bool kBias = false>
 __device__ __forceinline__ void consume(const ForwardArgs& args, uint32_t base, Control* control, int cw) {
   using T = ForwardTiles<D>;
   const AttentionParams& p = args.a.p;
@@ -514,7 +518,7 @@ __device__ __forceinline__ void consume(const ForwardArgs& args, uint32_t base, 
   for (int r = 0; r * static_cast<int>(gridDim.x) < items; ++r) {
     const int item = block_item(r, items);
     if (item < 0) continue;
-    consume_item<ET, D, kAlibi, kDropout>(args.a, &args.o_map, base, control, query_block<D>(p, item), queries,
+    consume_item<ET, D, kAlibi, kDropout, kBias>(args.a, &args.o_map, base, control, query_block<D>(p, item), queries,
                                           previous_stage, cw, keys, values, r);
     if (T::kQueryStages == 1) {
       release_query_stage(control, queries.stage, cw, r);  // the next item's Q loads into it
@@ -527,7 +531,7 @@ __device__ __forceinline__ void consume(const ForwardArgs& args, uint32_t base, 
   if (threadIdx.x % 128 == 0) trace_dump(1 + cw, (items + gridDim.x - 1) / gridDim.x);
 }
 
-template <ElementType ET, int D, bool kAlibi, bool kDropout>
+template <ElementType ET, int D, bool kAlibi, bool kDropout, bool kBias = false>
 __global__ void __launch_bounds__(ForwardTiles<D>::kThreads, 1) forward_kernel(const __grid_constant__ ForwardArgs args) {
   using T = ForwardTiles<D>;
   extern __shared__ unsigned char smem[];
@@ -557,7 +561,7 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads, 1) forward_kernel(c
     if (threadIdx.x < 32) produce<D, kAlibi>(args, base, control);
   } else {
     registers_increase<T::kConsumerRegisters>();
-    consume<ET, D, kAlibi, kDropout>(args, base, control, warpgroup - 1);
+    consume<ET, D, kAlibi, kDropout, kBias>(args, base, control, warpgroup - 1);
   }
 }
 

@@ -33,10 +33,12 @@ std::string forward(gpuStream_t stream, const FlashArgs& a) {
     return "the flash forward could not read the device's SM count";
   }
   const int64_t blocks = std::min<int64_t>(items, sms);
-  // An instance per (ALiBi, dropout): the loop without dropout has no branch after its
-  // exponentials, so that packing the weights interleaves with them.
-  const auto kernel = p.alibi ? (p.dropout ? forward_kernel<ET, D, true, true> : forward_kernel<ET, D, true, false>)
-                              : (p.dropout ? forward_kernel<ET, D, false, true> : forward_kernel<ET, D, false, false>);
+  // An instance per (ALiBi or a bias array, dropout): the loop without dropout has no branch
+  // after its exponentials, so that packing the weights interleaves with them.
+  const bool bias = p.bias_type != kBiasNone;
+  const auto kernel = bias      ? (p.dropout ? forward_kernel<ET, D, false, true, true> : forward_kernel<ET, D, false, false, true>)
+                      : p.alibi ? (p.dropout ? forward_kernel<ET, D, true, true> : forward_kernel<ET, D, true, false>)
+                                : (p.dropout ? forward_kernel<ET, D, false, true> : forward_kernel<ET, D, false, false>);
   gpuFuncSetAttribute(reinterpret_cast<const void*>(kernel), gpuFuncAttributeMaxDynamicSharedMemorySize,
                       T::kSharedBytes);
   kernel<<<static_cast<unsigned>(blocks), T::kThreads, T::kSharedBytes, stream>>>(args);
