@@ -806,7 +806,13 @@ def test_bf16_transposed_views_under_jit(rng, layout):
 def test_transformer_engine_descriptor_widths(rng, backend):
     """Lengths + offsets as TransformerEngine accepts them: q and kv arrays of different
     widths (unused slots -1), wider than config.sequence.max_segments_per_seq; the call
-    equals the same packing given by segment ids."""
+    equals the same packing given by segment ids. On the CPU device (flash: the host build;
+    the GPU kernels take head dims 64-256 in 16-bit types)."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        _check_transformer_engine_descriptor_widths(rng, backend)
+
+
+def _check_transformer_engine_descriptor_widths(rng, backend):
     b, s = 2, 9
     q_lengths = np.array([[4, 5, -1, -1], [2, 7, -1, -1]], np.int32)
     q_offsets = np.array([[0, 4, 9, -1, -1], [0, 2, 9, -1, -1]], np.int32)
@@ -826,3 +832,23 @@ def test_transformer_engine_descriptor_widths(rng, backend):
     assert_finite(outs[0])
     assert np.abs(np.asarray(outs[0])).max() > 0
     np.testing.assert_allclose(np.asarray(outs[0]), np.asarray(outs[1]), rtol=1e-6, atol=1e-6)
+
+
+def test_segment_id_positions_and_counts_without_a_while_loop(rng):
+    """Positions a descriptor derives from segment ids count each id's tokens in row order
+    (ids interleaved, in any order, with padding), the bottom-right diagonal counts each id's
+    keys; and the derivation lowers without a while loop (a GPU while loop syncs with the host
+    at every trip)."""
+    ids_q = rng.integers(0, 4, size=(3, 37)).astype(np.int32)
+    ids_kv = rng.integers(0, 4, size=(3, 45)).astype(np.int32)
+    spec = AttentionSpec.from_config(make_config(mask="padding_causal_bottom_right"))
+    sequence = SequenceDescriptor.from_segment_ids_and_pos(ids_q, ids_kv)
+    tokens = jax.jit(lambda s: s.token_info(spec, 37, 45))(sequence)
+    for ids, got in ((ids_q, tokens.q_pos), (ids_kv, tokens.kv_pos)):
+        want = [[int(np.sum(row[:t] == row[t])) for t in range(row.size)] for row in ids]
+        np.testing.assert_array_equal(np.asarray(got), want)
+    kv_count = [[np.sum(kv == i) for i in q] for q, kv in zip(ids_q, ids_kv)]
+    q_count = [[np.sum(q == i) for i in q] for q in ids_q]
+    np.testing.assert_array_equal(np.asarray(tokens.q_diag), np.subtract(kv_count, q_count))
+    hlo = jax.jit(lambda s: s.token_info(spec, 37, 45)).lower(sequence).as_text()
+    assert "stablehlo.while" not in hlo
