@@ -8,29 +8,62 @@ namespace {
 
 constexpr int kSumThreads = 256;
 
-// A thread per element (bb, hb, i, j) of d_bias: the terms of every (b, h) it stands for.
+// kVector consecutive elements of one (bb, hb) plane of d_bias.
+template <int kVector> struct Floats;
+template <> struct Floats<1> { using type = float; };
+template <> struct Floats<4> { using type = float4; };
+
+__device__ __forceinline__ void accumulate(float (&sum)[1], float x) { sum[0] += x; }
+__device__ __forceinline__ void accumulate(float (&sum)[4], float4 x) {
+  sum[0] += x.x;
+  sum[1] += x.y;
+  sum[2] += x.z;
+  sum[3] += x.w;
+}
+__device__ __forceinline__ void store(float* to, const float (&sum)[1]) { *to = sum[0]; }
+__device__ __forceinline__ void store(float* to, const float (&sum)[4]) {
+  *reinterpret_cast<float4*>(to) = make_float4(sum[0], sum[1], sum[2], sum[3]);
+}
+
+// A thread per kVector elements (bb, hb, i, j..j+kVector) of d_bias (kVector = 4 where a plane
+// holds a multiple of 4 elements, so that they share (bb, hb) and are 16-byte aligned): the
+// terms of every (b, h) they stand for, added in order of b, then h.
+template <int kVector>
 __global__ void __launch_bounds__(kSumThreads) bias_gradient_sum_kernel(const FlashArgs a, float* d_bias) {
+  using Vector = typename Floats<kVector>::type;
   const AttentionParams& p = a.p;
   const int64_t plane = p.seqlen_q * p.seqlen_kv;
-  const int64_t x = static_cast<int64_t>(blockIdx.x) * kSumThreads + threadIdx.x;
+  const int64_t x = (static_cast<int64_t>(blockIdx.x) * kSumThreads + threadIdx.x) * kVector;
   if (x >= p.bias_batch * p.bias_heads * plane) return;
   const int64_t ij = x % plane, bh = x / plane, hb = bh % p.bias_heads, bb = bh / p.bias_heads;
   const int64_t b0 = p.bias_batch == 1 ? 0 : bb, b1 = p.bias_batch == 1 ? p.batch : bb + 1;
   const int64_t h0 = p.bias_heads == 1 ? 0 : hb, h1 = p.bias_heads == 1 ? p.heads : hb + 1;
-  float sum = 0.0f;
+  float sum[kVector] = {};
   for (int64_t b = b0; b < b1; ++b) {
-    for (int64_t h = h0; h < h1; ++h) sum += a.bias_terms[(b * p.heads + h) * plane + ij];
+    const float* terms = a.bias_terms + (b * p.heads) * plane + ij;
+#pragma unroll 4
+    for (int64_t h = h0; h < h1; ++h) accumulate(sum, *reinterpret_cast<const Vector*>(terms + h * plane));
   }
-  d_bias[x] = sum;
+  store(d_bias + x, sum);
+}
+
+template <int kVector>
+void launch_sum(gpuStream_t stream, const FlashArgs& a, float* d_bias, int64_t elements) {
+  const int64_t threads = (elements + kVector - 1) / kVector;
+  const int64_t blocks = (threads + kSumThreads - 1) / kSumThreads;
+  if (blocks > 0) bias_gradient_sum_kernel<kVector><<<static_cast<unsigned>(blocks), kSumThreads, 0, stream>>>(a, d_bias);
 }
 
 }  // namespace
 
 void launch_bias_gradient_sum(gpuStream_t stream, const FlashArgs& a, float* d_bias) {
   const AttentionParams& p = a.p;
-  const int64_t elements = p.bias_batch * p.bias_heads * p.seqlen_q * p.seqlen_kv;
-  const int64_t blocks = (elements + kSumThreads - 1) / kSumThreads;
-  if (blocks > 0) bias_gradient_sum_kernel<<<static_cast<unsigned>(blocks), kSumThreads, 0, stream>>>(a, d_bias);
+  const int64_t plane = p.seqlen_q * p.seqlen_kv, elements = p.bias_batch * p.bias_heads * plane;
+  if (plane % 4 == 0) {
+    launch_sum<4>(stream, a, d_bias, elements);
+  } else {
+    launch_sum<1>(stream, a, d_bias, elements);
+  }
 }
 
 }  // namespace flash
