@@ -164,22 +164,18 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads) dkdv_kernel(const Flas
     float st[T::kM / 8][4], dpt[T::kM / 8][4];  // S^T and dP^T: rows are keys, columns queries
     zero(st);
     zero(dpt);
-    const auto query_coords = [&] { return FragmentCoords{at.row0, static_cast<int64_t>(u % n_q_tiles) * T::kM, at.lane}; };
-    float bias[kBias ? T::kM / 8 : 1][4];
-    if constexpr (kBias) {
-      const FragmentCoords qc = query_coords();
-      load_bias<T::kM>(bias, a, b, h, [&](int n, int e) { return qc.col(n, e); }, [&](int, int e) { return qc.row(e); });
-    }
     warp_rows_times_rows<ET, D, T::kM>(st, k_tile, kWarpRows * warp, q_tile(s));
     warp_rows_times_rows<ET, D, T::kM>(dpt, v_tile, kWarpRows * warp, do_tile(s));
-    const FragmentCoords qc = query_coords();
+    const FragmentCoords qc{at.row0, static_cast<int64_t>(u % n_q_tiles) * T::kM, at.lane};
     if constexpr (kAlibi) {
       add_alibi<T::kM>(st, alibi_coefficient(a, b, h), [&](int n, int e) {
         return alibi_distance(query_diagonal(c, qc.col(n, e), p.seqlen_q),
                               static_cast<float>(keys.pos[e / kRowElems]));
       });
     }
-    if constexpr (kBias) add_bias_terms<T::kM>(st, bias);
+    if constexpr (kBias) {
+      add_bias<T::kM>(st, a, b, h, [&](int n, int e) { return qc.col(n, e); }, [&](int, int e) { return qc.row(e); });
+    }
     float lse_scaled[T::kM / 8][kRowElems], delta_of[T::kM / 8][kRowElems];  // the lane's query columns
 #pragma unroll
     for (int n = 0; n < T::kM / 8; ++n) {
@@ -303,18 +299,16 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads) dq_kernel(const FlashArg
     float sc[T::kN / 8][4], dp[T::kN / 8][4];
     zero(sc);
     zero(dp);
-    const FragmentCoords kv{at.row0, static_cast<int64_t>(t) * T::kN, at.lane};
-    [[maybe_unused]] const auto query_of = [&](int, int e) { return kv.row(e); };
-    [[maybe_unused]] const auto key_of = [&](int n, int e) { return kv.col(n, e); };
-    float bias[kBias ? T::kN / 8 : 1][4];
-    if constexpr (kBias) load_bias<T::kN>(bias, a, b, h, query_of, key_of);
     warp_rows_times_rows<ET, D, T::kN>(sc, q_tile, kWarpRows * warp, k_tile(s));
     warp_rows_times_rows<ET, D, T::kN>(dp, do_tile, kWarpRows * warp, v_tile(s));
+    const FragmentCoords kv{at.row0, static_cast<int64_t>(t) * T::kN, at.lane};
     const auto distance = [&](int n, int e) {
       return alibi_distance(diagonal[e / kRowElems], key_position(c, kv.col(n, e), p.seqlen_kv));
     };
     if constexpr (kAlibi) add_alibi<T::kN>(sc, alibi, distance);
-    if constexpr (kBias) add_bias_terms<T::kN>(sc, bias);
+    [[maybe_unused]] const auto query_of = [&](int, int e) { return kv.row(e); };
+    [[maybe_unused]] const auto key_of = [&](int n, int e) { return kv.col(n, e); };
+    if constexpr (kBias) add_bias<T::kN>(sc, a, b, h, query_of, key_of);
 #pragma unroll
     for (int n = 0; n < T::kN / 8; ++n) {
 #pragma unroll

@@ -26,53 +26,21 @@ __device__ __forceinline__ const float* bias_plane(const FlashArgs& a, int64_t b
   return a.bias + bias_row_offset(b, h, 0, p.bias_batch, p.bias_heads, p.seqlen_q, p.seqlen_kv);
 }
 
-// The bias term of the pair (query i, key j) in the scores' units (unit: bias_unit), 0 for
-// pairs past either end (masked there).
-__device__ __forceinline__ float bias_term(const AttentionParams& p, const float* plane, float unit, int64_t i,
-                                           int64_t j) {
-  return i < p.seqlen_q && j < p.seqlen_kv ? plane[i * p.seqlen_kv + j] * unit : 0.0f;
-}
-
-__device__ __forceinline__ float bias_unit(const AttentionParams& p) {
-  return p.bias_type == kBiasPreScale ? 1.0f : 1.0f / p.scale;
-}
-
-// terms[n][e] = the bias term of the pair (query query_of(n, e), key key_of(n, e)). The sm_80
-// kernels load a tile's terms before its products, so that the loads' latency passes under
-// the matrix work (add_bias_terms adds them after).
-template <int kCols, typename QueryOf, typename KeyOf>
-__device__ __forceinline__ void load_bias(float (&terms)[kCols / 8][4], const FlashArgs& a, int64_t b, int64_t h,
-                                          QueryOf query_of, KeyOf key_of) {
-  const float* plane = bias_plane(a, b, h);
-  const float unit = bias_unit(a.p);
-#pragma unroll
-  for (int n = 0; n < kCols / 8; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) terms[n][e] = bias_term(a.p, plane, unit, query_of(n, e), key_of(n, e));
-  }
-}
-
-// scores (unscaled) += terms (load_bias).
-template <int kCols>
-__device__ __forceinline__ void add_bias_terms(float (&scores)[kCols / 8][4], const float (&terms)[kCols / 8][4]) {
-#pragma unroll
-  for (int n = 0; n < kCols / 8; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) scores[n][e] += terms[n][e];
-  }
-}
-
-// scores += the bias terms of their pairs, term by term (the sm_90a forward: its registers
-// hold no tile of terms besides the scores).
+// scores[n][e] (unscaled, of query query_of(n, e) and key key_of(n, e)) += the bias term of
+// that pair, in the scores' units; pairs past either end are left alone (masked there).
 template <int kCols, typename QueryOf, typename KeyOf>
 __device__ __forceinline__ void add_bias(float (&scores)[kCols / 8][4], const FlashArgs& a, int64_t b, int64_t h,
                                          QueryOf query_of, KeyOf key_of) {
+  const AttentionParams& p = a.p;
   const float* plane = bias_plane(a, b, h);
-  const float unit = bias_unit(a.p);
+  const float unit = p.bias_type == kBiasPreScale ? 1.0f : 1.0f / p.scale;
 #pragma unroll
   for (int n = 0; n < kCols / 8; ++n) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) scores[n][e] += bias_term(a.p, plane, unit, query_of(n, e), key_of(n, e));
+    for (int e = 0; e < 4; ++e) {
+      const int64_t i = query_of(n, e), j = key_of(n, e);
+      if (i < p.seqlen_q && j < p.seqlen_kv) scores[n][e] = fmaf(plane[i * p.seqlen_kv + j], unit, scores[n][e]);
+    }
   }
 }
 

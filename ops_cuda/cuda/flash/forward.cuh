@@ -82,18 +82,16 @@ __global__ void __launch_bounds__(ForwardTiles<D>::kThreads) forward_kernel(cons
   const auto compute = [&](int t, int s, bool full) {
     float scores[T::kN / 8][4];
     zero(scores);
-    const FragmentCoords kv{at.row0, static_cast<int64_t>(t) * T::kN, at.lane};
-    float bias[kBias ? T::kN / 8 : 1][4];
-    if constexpr (kBias) {
-      load_bias<T::kN>(bias, a, b, h, [&](int, int e) { return kv.row(e); }, [&](int n, int e) { return kv.col(n, e); });
-    }
     warp_rows_times_rows<ET, D, T::kN>(scores, q_tile, kWarpRows * warp, k_tile(s));
+    const FragmentCoords kv{at.row0, static_cast<int64_t>(t) * T::kN, at.lane};
     if constexpr (kAlibi) {
       add_alibi<T::kN>(scores, alibi, [&](int n, int e) {
         return alibi_distance(diagonal[e / kRowElems], key_position(c, kv.col(n, e), p.seqlen_kv));
       });
     }
-    if constexpr (kBias) add_bias_terms<T::kN>(scores, bias);
+    if constexpr (kBias) {
+      add_bias<T::kN>(scores, a, b, h, [&](int, int e) { return kv.row(e); }, [&](int n, int e) { return kv.col(n, e); });
+    }
     softmax_tile<T::kN, D>(scores, o, state, a, c, query, h, kv, full);
     warp_regs_times_rows<ET, T::kN, D>(o, scores, v_tile(s), 0);
   };
