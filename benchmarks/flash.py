@@ -133,6 +133,7 @@ def impls(causal: bool, d: int, dropout: bool, packed=None) -> dict:
     """The impls of one case; packed: packed_bias's (bias, sequence) where a packed-bias impl
     was chosen."""
     table = {"flash": ours("flash", causal), "flash_sm80": ours_sm80(causal), "xla": ours("xla", causal),
+             "auto": ours("auto", causal),
              "cudnn": ours("cudnn", causal), "jax_cudnn": jax_cudnn(causal)}
     if dropout:
         table.update(flash_dropout=ours("flash", causal, 0.1), cudnn_dropout=ours("cudnn", causal, 0.1))
@@ -149,9 +150,10 @@ def impls(causal: bool, d: int, dropout: bool, packed=None) -> dict:
 
 
 DEFAULT_IMPLS = ("flash", "flash_sm80", "xla", "cudnn", "jax_cudnn", "fa3", "flash_dropout", "cudnn_dropout")
-# Opt-in (--impls): the ALiBi impls (the xla ones take 5-18 ms a call at the large shapes) and
-# the packed-bias ones (a float32 bias of h s^2 elements: 4 GB at s = 8192, h = 16).
-IMPL_NAMES = DEFAULT_IMPLS + ("flash_alibi", "cudnn_alibi", "xla_alibi", "flash_alibi_window",
+# Opt-in (--impls): backend "auto" (cudnn or flash: explain says which), the ALiBi impls (the
+# xla ones take 5-18 ms a call at the large shapes) and the packed-bias ones (a float32 bias
+# of h s^2 elements: 4 GB at s = 8192, h = 16).
+IMPL_NAMES = DEFAULT_IMPLS + ("auto", "flash_alibi", "cudnn_alibi", "xla_alibi", "flash_alibi_window",
                               "xla_alibi_window", "flash_bias_packed", "xla_bias_packed")
 
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
 import jax.numpy as jnp
 import pytest
 from conftest import make_config
 
-from fusedattn.ops import _library, explain
+from fusedattn.ops import _library, explain, registry
 from fusedattn.ops.backends import flash, flash_ffi, flash_gpu
 from fusedattn.ops.backends.base import CallShapes
 from fusedattn.ops.spec import AttentionSpec
@@ -293,3 +294,65 @@ def test_the_workspace_holds_a_broadcast_bias_gradients_terms(cuda_library, devi
     (forward,) = flash_ffi.cuda_workspace(q, k, tokens, backward=False)
     assert flash_ffi.cuda_workspace(q, k, tokens, backward=False,
                                     bias_shape=(bias_batch, bias_heads, sq, skv))[0].shape == forward.shape
+
+
+def _long_causal(**changes) -> CallShapes:
+    shapes = CallShapes(batch=1, seqlen_q=8192, seqlen_kv=8192, num_heads=16, num_kv_heads=16,
+                        head_dim_qk=128, head_dim_v=128, dtype=jnp.dtype(jnp.bfloat16),
+                        bias_shape=None, dropout=False)
+    return dataclasses.replace(shapes, **changes)
+
+
+@pytest.fixture
+def cudnn_serves(device, monkeypatch):
+    """An sm90 device where cudnn and flash both serve every call (as on the H200)."""
+    device((9, 0), {64, 128, 256})
+    monkeypatch.setattr(flash_gpu, "gpu_reason", lambda shapes, platform: None)
+    monkeypatch.setattr(registry.BACKENDS["cudnn"], "supports", lambda spec, shapes, platform: None)
+
+
+@pytest.mark.parametrize("config,shapes,chosen", [
+    ({"mask": "causal"}, _long_causal(), "flash"),
+    ({"mask": "causal"}, _long_causal(seqlen_q=32768, seqlen_kv=32768), "flash"),
+    ({"mask": "causal"}, _long_causal(seqlen_q=4096, seqlen_kv=4096), "cudnn"),   # measured: cudnn
+    ({"mask": "no_mask"}, _long_causal(), "cudnn"),
+    ({"mask": "causal_bottom_right"}, _long_causal(), "cudnn"),
+    ({"mask": "causal"}, _long_causal(num_kv_heads=4), "cudnn"),                   # GQA: not measured
+    ({"mask": "causal"}, _long_causal(dtype=jnp.dtype(jnp.float16)), "cudnn"),
+    ({"mask": "causal"}, _long_causal(head_dim_qk=64, head_dim_v=64), "cudnn"),
+    ({"mask": "causal"}, _long_causal(dropout=True), "cudnn"),                     # measured: cudnn
+    ({"mask": "causal", "deterministic_backward": True}, _long_causal(), "cudnn"),  # sm80 backward
+    ({"mask": "causal", "window_size": (4096, 0)}, _long_causal(), "cudnn"),
+    ({"mask": "causal", "softmax": "off_by_one"}, _long_causal(), "cudnn"),
+])
+def test_auto_prefers_flash_exactly_where_measured_faster(cudnn_serves, config, shapes, chosen):
+    spec = AttentionSpec.from_config(config)
+    explained = registry.explain_spec(spec, shapes, "cuda")
+    assert explained.verdicts["cudnn"] is None and explained.verdicts["flash"] is None
+    assert explained.backend == chosen
+    assert (flash_gpu.AUTO_RULE in str(explained)) == (chosen == "flash")
+    named = registry.explain_spec(AttentionSpec.from_config({**config, "backend": "cudnn"}), shapes, "cuda")
+    assert named.backend == "cudnn" and named.preference is None
+
+
+def test_auto_keeps_cudnn_off_sm90_and_with_the_sm80_kernels_named(cudnn_serves, device, monkeypatch):
+    spec = AttentionSpec.from_config({"mask": "causal"})
+    monkeypatch.setenv(flash_gpu.KERNEL_VARIABLE, "sm80")
+    assert registry.explain_spec(spec, _long_causal(), "cuda").backend == "cudnn"
+    monkeypatch.delenv(flash_gpu.KERNEL_VARIABLE)
+    device((8, 0), set())
+    assert registry.explain_spec(spec, _long_causal(), "cuda").backend == "cudnn"
+    assert registry.explain_spec(spec, _long_causal(), "rocm").backend == "cudnn"
+
+
+@pytest.mark.gpu
+def test_auto_takes_flash_for_a_long_causal_call_on_the_device():
+    """On the GPU itself (cudnn's own verdict, the library's kernels): the rule's call goes to
+    flash, a shorter one stays with cudnn."""
+    if flash_gpu.compute_capability() != (9, 0):
+        pytest.skip("the rule covers compute capability 9.0 only")
+    config = make_config(mask="causal")
+    long, short = (jax.ShapeDtypeStruct((1, s, 16, 128), jnp.bfloat16) for s in (8192, 4096))
+    explained = explain((long, long, long), config=config)
+    assert explained.backend == "flash" and flash_gpu.AUTO_RULE in str(explained)
+    assert explain((short, short, short), config=config).backend == "cudnn"

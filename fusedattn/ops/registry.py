@@ -10,7 +10,8 @@ from fusedattn.ops.backends.base import Backend, CallShapes, current_platform  #
 from fusedattn.ops.enums import BackendName
 from fusedattn.ops.spec import AttentionSpec
 
-# "auto" takes the first of these that supports the call.
+# "auto" takes the first of these that supports the call, unless a later one that supports
+# it states a rule for taking it ahead (its `auto_preference`, measured: explain prints it).
 BACKENDS: dict[str, Backend] = {
     b.name: b for b in (small_seq.BACKEND, decode.BACKEND, cudnn.BACKEND, flash.BACKEND,
                         xla.BACKEND)
@@ -53,6 +54,9 @@ class Explanation:
     # config.guard_masked_values for the chosen backend (masked_values.explain_line): whether
     # the guard wraps the call and its cost, or why it is not needed; None: nothing to say.
     guard: str | None = None
+    # Under "auto": the rule that took the chosen backend ahead of the first one that serves
+    # the call (its auto_preference); None when auto took the first.
+    preference: str | None = None
 
     def __str__(self) -> str:
         width = max(map(len, self.verdicts))
@@ -62,6 +66,8 @@ class Explanation:
             text = reason if reason is not None else (
                 f"ok ({self.kernels[name]})" if name in self.kernels else "ok")
             lines.append(f"{mark} {name:<{width}}  {text}")
+        if self.preference is not None:
+            lines.append(self.preference)
         if self.guard is not None:
             lines.append(self.guard)
         return "\n".join(lines)
@@ -69,8 +75,16 @@ class Explanation:
 
 def explain_spec(spec: AttentionSpec, shapes: CallShapes, platform: str) -> Explanation:
     verdicts = {name: verdict(name, spec, shapes, platform) for name in BACKENDS}
+    preference = None
     if spec.backend == BackendName.AUTO:
-        chosen = next((name for name, reason in verdicts.items() if reason is None), None)
+        serving = [name for name, reason in verdicts.items() if reason is None]
+        chosen = serving[0] if serving else None
+        for name in serving[1:]:
+            rule = getattr(BACKENDS[name], "auto_preference", None)
+            preference = rule(spec, shapes, platform) if rule is not None else None
+            if preference is not None:
+                chosen = name
+                break
     else:
         chosen = str(spec.backend) if verdicts[str(spec.backend)] is None else None
     kernels = {}
@@ -84,7 +98,7 @@ def explain_spec(spec: AttentionSpec, shapes: CallShapes, platform: str) -> Expl
     guard = (None if chosen is None
              else masked_values.explain_line(spec, BACKENDS[chosen], platform))
     return Explanation(backend=chosen, verdicts=verdicts, requested=str(spec.backend),
-                       kernels=kernels, guard=guard)
+                       kernels=kernels, guard=guard, preference=preference)
 
 
 def select(spec: AttentionSpec, shapes: CallShapes, platform: str) -> Backend:

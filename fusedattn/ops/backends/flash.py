@@ -66,6 +66,12 @@ class FlashBackend:
         """Which kernels serve a call on CUDA or ROCm (for explain); None elsewhere."""
         return flash_gpu.kernels(spec, shapes, platform)
 
+    def auto_preference(self, spec: AttentionSpec, shapes: CallShapes | None,
+                        platform: str) -> str | None:
+        """The rule under which backend "auto" takes flash ahead of the backends listed
+        before it (cudnn), where it covers the call; None elsewhere."""
+        return flash_gpu.auto_preference(spec, shapes, platform)
+
     def attention(self, spec: AttentionSpec, args: CanonicalArgs, scale: float) -> jax.Array:
         alibi = spec.bias == BiasType.ALIBI
         q, k, v = (jnp.asarray(x) for x in (args.q, args.k, args.v))

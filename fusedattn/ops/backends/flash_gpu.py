@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from fusedattn.ops import _library
 from fusedattn.ops.backends.base import CallShapes, compute_capability, cuda_library_reason
-from fusedattn.ops.enums import BiasType
+from fusedattn.ops.enums import BiasType, MaskType, SoftmaxType
 from fusedattn.ops.spec import AttentionSpec
 
 # Head dims and element types the GPU kernels serve (which head dims a build holds:
@@ -112,6 +112,38 @@ def cuda_backward_kernel(head_dim: int, seqlen_q: int, seqlen_kv: int,
             and head_dim in _library.flash_sm90_backward_head_dims("cuda")):
         return "sm90"
     return "sm80"
+
+
+# Where backend "auto" takes flash ahead of cudnn: the calls the committed benchmark measured
+# flash faster on (benchmarks/results/flash_long_causal.json, H200, bf16: causal d128
+# self-attention of 8192-32768 tokens, 16 heads; fwd+bwd 1.01-1.07x, fwd 1.05-1.15x cudnn's
+# speed). Shorter, non-causal, GQA, dropout and deterministic calls measured cudnn faster or
+# were not measured (benchmarks/results/flash.json), so they stay with cudnn.
+AUTO_MIN_TOKENS = 8192
+AUTO_RULE = ("auto: flash chosen over cudnn for causal d128 bf16 self-attention of >= "
+             f"{AUTO_MIN_TOKENS} tokens on sm90 (benchmarks/results/flash_long_causal.json: "
+             "fwd+bwd 1.01-1.07x, fwd 1.05-1.15x cudnn)")
+
+
+def auto_preference(spec: AttentionSpec, shapes: CallShapes | None, platform: str) -> str | None:
+    """AUTO_RULE where a CUDA call is one the rule covers (flash then runs its sm_90a
+    kernels both ways), else None."""
+    if shapes is None or (platform or "").lower() not in ("gpu", "cuda"):
+        return None
+    measured = (spec.mask == MaskType.CAUSAL and spec.window_size == (-1, -1)
+                and not spec.uses_segments and spec.softmax == SoftmaxType.VANILLA
+                and spec.bias == BiasType.NO_BIAS and not shapes.dropout
+                and not spec.deterministic_backward and not spec.fp8_enabled
+                and spec.context_axis is None and not spec.qkv_layout.is_paged
+                and shapes.head_dim_qk == shapes.head_dim_v == 128
+                and shapes.seqlen_q == shapes.seqlen_kv >= AUTO_MIN_TOKENS
+                and shapes.num_heads == shapes.num_kv_heads
+                and jnp.dtype(shapes.dtype) == jnp.dtype(jnp.bfloat16))
+    if not measured or cuda_forward_kernel(128, shapes.seqlen_kv) != "sm90":
+        return None
+    if cuda_backward_kernel(128, shapes.seqlen_q, shapes.seqlen_kv, False) != "sm90":
+        return None
+    return AUTO_RULE
 
 
 def _kernels_text(forward: str, backward: str, deterministic: bool) -> str:
