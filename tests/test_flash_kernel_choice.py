@@ -258,39 +258,37 @@ def test_the_named_kernel_travels_as_the_gpu_calls_attribute(monkeypatch, value,
 
 
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0)])
-def test_bias_arrays_run_the_sm80_backward(device, capability):
-    """Either forward reads a bias array; the sm_90a backward does not, so a call with one runs
-    the sm_80 backward on every device, and explain says so."""
+def test_bias_arrays_run_the_devices_kernels(device, capability):
+    """Every kernel has a bias variant: a call with a bias array runs the kernels the device
+    picks, and explain says where its gradient comes from."""
     device(capability, {64, 128, 256})
-    sm90 = capability == (9, 0)
-    assert flash_gpu.cuda_forward_kernel(128, 300) == ("sm90" if sm90 else "sm80")
-    assert flash_gpu.cuda_backward_kernel(128, 300, 300, False, bias=True) == "sm80"
-    forward = "sm90 wgmma forward, sm80 backward" if sm90 else "sm80 mma.sync forward and backward"
+    kernels = "sm90 wgmma forward, sm90 wgmma backward" if capability == (9, 0) else \
+        "sm80 mma.sync forward and backward"
     for bias in ("pre_scale_bias", "post_scale_bias"):
         spec = AttentionSpec.from_config(dict(bias=bias))
         assert flash.BACKEND.kernel(spec, _shapes(128), "cuda") == (
-            f"flash: {forward}, the bias array in the kernels (its gradient from the sm80 "
-            "backward, summed in a fixed order)")
+            f"flash: {kernels}, the bias array in the kernels (its gradient's terms summed in "
+            "a fixed order)")
 
 
 @pytest.mark.parametrize("bias_batch,bias_heads,terms", [(2, 4, False), (1, 4, True), (2, 1, True),
                                                          (1, 1, True)])
 def test_the_workspace_holds_a_broadcast_bias_gradients_terms(cuda_library, device, monkeypatch,
                                                               bias_batch, bias_heads, terms):
-    """flash.cu checks the workspace against the same rule: a bias array runs the sm_80
-    backward (no dQ accumulator even on compute capability 9.0), and one broadcast over batch
+    """flash.cu checks the workspace against the same rule: a bias array broadcast over batch
     rows or heads adds the terms of its gradient, float32 [b, h, sq, skv], 256-byte aligned
-    (a full one takes them in d_bias itself)."""
+    (a full one takes them in d_bias itself), to either backward's workspace."""
     device((9, 0), {128})
     monkeypatch.setattr(flash_ffi, "current_platform", lambda: "cuda")
     b, sq, skv, h, d = 2, 300, 170, 4, 128
     q, k = jnp.zeros((b, sq, h, d), jnp.bfloat16), jnp.zeros((b, skv, 2, d), jnp.bfloat16)
     tokens = jnp.zeros((b, sq), jnp.int32)
-    (sm80,) = flash_ffi.cuda_workspace(q, k, tokens, backward=True, deterministic=True)
-    (biased,) = flash_ffi.cuda_workspace(q, k, tokens, backward=True,
-                                         bias_shape=(bias_batch, bias_heads, sq, skv))
     extra = -(-(b * h * sq * skv * 4) // 256) * 256 if terms else 0
-    assert biased.shape == (sm80.shape[0] + extra,)
+    for deterministic in (False, True):  # the sm_90a backward, the sm_80 one
+        (plain,) = flash_ffi.cuda_workspace(q, k, tokens, backward=True, deterministic=deterministic)
+        (biased,) = flash_ffi.cuda_workspace(q, k, tokens, backward=True, deterministic=deterministic,
+                                             bias_shape=(bias_batch, bias_heads, sq, skv))
+        assert biased.shape == (plain.shape[0] + extra,)
     (forward,) = flash_ffi.cuda_workspace(q, k, tokens, backward=False)
     assert flash_ffi.cuda_workspace(q, k, tokens, backward=False,
                                     bias_shape=(bias_batch, bias_heads, sq, skv))[0].shape == forward.shape

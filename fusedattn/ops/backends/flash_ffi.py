@@ -115,7 +115,7 @@ def cuda_workspace(q, k, tokens, backward: bool, deterministic: bool = False,
     b, sq, h, d = q.shape
     bias = bias_shape is not None
     sm90 = (backward and platform == "cuda"
-            and flash_gpu.cuda_backward_kernel(d, sq, k.shape[1], deterministic, bias) == "sm90")
+            and flash_gpu.cuda_backward_kernel(d, sq, k.shape[1], deterministic) == "sm90")
     bias_batch, bias_heads = bias_shape[:2] if bias else (0, 0)
     size = _library.flash_workspace_bytes(
         platform, token_rows=math.prod(tokens.shape[:-1]), batch=b, heads=h, seqlen_q=sq,

@@ -98,15 +98,14 @@ def cuda_forward_kernel(head_dim: int, seqlen_kv: int) -> str:
     return "sm80"
 
 
-def cuda_backward_kernel(head_dim: int, seqlen_q: int, seqlen_kv: int,
-                          deterministic: bool, bias: bool = False) -> str:
+def cuda_backward_kernel(head_dim: int, seqlen_q: int, seqlen_kv: int, deterministic: bool) -> str:
     """"sm90" or "sm80": the backward kernel of a CUDA call. The rule of
     ops_cuda/cuda/flash/flash.cu (backward_kernel_of): the sm_90a (wgmma) kernel on a device
     of compute capability 9.0 where the library holds it for the head dim (64, 128 and 256),
     the call has queries and keys, config.deterministic_backward is False (its dQ sums with
-    float32 reductions, in no fixed order), it has no bias array and FUSEDATTN_FLASH_KERNEL
-    does not name the sm_80 kernels; else the sm_80 kernels (bitwise repeatable)."""
-    if named_kernel() == "sm80" or bias:
+    float32 reductions, in no fixed order) and FUSEDATTN_FLASH_KERNEL does not name the sm_80
+    kernels; else the sm_80 kernels (bitwise repeatable)."""
+    if named_kernel() == "sm80":
         return "sm80"
     if (not deterministic and compute_capability() == (9, 0) and seqlen_q > 0 and seqlen_kv > 0
             and head_dim in _library.flash_sm90_backward_head_dims("cuda")):
@@ -157,7 +156,7 @@ def _kernels_text(forward: str, backward: str, deterministic: bool) -> str:
 
 # explain()'s words for a call with ALiBi or a bias array: the kernels add the term themselves.
 _ALIBI_TEXT = ", ALiBi in the kernels (slopes' gradient summed in a fixed order)"
-_BIAS_TEXT = ", the bias array in the kernels (its gradient from the sm80 backward, summed in a fixed order)"
+_BIAS_TEXT = ", the bias array in the kernels (its gradient's terms summed in a fixed order)"
 
 
 def kernels(spec: AttentionSpec, shapes: CallShapes | None, platform: str) -> str | None:
@@ -173,8 +172,8 @@ def kernels(spec: AttentionSpec, shapes: CallShapes | None, platform: str) -> st
     d = shapes.head_dim_qk
     deterministic = bool(spec.deterministic_backward)
     text = _kernels_text(cuda_forward_kernel(d, shapes.seqlen_kv),
-                         cuda_backward_kernel(d, shapes.seqlen_q, shapes.seqlen_kv,
-                                              deterministic, bias), deterministic) + alibi
+                         cuda_backward_kernel(d, shapes.seqlen_q, shapes.seqlen_kv, deterministic),
+                         deterministic) + alibi
     if named_kernel() == "sm80":
         return f"{text} (named by {KERNEL_VARIABLE}=sm80)"
     return text

@@ -11,7 +11,7 @@
 // A call whose attribute "kernel" names the sm_80 kernels (FUSEDATTN_FLASH_KERNEL=sm80 when
 // fusedattn/ops/backends/flash.py traced it) runs them in both passes on every device.
 // ALiBi (the attribute alibi) runs each kernel's ALiBi variant (alibi_tile.cuh); a bias
-// array (bias_type 1 or 2) the forward's bias variant and the sm_80 backward's (bias_tile.cuh).
+// array (bias_type 1 or 2) each kernel's bias variant (bias_tile.cuh).
 // Scratch (the spans; the backward's softmax delta, the sm_90a dQ sum and ALiBi's partial
 // sums) lives in a uint8 workspace result that XLA allocates, sized when the call is traced
 // by fusedattn/ops/backends/flash_ffi.py through this library's own layout
@@ -126,15 +126,14 @@ ffi::Error forward_kernel_of(const char* op, const AttentionParams& p, int32_t n
 // (kSm90BackwardHeadDims), the call has queries and keys (TMA describes no empty tensor)
 // and `deterministic` (config deterministic_backward) is false, since its dQ sums with
 // float32 atomics in no fixed order; it serves every other call the handler accepts (masks,
-// windows, packing, GQA, softmax variants, dropout) but bias arrays. The sm_80 kernels
+// windows, packing, GQA, softmax variants, dropout, ALiBi, bias arrays). The sm_80 kernels
 // otherwise (no atomics: bitwise repeatable).
 ffi::Error backward_kernel_of(const char* op, const AttentionParams& p, int32_t named, bool deterministic,
                               BackwardKernel* kernel) {
   *kernel = BackwardKernel::kSm80;
 #ifdef FUSEDATTN_FLASH_SM90
   const bool held = head_dim_built(p.head_dim) && (kSm90BackwardHeadDims & (p.head_dim / 64)) != 0;
-  if (named == kSm80Named || !held || deterministic || p.seqlen_q == 0 || p.seqlen_kv == 0 ||
-      p.bias_type != kBiasNone) {
+  if (named == kSm80Named || !held || deterministic || p.seqlen_q == 0 || p.seqlen_kv == 0) {
     return ffi::Error::Success();
   }
   bool sm90 = false;
@@ -163,14 +162,14 @@ ffi::Error launch_forward_kernel(const char* op, gpuStream_t stream, const Flash
 
 // Launches the backward kernels of the call's head dim and the given kind (dq_accum: the
 // sm_90a kernel's float32 dQ sum, unused by the sm_80 kernels; d_bias: a bias array's
-// gradient, sm_80 kernels only).
+// gradient).
 ffi::Error launch_backward_kernel(const char* op, gpuStream_t stream, const FlashArgs& a, ElementType type,
                                   BackwardKernel kernel, float* dq_accum, float* d_bias) {
   std::string error;
   with_head_dim(a.p.head_dim, [&](auto d) {
 #ifdef FUSEDATTN_FLASH_SM90
     if (kernel == BackwardKernel::kSm90) {
-      error = sm90::launch_backward<decltype(d)::value>(stream, a, type, dq_accum);
+      error = sm90::launch_backward<decltype(d)::value>(stream, a, type, dq_accum, d_bias);
       return;
     }
 #endif

@@ -30,7 +30,10 @@
 //     and dV in the element type over the Q and dO stages (stmatrix), and one of its threads
 //     writes them with TMA stores.
 //     With ALiBi each warp sums its part of the slope's gradient per query head into its own
-//     slot (../alibi_tile.cuh; launch.h: slope_slots), added up by slope_gradient.cu.
+//     slot (../alibi_tile.cuh; launch.h: slope_slots), added up by slope_gradient.cu. With a
+//     bias array (kBias) its term joins S^T before the exponentials and each pair's term of
+//     its gradient is stored from dS^T (the block is the one visitor of its pairs;
+//     ../bias_tile.cuh), summed over broadcast dims by bias_gradient.cu.
 // A last kernel writes dq = scale * that sum in the element type (dq_convert_kernel reads
 // the workspace's order: DqAccumulator). Padding tokens (segment
 // id 0) have their K, V, Q and dO rows zeroed in shared memory, so that garbage there
@@ -41,6 +44,7 @@
 #include <cmath>
 
 #include "../alibi_tile.cuh"
+#include "../bias_tile.cuh"
 #include "../backward.cuh"
 #include "launch.h"
 #include "primitives.cuh"
@@ -368,7 +372,8 @@ __device__ __forceinline__ void issue_scores(uint32_t k_rows, uint32_t v_rows, u
 // as A operands: weights = (P o drop)^T, scores = dS^T; with ALiBi the slope gradient's
 // share adds to slope_partial. wait_dp() waits for dP^T (without dropout P^T is packed first,
 // while that product runs).
-template <ElementType ET, int kCols, bool kDropout, bool kAlibi, typename Control, typename Context, typename WaitDp>
+template <ElementType ET, int kCols, bool kDropout, bool kAlibi, bool kBias, typename Control, typename Context,
+          typename WaitDp>
 __device__ __forceinline__ void tile_operands(const FlashArgs& a, const Control* control, int s, int64_t b, int64_t h,
                                               int64_t m0, bool all_visible, const FragmentCoords& at,
                                               const FragmentCoords& qc, Context context, float (&st)[kCols / 8][4],
@@ -388,6 +393,9 @@ __device__ __forceinline__ void tile_operands(const FlashArgs& a, const Control*
     return alibi_distance(control->diagonal[s][qc.col(n, e) - m0], key_pos[e / 2]);
   };
   if constexpr (kAlibi) add_alibi<kCols>(st, alibi_coefficient(a, b, h), distance);
+  [[maybe_unused]] const auto query_of = [&](int n, int e) { return qc.col(n, e); };
+  [[maybe_unused]] const auto key_of = [&](int, int e) { return qc.row(e); };
+  if constexpr (kBias) add_bias<kCols>(st, a, b, h, query_of, key_of);
 #pragma unroll
   for (int n = 0; n < kCols / 8; ++n) {
     const float2 lse = pair_at(lse_log2 + 8 * n);
@@ -429,13 +437,14 @@ __device__ __forceinline__ void tile_operands(const FlashArgs& a, const Control*
     }
   }
   if constexpr (kAlibi) slope_partial += alibi_slope_partial<kCols>(dpt, distance);
+  if constexpr (kBias) store_bias_terms<kCols>(dpt, a, b, h, query_of, key_of);  // this block's pairs only
   pack_operand<ET, kCols>(dpt, scores);
 }
 
 // One consumer warpgroup (index cw, 0 or 1): keys n0 + 64 cw .. + 63. kDropout: p.dropout,
 // kAlibi: p.alibi (template arguments, so that the loop without them carries none of their
 // registers).
-template <ElementType ET, int D, bool kDropout, bool kAlibi>
+template <ElementType ET, int D, bool kDropout, bool kAlibi, bool kBias>
 __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint32_t base, typename BackwardTiles<D>::Control* control,
                                                  int64_t b, int64_t g, int64_t n0, int cw) {
   using T = BackwardTiles<D>;
@@ -488,7 +497,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
     cute::warpgroup_wait<1>();
     fence_accumulators(st);
     uint32_t weights[T::kM / 16][4], scores[T::kM / 16][4];  // (P o drop)^T and dS^T as A operands
-    tile_operands<ET, T::kM, kDropout, kAlibi>(a, control, s, b, h, m0, all_visible, at, qc, context, st, dpt,
+    tile_operands<ET, T::kM, kDropout, kAlibi, kBias>(a, control, s, b, h, m0, all_visible, at, qc, context, st, dpt,
                                                weights, scores, slope.partial, [&] {
                                                  cute::warpgroup_wait<0>();
                                                  fence_accumulators(dpt);
@@ -580,7 +589,7 @@ __device__ __forceinline__ void consume_backward(const BackwardArgs& args, uint3
 // float32 workspace from registers by 16-byte vector reductions. Two barriers of both
 // consumers a tile: the buffers free (both consumers' products of the previous tile done),
 // then written. With ALiBi each warp's slope share covers its 16 keys and its consumer's queries.
-template <ElementType ET, int D, bool kDropout, bool kAlibi>
+template <ElementType ET, int D, bool kDropout, bool kAlibi, bool kBias>
 __device__ __forceinline__ void consume_backward_split(const BackwardArgs& args, uint32_t base,
                                                        typename BackwardTiles<D>::Control* control, int64_t b,
                                                        int64_t g, int64_t n0, int cw) {
@@ -631,7 +640,7 @@ __device__ __forceinline__ void consume_backward_split(const BackwardArgs& args,
     cute::warpgroup_wait<1>();
     fence_accumulators(st);
     uint32_t weights[T::kConsumerQueries / 16][4], scores[T::kConsumerQueries / 16][4];
-    tile_operands<ET, T::kConsumerQueries, kDropout, kAlibi>(a, control, s, b, h, m0, all_visible, at, qc, context,
+    tile_operands<ET, T::kConsumerQueries, kDropout, kAlibi, kBias>(a, control, s, b, h, m0, all_visible, at, qc, context,
                                                              st, dpt, weights, scores, slope.partial, [&] {
                                                               cute::warpgroup_wait<0>();
                                                               fence_accumulators(dpt);
@@ -705,7 +714,7 @@ __device__ __forceinline__ void consume_backward_split(const BackwardArgs& args,
   if (consumer_thread == 0) trace_block(stamps, tiles);
 }
 
-template <ElementType ET, int D, bool kDropout, bool kAlibi>
+template <ElementType ET, int D, bool kDropout, bool kAlibi, bool kBias = false>
 __global__ void __launch_bounds__(BackwardTiles<D>::kThreads, 1)
     backward_kernel(const __grid_constant__ BackwardArgs args) {
   using T = BackwardTiles<D>;
@@ -739,9 +748,9 @@ __global__ void __launch_bounds__(BackwardTiles<D>::kThreads, 1)
   } else {
     registers_increase<T::kConsumerRegisters>();
     if constexpr (T::kSplit) {
-      consume_backward_split<ET, D, kDropout, kAlibi>(args, base, control, b, g, n0, warpgroup - 1);
+      consume_backward_split<ET, D, kDropout, kAlibi, kBias>(args, base, control, b, g, n0, warpgroup - 1);
     } else {
-      consume_backward<ET, D, kDropout, kAlibi>(args, base, control, b, g, n0, warpgroup - 1);
+      consume_backward<ET, D, kDropout, kAlibi, kBias>(args, base, control, b, g, n0, warpgroup - 1);
     }
   }
 }

@@ -5,7 +5,7 @@ namespace fusedattn {
 namespace flash {
 namespace sm90 {
 
-template std::string launch_backward<256>(gpuStream_t, const FlashArgs&, ElementType, float*);
+template std::string launch_backward<256>(gpuStream_t, const FlashArgs&, ElementType, float*, float*);
 
 }  // namespace sm90
 }  // namespace flash

@@ -51,8 +51,10 @@ std::string launch_forward(gpuStream_t stream, const FlashArgs& a, ElementType t
                                     : sm90::forward<ElementType::kF16, D>(stream, a);
 }
 
+// With a bias array, d_bias [Bb, Hb, Sq, Skv]: a.bias_terms is zeroed first (pairs of tiles
+// no block visits stay 0) and, unless it is d_bias itself, summed into it last.
 template <ElementType ET, int D>
-std::string backward(gpuStream_t stream, const FlashArgs& a, float* dq_accum) {
+std::string backward(gpuStream_t stream, const FlashArgs& a, float* dq_accum, float* d_bias) {
   using T = BackwardTiles<D>;
   const AttentionParams& p = a.p;
   BackwardArgs args;
@@ -73,15 +75,20 @@ std::string backward(gpuStream_t stream, const FlashArgs& a, float* dq_accum) {
   flash::backward_prologue<ET, D>(stream, a, dq_accum, floats);  // also clears dq_accum
   // A query head that no query tile of a key block reaches leaves that block's slots unwritten.
   if (p.alibi) gpuMemsetAsync(a.slope_partials, 0, sizeof(float) * p.batch * p.heads * a.slope_slots, stream);
+  const bool bias = p.bias_type != kBiasNone;
+  if (bias) gpuMemsetAsync(a.bias_terms, 0, sizeof(float) * p.batch * p.heads * p.seqlen_q * p.seqlen_kv, stream);
   const int64_t blocks = (p.seqlen_kv + T::kN - 1) / T::kN * p.kv_heads * p.batch;
   if (blocks > 0) {
-    const auto kernel = p.alibi ? (p.dropout ? backward_kernel<ET, D, true, true> : backward_kernel<ET, D, false, true>)
-                                : (p.dropout ? backward_kernel<ET, D, true, false> : backward_kernel<ET, D, false, false>);
+    const auto kernel =
+        bias      ? (p.dropout ? backward_kernel<ET, D, true, false, true> : backward_kernel<ET, D, false, false, true>)
+        : p.alibi ? (p.dropout ? backward_kernel<ET, D, true, true> : backward_kernel<ET, D, false, true>)
+                  : (p.dropout ? backward_kernel<ET, D, true, false> : backward_kernel<ET, D, false, false>);
     gpuFuncSetAttribute(reinterpret_cast<const void*>(kernel), gpuFuncAttributeMaxDynamicSharedMemorySize,
                         T::kSharedBytes);
     kernel<<<static_cast<unsigned>(blocks), T::kThreads, T::kSharedBytes, stream>>>(args);
   }
   if (p.alibi) flash::launch_slope_gradient(stream, a);  // a.slope_slots: slope_slots(Skv, D)
+  if (bias && !bias_gradient_direct(p)) launch_bias_gradient_sum(stream, a, d_bias);
   const int64_t convert_blocks = std::min<int64_t>(floats / DqAccumulator<D>::kBlockFloats, 65536);
   if (convert_blocks > 0) {
     dq_convert_kernel<ET, D><<<static_cast<unsigned>(convert_blocks), 256, 0, stream>>>(dq_accum, a.dq, p);
@@ -90,9 +97,10 @@ std::string backward(gpuStream_t stream, const FlashArgs& a, float* dq_accum) {
 }
 
 template <int D>
-std::string launch_backward(gpuStream_t stream, const FlashArgs& a, ElementType type, float* dq_accum) {
-  return type == ElementType::kBF16 ? sm90::backward<ElementType::kBF16, D>(stream, a, dq_accum)
-                                    : sm90::backward<ElementType::kF16, D>(stream, a, dq_accum);
+std::string launch_backward(gpuStream_t stream, const FlashArgs& a, ElementType type, float* dq_accum,
+                            float* d_bias) {
+  return type == ElementType::kBF16 ? sm90::backward<ElementType::kBF16, D>(stream, a, dq_accum, d_bias)
+                                    : sm90::backward<ElementType::kF16, D>(stream, a, dq_accum, d_bias);
 }
 
 }  // namespace sm90

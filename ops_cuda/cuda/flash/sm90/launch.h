@@ -42,12 +42,14 @@ FA_HOST_DEVICE inline int64_t slope_slots(int64_t seqlen_kv, int64_t head_dim) {
 
 // Launches the backward of head dim D (64 or 128: BackwardTiles) on a device of compute
 // capability 9.0: the prologue of every backward (a.delta, a.d_offset), the sm_90a kernel,
-// whose dQ sums in dq_accum (dq_accum_floats, zeroed here), dq from that sum and, with ALiBi,
-// a.d_slopes from the kernel's partial sums.
+// whose dQ sums in dq_accum (dq_accum_floats, zeroed here), dq from that sum, with ALiBi
+// a.d_slopes from the kernel's partial sums and, with a bias array, d_bias (its terms in
+// a.bias_terms, summed in a fixed order where the array is broadcast: bias_tile.cuh).
 // Needs a.spans summarised first and Sq, Skv > 0 (TMA describes no empty tensor). Returns ""
 // or why it could not launch; kernel errors surface through the stream's last error.
 template <int D>
-std::string launch_backward(gpuStream_t stream, const FlashArgs& a, ElementType type, float* dq_accum);
+std::string launch_backward(gpuStream_t stream, const FlashArgs& a, ElementType type, float* dq_accum,
+                            float* d_bias);
 
 }  // namespace sm90
 }  // namespace flash
