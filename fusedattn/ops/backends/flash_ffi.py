@@ -26,8 +26,8 @@ paper's slopes, or config.bias 'alibi''s given ones; zeros without ALiBi), o [b,
 h, dv], lse float32 [b, h, sq], and d_offset, d_slopes float32 [b, h] (summed over b
 here). bias is float32 [b|1, h|1, sq, skv] (config.bias 'pre_scale_bias' or
 'post_scale_bias', cast from its dtype; an unread float32 [1, 1, 0, 0] without one) and
-d_bias float32 of its shape, summed over its dims of extent 1 inside the call (on CUDA
-and ROCm the sm_80 kernels serve calls with a bias array). softmax_offset, seed and alibi_slopes reach the kernels with a leading axis of
+d_bias float32 of its shape, summed over its dims of extent 1 inside the call (every CUDA
+and ROCm kernel has a bias variant). softmax_offset, seed and alibi_slopes reach the kernels with a leading axis of
 rows ([L, h], [L, 2], [L, h]): batch row r reads row r // (B / L). Both calls go through partitioning.py: under
 jax.vmap the mapped axis folds into the kernel's batch (never a loop; mapped
 offsets and seeds become rows, so the dropout mask of a mapped example is that
