@@ -165,15 +165,15 @@ def kernels(spec: AttentionSpec, shapes: CallShapes | None, platform: str) -> st
     if shapes is None or platform not in ("gpu", "cuda", "rocm"):
         return None
     bias = spec.bias in (BiasType.PRE_SCALE_BIAS, BiasType.POST_SCALE_BIAS)
-    alibi = _ALIBI_TEXT if spec.bias == BiasType.ALIBI else _BIAS_TEXT if bias else ""
+    term = _ALIBI_TEXT if spec.bias == BiasType.ALIBI else _BIAS_TEXT if bias else ""
     if platform == "rocm":
-        return (f"flash: MFMA forward and backward{alibi} (the sm80 kernels' text, "
+        return (f"flash: MFMA forward and backward{term} (the sm80 kernels' text, "
                 "gfx90a/gfx94x; compile-checked only, never run on AMD hardware)")
     d = shapes.head_dim_qk
     deterministic = bool(spec.deterministic_backward)
     text = _kernels_text(cuda_forward_kernel(d, shapes.seqlen_kv),
                          cuda_backward_kernel(d, shapes.seqlen_q, shapes.seqlen_kv, deterministic),
-                         deterministic) + alibi
+                         deterministic) + term
     if named_kernel() == "sm80":
         return f"{text} (named by {KERNEL_VARIABLE}=sm80)"
     return text

@@ -1,12 +1,14 @@
-// Bias arrays in the GPU flash kernels (the sm_80 text, on CUDA and over MFMA): the term of
-// fusedattn/bias.h on the fragments of a score tile, and the terms of its gradient.
+// Bias arrays in the GPU flash kernels (the sm_80 text, on CUDA and over MFMA, and the
+// sm_90a kernels): the term of fusedattn/bias.h on the fragments of a score tile, and the
+// terms of its gradient.
 //
 // The kernels hold unscaled scores x = q . k and scale them inside the softmax, so the
 // array's element enters as x += bias (pre_scale: scale (x + bias)) or x += bias / scale
 // (post_scale: scale x + bias), before the mask and the row maximum, as in the host build.
 // Masked pairs are then selected out whatever the bias holds there. The backward's dS (the
-// gradient of the scaled score) gives each pair's term bias_gradient(dS); the dq kernel, the
-// one writer of each (b, h, i, j) it visits, stores them into a.bias_terms (zeroed first:
+// gradient of the scaled score) gives each pair's term bias_gradient(dS); the one writer of
+// each (b, h, i, j) it visits (the sm_80 dq kernel; in the sm_90a backward the block of the
+// pair's key tile) stores them into a.bias_terms (zeroed first:
 // pairs of tiles no query sees stay 0), and bias_gradient.cu sums them over the array's
 // broadcast dims in a fixed order (bitwise repeatable).
 #ifndef FUSEDATTN_FLASH_BIAS_TILE_CUH_

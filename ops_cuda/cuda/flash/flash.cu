@@ -230,8 +230,8 @@ int64_t slope_slot_count(const AttentionParams& p, BackwardKernel kernel) {
 }
 
 // The workspace of a call (the layout above, each part 256-byte aligned): the forward's
-// spans; for the backward also the delta, the sm_90a kernel's dQ accumulator and ALiBi's
-// partial sums (slots per (b, h)).
+// spans; for the backward also the delta, the sm_90a kernel's dQ accumulator, ALiBi's
+// partial sums (slots per (b, h)) and a broadcast bias array's gradient terms.
 struct Workspace {
   int64_t spans = 0, delta = 0, dq_accum = 0, slopes = 0, slots = 0, bias_terms = 0;
   int64_t bytes() const { return spans + delta + dq_accum + slopes + bias_terms; }

@@ -46,7 +46,7 @@ struct FlashArgs {
   float* d_slopes;
   float* slope_partials;
   int64_t slope_slots;
-  // A bias array (bias_tile.cuh; p.bias_type != kBiasNone, the sm_80 text only): bias
+  // A bias array (bias_tile.cuh; p.bias_type != kBiasNone, every kernel's bias variant): bias
   // [Bb, Hb, Sq, Skv]; backward: the terms of its gradient of every (b, h, i, j), float32
   // [B, H, Sq, Skv] zeroed before the kernels (d_bias itself where bias_gradient_direct).
   const float* bias;
