@@ -68,6 +68,11 @@ __host__ __device__ __forceinline__ bool bias_gradient_direct(const AttentionPar
   return p.bias_batch == p.batch && p.bias_heads == p.heads;
 }
 
+// Before a backward with a bias array: zeroes d_bias where it is the terms themselves
+// (bias_gradient_direct: pairs no kernel visits must read 0); a broadcast array's terms need
+// no zeroing (launch_bias_gradient_sum reads only the pairs the kernels write).
+void clear_bias_terms(gpuStream_t stream, const FlashArgs& a);
+
 // d_bias [Bb, Hb, Sq, Skv] = a.bias_terms summed over the batch rows and heads each element
 // stands for (b in order, then h), for a bias that is not direct.
 void launch_bias_gradient_sum(gpuStream_t stream, const FlashArgs& a, float* d_bias);

@@ -52,16 +52,14 @@ void backward_prologue(gpuStream_t stream, const FlashArgs& a, float* zero = nul
   }
 }
 
-// The backward's kernels. With a bias array, d_bias [Bb, Hb, Sq, Skv]: a.bias_terms is
-// zeroed first and, unless it is d_bias itself (bias_gradient_direct), summed into it last.
+// The backward's kernels. With a bias array, d_bias [Bb, Hb, Sq, Skv]: a.bias_terms
+// (clear_bias_terms first) is, unless it is d_bias itself (bias_gradient_direct), summed into
+// it last.
 template <ElementType ET, int D>
 void backward(gpuStream_t stream, const FlashArgs& a, float* d_bias) {
   const AttentionParams& p = a.p;
   const bool bias = p.bias_type != kBiasNone;
-  if (bias) {
-    (void)gpuMemsetAsync(a.bias_terms, 0, sizeof(float) * p.batch * p.heads * p.seqlen_q * p.seqlen_kv,
-                         stream);  // errors: launch_status
-  }
+  if (bias) clear_bias_terms(stream, a);
   backward_prologue<ET, D>(stream, a);
   using KV = DkDvTiles<D>;
   using Q = DqTiles<D>;

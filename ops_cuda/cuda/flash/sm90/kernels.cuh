@@ -51,8 +51,8 @@ std::string launch_forward(gpuStream_t stream, const FlashArgs& a, ElementType t
                                     : sm90::forward<ElementType::kF16, D>(stream, a);
 }
 
-// With a bias array, d_bias [Bb, Hb, Sq, Skv]: a.bias_terms is zeroed first (pairs of tiles
-// no block visits stay 0) and, unless it is d_bias itself, summed into it last.
+// With a bias array, d_bias [Bb, Hb, Sq, Skv]: a.bias_terms (clear_bias_terms first) is,
+// unless it is d_bias itself, summed into it last.
 template <ElementType ET, int D>
 std::string backward(gpuStream_t stream, const FlashArgs& a, float* dq_accum, float* d_bias) {
   using T = BackwardTiles<D>;
@@ -76,7 +76,7 @@ std::string backward(gpuStream_t stream, const FlashArgs& a, float* dq_accum, fl
   // A query head that no query tile of a key block reaches leaves that block's slots unwritten.
   if (p.alibi) gpuMemsetAsync(a.slope_partials, 0, sizeof(float) * p.batch * p.heads * a.slope_slots, stream);
   const bool bias = p.bias_type != kBiasNone;
-  if (bias) gpuMemsetAsync(a.bias_terms, 0, sizeof(float) * p.batch * p.heads * p.seqlen_q * p.seqlen_kv, stream);
+  if (bias) clear_bias_terms(stream, a);
   const int64_t blocks = (p.seqlen_kv + T::kN - 1) / T::kN * p.kv_heads * p.batch;
   if (blocks > 0) {
     const auto kernel =
