@@ -221,3 +221,48 @@ def test_public_op_names_the_bias_argument(rng, shape):
     with pytest.raises(ValueError, match=r"bias: expected shape \[b or 1, h or 1, sq, skv\] = "
                                          r"\[2 or 1, 4 or 1, 6, 6\]"):
         fused_attn((q, q, q), config=config, bias=jnp.ones(shape, jnp.float32))
+
+
+def _backward_d_bias_shapes(spec, args, argnums):
+    """The d_bias result shapes of the flash backward calls in jax.grad's program over
+    `argnums` of (q, k, v, bias)."""
+    def loss(q, k, v, bias):
+        return jnp.sum(flash.BACKEND.attention(spec, args._replace(q=q, k=k, v=v, bias=bias), 0.5))
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums))(args.q, args.k, args.v, args.bias)
+    shapes = []
+
+    def visit(eqns):
+        for eqn in eqns:
+            if eqn.params.get("target_name") == "fusedattn_flash_bwd":
+                shapes.append(tuple(eqn.outvars[5].aval.shape))
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (list, tuple)) else (param,):
+                    inner = getattr(sub, "jaxpr", None)
+                    if inner is not None:
+                        visit(getattr(inner, "eqns", []) or getattr(getattr(inner, "jaxpr", None), "eqns", []))
+    visit(jaxpr.eqns)
+    return shapes
+
+
+@pytest.mark.parametrize("bias", BIASES)
+def test_a_bias_nobody_differentiates_gets_no_gradient_computed(rng, bias):
+    """A bias that is not differentiated (a mask given as a bias, a fixed one): the backward
+    call asks for an empty d_bias (the kernels skip its terms), and the other gradients
+    equal those of a call that differentiates the bias, and the xla backend's."""
+    spec = bias_spec(bias, "padding_causal")
+    args = with_bias(rng, make_args(rng, kind="padding_causal", sq=9, skv=12), "shared")
+    assert _backward_d_bias_shapes(spec, args, (0, 1, 2)) == [(1, 1, 0, 0)]
+    assert _backward_d_bias_shapes(spec, args, (0, 3)) == [tuple(args.bias.shape)]
+
+    def grads(backend, argnums):
+        def loss(q, k, v, b):
+            o = backend.attention(spec, args._replace(q=q, k=k, v=v, bias=b), 0.5)
+            return jnp.sum(o * jnp.cos(o))
+        return jax.jit(jax.grad(loss, argnums))(args.q, args.k, args.v, args.bias)
+
+    without = grads(flash.BACKEND, (0, 1, 2))
+    with_d_bias = grads(flash.BACKEND, (0, 1, 2, 3))
+    want = grads(xla.BACKEND, (0, 1, 2))
+    for name, got, full, ref in zip(("dq", "dk", "dv"), without, with_d_bias, want):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(full), name)
+        assert_close(got, ref, tolerance(args.q.dtype), name)

@@ -232,27 +232,28 @@ struct BwdArgs : Inputs<ET> {
   Store<ET>* dv;
   float* d_offset;
   float* d_slopes;
-  float* d_bias;  // shaped like the bias array
+  float* d_bias;  // shaped like the bias array; null: its gradient not wanted
 };
 
 // Where the backward writes dS's bias terms (bias_gradient) of every (b, h, i, j), float32
 // [B, H, Sq, Skv]: d_bias itself when the bias has every batch row and head, else scratch
 // that reduce() sums over the shared dims into d_bias in a fixed order (deterministic).
+// d_bias null: the gradient is not wanted (nor computed).
 class BiasGradient {
  public:
   BiasGradient(const AttentionParams& p, float* d_bias) : p_(p), d_bias_(d_bias) {
-    if (p.bias_type == kBiasNone) return;
+    if (!wanted()) return;
     const int64_t n = p.batch * p.heads * p.seqlen_q * p.seqlen_kv;
     if (!direct()) scratch_.assign(n, 0.0f);
   }
-  // Row (b, h, i) of the terms, null without a bias.
+  // Row (b, h, i) of the terms, null without a bias or where its gradient is not wanted.
   float* row(int64_t b, int64_t h, int64_t i) {
-    if (p_.bias_type == kBiasNone) return nullptr;
+    if (!wanted()) return nullptr;
     float* base = direct() ? d_bias_ : scratch_.data();
     return base + (bhs_offset(b, h, i, p_.heads, p_.seqlen_q)) * p_.seqlen_kv;
   }
   void reduce() {
-    if (p_.bias_type == kBiasNone || direct()) return;
+    if (!wanted() || direct()) return;
     const int64_t area = p_.seqlen_q * p_.seqlen_kv;
     for (int64_t b = 0; b < p_.batch; ++b) {
       for (int64_t h = 0; h < p_.heads; ++h) {
@@ -264,6 +265,7 @@ class BiasGradient {
   }
 
  private:
+  bool wanted() const { return p_.bias_type != kBiasNone && d_bias_ != nullptr; }
   bool direct() const { return p_.bias_batch == p_.batch && p_.bias_heads == p_.heads; }
   const AttentionParams& p_;
   float* d_bias_;
@@ -409,7 +411,8 @@ ffi::Error FlashBwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
                                       bias),
                       elements<kET>(o), lse.typed_data<float>(), elements<kET>(dout), elements<kET>(dq),
                       elements<kET>(dk), elements<kET>(dv), d_offset->typed_data<float>(),
-                      d_slopes->typed_data<float>(), d_bias->typed_data<float>()});
+                      d_slopes->typed_data<float>(),
+                      bias_gradient_wanted(p, d_bias) ? d_bias->typed_data<float>() : nullptr});
   });
   return ffi::Error::Success();
 }

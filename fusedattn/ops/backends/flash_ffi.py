@@ -27,7 +27,8 @@ h, dv], lse float32 [b, h, sq], and d_offset, d_slopes float32 [b, h] (summed ov
 here). bias is float32 [b|1, h|1, sq, skv] (config.bias 'pre_scale_bias' or
 'post_scale_bias', cast from its dtype; an unread float32 [1, 1, 0, 0] without one) and
 d_bias float32 of its shape, summed over its dims of extent 1 inside the call (every CUDA
-and ROCm kernel has a bias variant). softmax_offset, seed and alibi_slopes reach the kernels with a leading axis of
+and ROCm kernel has a bias variant), or float32 [1, 1, 0, 0] where nobody differentiates
+the bias (learnt from symbolic zeros: the kernels then compute no bias gradient). softmax_offset, seed and alibi_slopes reach the kernels with a leading axis of
 rows ([L, h], [L, 2], [L, h]): batch row r reads row r // (B / L). Both calls go through partitioning.py: under
 jax.vmap the mapped axis folds into the kernel's batch (never a loop; mapped
 offsets and seeds become rows, so the dropout mask of a mapped example is that
@@ -50,10 +51,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
 from fusedattn.ops import _library
 from fusedattn.ops.backends import flash_gpu, partitioning
 from fusedattn.ops.backends.base import current_platform
+from fusedattn.ops.backends.unread import Unread, values
 from fusedattn.ops.enums import BiasType, SoftmaxType
 
 FWD_TARGET = "fusedattn_flash_fwd"
@@ -81,6 +84,13 @@ class Static(NamedTuple):
     sm80_named: bool = False  # FUSEDATTN_FLASH_KERNEL=sm80 when the call was traced
     alibi: bool = False  # config.bias 'alibi'
     bias_type: int = 0  # BIAS_TYPES: 0 without a bias array
+    # The backward computes d_bias (False where nobody differentiates the bias: a mask given
+    # as a bias, a fixed one; its d_bias result is then empty and the kernels skip it).
+    bias_gradient: bool = True
+
+    @property
+    def d_bias_wanted(self) -> bool:
+        return bool(self.bias_type) and self.bias_gradient
 
     def attributes(self, backward: bool) -> dict:
         """The FFI attributes; "kernel" on the GPU platforms only (the host handlers have none)."""
@@ -143,10 +153,11 @@ def _backward(static: Static, q, k, v, *operands):
          jax.ShapeDtypeStruct(v.shape, v.dtype),
          jax.ShapeDtypeStruct((b, h), jnp.float32),
          jax.ShapeDtypeStruct((b, h), jnp.float32),
-         jax.ShapeDtypeStruct(operands[_BIAS - 3].shape, jnp.float32))
+         jax.ShapeDtypeStruct(operands[_BIAS - 3].shape if static.d_bias_wanted else _NO_D_BIAS,
+                              jnp.float32))
         + cuda_workspace(q, k, operands[0], backward=True, deterministic=static.deterministic,
                           alibi=static.alibi,
-                          bias_shape=operands[_BIAS - 3].shape if static.bias_type else None),
+                          bias_shape=operands[_BIAS - 3].shape if static.d_bias_wanted else None),
     )(q, k, v, *operands, **static.attributes(backward=True))[:6]
 
 
@@ -155,6 +166,7 @@ def _backward(static: Static, q, k, v, *operands):
 _OPERANDS = ("b.h.", "b.g.", "b.g.") + ("b.",) * 5 + ("rh", "r.", "rh", "BH..")
 _SEED, _BIAS = 9, 11
 _D_BIAS = 5  # the backward's result
+_NO_D_BIAS = (1, 1, 0, 0)  # its shape where the bias's gradient is not wanted (no elements)
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,7 +175,7 @@ def op(static: Static, backward: bool):
     operands, results = ((_OPERANDS + ("b.h.", "bh.", "b.h."),
                           ("b.h.", "b.g.", "b.g.", "bh", "bh", "BH.."))
                          if backward else (_OPERANDS, ("b.h.", "bh.")))
-    unread = frozenset({_D_BIAS}) if backward and not static.bias_type else frozenset()
+    unread = frozenset({_D_BIAS}) if backward and not static.d_bias_wanted else frozenset()
     signature = partitioning.Signature(operands, results, dropout=static.dropout_rate > 0,
                                        dropout_rows=_SEED, unread=unread)
     return partitioning.op(functools.partial(_backward if backward else _forward, static),
@@ -198,13 +210,21 @@ def attend(static: Static, q, k, v, offset, slopes, bias, seed, q_seg, q_pos, q_
 
 def _attend_fwd(static: Static, q, k, v, offset, slopes, bias, seed, q_seg, q_pos, q_diag,
                kv_seg, kv_pos):
-    tokens = (q_seg, q_pos, q_diag, kv_seg, kv_pos)
+    """The forward rule under symbolic_zeros: each array comes as a CustomVJPPrimal; a bias
+    nobody differentiates gets no gradient from the backward call (Unread)."""
+    unread = Unread.of(((_D_BIAS, bias),))
+    q, k, v, offset, slopes, bias, seed, *tokens = values(
+        (q, k, v, offset, slopes, bias, seed, q_seg, q_pos, q_diag, kv_seg, kv_pos))
+    tokens = tuple(tokens)
     o, lse = forward_call(static, q, k, v, offset, seed, tokens, slopes, bias)
-    return o, (q, k, v, offset, slopes, bias, seed, tokens, o, lse)
+    return o, (q, k, v, offset, slopes, bias, seed, tokens, o, lse, unread)
 
 
 def _attend_bwd(static: Static, residuals, do):
-    q, k, v, offset, slopes, bias, seed, tokens, o, lse = residuals
+    q, k, v, offset, slopes, bias, seed, tokens, o, lse, unread = residuals
+    if isinstance(do, SymbolicZero):  # a cotangent known to be zero
+        return (None,) * 12
+    static = static._replace(bias_gradient=_D_BIAS not in unread.results)
     dq, dk, dv, d_offset, d_slopes, d_bias = op(static, True)(
         q, k, v, *tokens, *row_operands(offset, seed, slopes), bias, o, lse,
         do.astype(o.dtype))
@@ -213,8 +233,8 @@ def _attend_bwd(static: Static, residuals, do):
     else:
         d_offset = jnp.zeros_like(offset)
     d_slopes = jnp.sum(d_slopes, axis=0) if static.alibi else jnp.zeros_like(slopes)
-    d_bias = d_bias if static.bias_type else jnp.zeros_like(bias)
+    d_bias = d_bias if static.d_bias_wanted else None  # None: a zero (or unread) cotangent
     return (dq, dk, dv, d_offset, d_slopes, d_bias, None, None, None, None, None, None)
 
 
-attend.defvjp(_attend_fwd, _attend_bwd)
+attend.defvjp(_attend_fwd, _attend_bwd, symbolic_zeros=True)

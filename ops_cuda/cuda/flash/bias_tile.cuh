@@ -48,10 +48,11 @@ __device__ __forceinline__ void add_bias(float (&scores)[kCols / 8][4], const Fl
 
 // Stores the bias gradient's terms of a tile of dS (ds[n][e] of query query_of(n, e) and key
 // key_of(n, e); pairs past either end are not stored) into a.bias_terms' (b, h) plane
-// [B, H, Sq, Skv].
+// [B, H, Sq, Skv]; nothing where a.bias_terms is null (the gradient not wanted).
 template <int kCols, typename QueryOf, typename KeyOf>
 __device__ __forceinline__ void store_bias_terms(const float (&ds)[kCols / 8][4], const FlashArgs& a, int64_t b,
                                                  int64_t h, QueryOf query_of, KeyOf key_of) {
+  if (a.bias_terms == nullptr) return;  // the bias's gradient is not wanted
   const AttentionParams& p = a.p;
   float* plane = a.bias_terms + (b * p.heads + h) * p.seqlen_q * p.seqlen_kv;
 #pragma unroll
@@ -69,6 +70,11 @@ __device__ __forceinline__ void store_bias_terms(const float (&ds)[kCols / 8][4]
 __host__ __device__ __forceinline__ bool bias_gradient_direct(const AttentionParams& p) {
   return p.bias_batch == p.batch && p.bias_heads == p.heads;
 }
+
+// Before a backward with a bias array: zeroes d_bias where it is the terms themselves
+// (bias_gradient_direct: pairs no kernel visits must read 0); a broadcast array's terms need
+// no zeroing (launch_bias_gradient_sum reads only the pairs the kernels write).
+void clear_bias_terms(gpuStream_t stream, const FlashArgs& a);
 
 // d_bias [Bb, Hb, Sq, Skv] = a.bias_terms summed over the batch rows and heads each element
 // stands for (b in order, then h), for a bias that is not direct.

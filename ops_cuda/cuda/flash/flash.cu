@@ -237,7 +237,8 @@ struct Workspace {
   int64_t bytes() const { return spans + delta + dq_accum + slopes + bias_terms; }
 };
 
-Workspace workspace_of(const AttentionParams& p, bool backward, BackwardKernel kernel) {
+// bias_gradient: the call wants a bias array's gradient (bias_gradient_wanted).
+Workspace workspace_of(const AttentionParams& p, bool backward, BackwardKernel kernel, bool bias_gradient) {
   Workspace w;
   w.spans = span_bytes(p);
   if (!backward) return w;
@@ -245,7 +246,7 @@ Workspace workspace_of(const AttentionParams& p, bool backward, BackwardKernel k
   w.dq_accum = kernel == BackwardKernel::kSm90 ? dq_accum_bytes(p) : 0;
   w.slots = slope_slot_count(p, kernel);
   w.slopes = align256(p.batch * p.heads * w.slots * static_cast<int64_t>(sizeof(float)));
-  if (p.bias_type != kBiasNone && !bias_gradient_direct(p)) {
+  if (bias_gradient && !bias_gradient_direct(p)) {
     w.bias_terms = align256(p.batch * p.heads * p.seqlen_q * p.seqlen_kv * static_cast<int64_t>(sizeof(float)));
   }
   return w;
@@ -311,7 +312,7 @@ ffi::Error FlashFwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   if (auto e = check_named_kernel(kOp, named_kernel); e.failure()) return e;
   if (auto e = check_forward_results(kOp, p, lead, q.element_type(), o, lse); e.failure()) return e;
   if (p.batch == 0 || p.heads == 0 || p.seqlen_q == 0) return ffi::Error::Success();
-  if (auto e = check_workspace(kOp, workspace, workspace_of(p, false, BackwardKernel::kSm80).bytes()); e.failure()) {
+  if (auto e = check_workspace(kOp, workspace, workspace_of(p, false, BackwardKernel::kSm80, false).bytes()); e.failure()) {
     return e;
   }
   FlashArgs a = common_args(p, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed, alibi_slopes, bias);
@@ -353,7 +354,8 @@ ffi::Error FlashBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   if (p.batch == 0 || p.heads == 0) return ffi::Error::Success();
   BackwardKernel kernel;
   if (auto e = backward_kernel_of(kOp, p, named_kernel, deterministic, &kernel); e.failure()) return e;
-  const Workspace w = workspace_of(p, true, kernel);
+  const bool bias_gradient = bias_gradient_wanted(p, d_bias);
+  const Workspace w = workspace_of(p, true, kernel, bias_gradient);
   if (auto e = check_workspace(kOp, workspace, w.bytes()); e.failure()) return e;
   FlashArgs a = common_args(p, q, k, v, q_seg, q_pos, q_diag, kv_seg, kv_pos, softmax_offset, seed, alibi_slopes, bias);
   a.o = static_cast<uint16_t*>(const_cast<void*>(o.untyped_data()));
@@ -370,8 +372,9 @@ ffi::Error FlashBwdImpl(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   a.slope_partials = reinterpret_cast<float*>(scratch + w.spans + w.delta + w.dq_accum);
   a.slope_slots = w.slots;
   float* const d_bias_data = d_bias->typed_data<float>();
-  a.bias_terms = w.bias_terms > 0 ? reinterpret_cast<float*>(scratch + w.spans + w.delta + w.dq_accum + w.slopes)
-                                  : d_bias_data;
+  a.bias_terms = !bias_gradient    ? nullptr  // the kernels then store no terms
+                 : w.bias_terms > 0 ? reinterpret_cast<float*>(scratch + w.spans + w.delta + w.dq_accum + w.slopes)
+                                    : d_bias_data;
   return launch_backward_kernel(kOp, stream, a, element_type_of(dt), kernel,
                                 reinterpret_cast<float*>(scratch + w.spans + w.delta), d_bias_data);
 }
@@ -423,7 +426,8 @@ extern "C" __attribute__((visibility("default"))) int FA_FLASH_HEAD_DIMS_SYMBOL(
 // fusedattn/ops/backends/flash_ffi.py, which sizes that result when the call is traced:
 // token_rows (L of the token vectors), B, H, Sq, Skv, D; backward: of the backward pass;
 // sm90_backward: the backward runs the sm_90a kernel (backward_kernel_of); alibi: the call
-// has ALiBi; bias_batch, bias_heads: the bias array's leading dims (0, 0 without one).
+// has ALiBi; bias_batch, bias_heads: the leading dims of a bias array whose gradient the
+// call wants (0, 0 without one, or where its gradient is not wanted).
 extern "C" __attribute__((visibility("default"))) int64_t FA_FLASH_WORKSPACE_SYMBOL(
     int64_t token_rows, int64_t batch, int64_t heads, int64_t seqlen_q, int64_t seqlen_kv, int64_t head_dim,
     int32_t backward, int32_t sm90_backward, int32_t alibi, int64_t bias_batch, int64_t bias_heads) {
@@ -439,7 +443,8 @@ extern "C" __attribute__((visibility("default"))) int64_t FA_FLASH_WORKSPACE_SYM
   p.bias_batch = bias_batch;
   p.bias_heads = bias_heads;
   using fusedattn::flash::BackwardKernel;
-  return fusedattn::flash::workspace_of(p, backward != 0, sm90_backward ? BackwardKernel::kSm90 : BackwardKernel::kSm80)
+  return fusedattn::flash::workspace_of(p, backward != 0, sm90_backward ? BackwardKernel::kSm90 : BackwardKernel::kSm80,
+                                       bias_batch > 0)
       .bytes();
 }
 

@@ -52,16 +52,15 @@ void backward_prologue(gpuStream_t stream, const FlashArgs& a, float* zero = nul
   }
 }
 
-// The backward's kernels. With a bias array, d_bias [Bb, Hb, Sq, Skv]: a.bias_terms is
-// zeroed first and, unless it is d_bias itself (bias_gradient_direct), summed into it last.
+// The backward's kernels. With a bias array whose gradient is wanted (a.bias_terms not
+// null), d_bias [Bb, Hb, Sq, Skv]: a.bias_terms (clear_bias_terms first) is, unless it is
+// d_bias itself (bias_gradient_direct), summed into it last.
 template <ElementType ET, int D>
 void backward(gpuStream_t stream, const FlashArgs& a, float* d_bias) {
   const AttentionParams& p = a.p;
   const bool bias = p.bias_type != kBiasNone;
-  if (bias) {
-    (void)gpuMemsetAsync(a.bias_terms, 0, sizeof(float) * p.batch * p.heads * p.seqlen_q * p.seqlen_kv,
-                         stream);  // errors: launch_status
-  }
+  const bool bias_gradient = a.bias_terms != nullptr;  // wanted by the caller
+  if (bias_gradient) clear_bias_terms(stream, a);
   backward_prologue<ET, D>(stream, a);
   using KV = DkDvTiles<D>;
   using Q = DqTiles<D>;
@@ -78,7 +77,7 @@ void backward(gpuStream_t stream, const FlashArgs& a, float* d_bias) {
                    : dq_kernel<ET, D, false>,
          q_blocks, Q::kThreads, Q::kSharedBytes, stream, a);
   if (p.alibi) launch_slope_gradient(stream, a);  // a.slope_slots: sm80_slope_slots, every slot written
-  if (bias && !bias_gradient_direct(p)) launch_bias_gradient_sum(stream, a, d_bias);
+  if (bias_gradient && !bias_gradient_direct(p)) launch_bias_gradient_sum(stream, a, d_bias);
 }
 
 template <int D>

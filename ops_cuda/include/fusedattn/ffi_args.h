@@ -16,7 +16,8 @@
 // Backward operands: the forward's twelve, then 12 o, 13 lse, 14 do;
 // results: dq, dk, dv (like q, k, v), d_offset F32 [..., H] and d_slopes F32 [..., H]
 // (per batch row; d_slopes is written only with the alibi attribute), d_bias F32 shaped
-// like bias (the shared dims summed inside the call; zeros without a bias).
+// like bias (the shared dims summed inside the call; zeros without a bias), or F32 with no
+// element where the caller does not differentiate the bias: its gradient is then not computed.
 #ifndef FUSEDATTN_FFI_ARGS_H_
 #define FUSEDATTN_FFI_ARGS_H_
 
@@ -321,12 +322,20 @@ inline ffi::Error parse_bias(const char* op, const ffi::AnyBuffer& bias, int32_t
   return ffi::Error::Success();
 }
 
-// Checks the backward's d_bias result: F32 shaped like the bias operand.
+// Checks the backward's d_bias result: F32 shaped like the bias operand, or F32 without an
+// element (the bias's gradient not wanted: bias_gradient_wanted).
 inline ffi::Error check_bias_gradient(const char* op, const ffi::AnyBuffer& bias,
                                       ffi::Result<ffi::AnyBuffer>& d_bias) {
+  if (d_bias->element_type() == ffi::DataType::F32 && d_bias->element_count() == 0) return ffi::Error::Success();
   const auto d = bias.dimensions();
   return check_exact(op, "result d_bias", d_bias->element_type(), d_bias->dimensions(), ffi::DataType::F32,
                      std::vector<int64_t>(d.begin(), d.end()));
+}
+
+// Whether the caller wants the bias's gradient (a d_bias result with elements) for a call
+// with a bias array.
+inline bool bias_gradient_wanted(const AttentionParams& p, ffi::Result<ffi::AnyBuffer>& d_bias) {
+  return p.bias_type != kBiasNone && d_bias->element_count() > 0;
 }
 
 // Checks the forward's results against the parsed call: o [..., Sq, H, Dv] in q's dtype,

@@ -8,29 +8,17 @@ and zero gradients (cuDNN leaves them unset), rows the descriptor breaks get NaN
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
+from jax.custom_derivatives import SymbolicZero
 
 from fusedattn.ops.backends.cudnn.ffi_calls import _DBIAS, _DSINK, _folding_op
 from fusedattn.ops.backends.cudnn.graph_key import _Static
 from fusedattn.ops.backends.cudnn.segments import _Segments
-
-
-@jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True)
-class _Unread:
-    """Backward results no one reads: dbias / dsink of a bias / offset not differentiated.
-
-    Static (a pytree without leaves): the forward rule learns it from symbolic zeros and
-    hands it to the backward rule in the residuals.
-    """
-
-    results: frozenset[int]
+from fusedattn.ops.backends.unread import Unread, values
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -54,11 +42,8 @@ def _forward(static: _Static, q, k, v, bias, rng, sink, segments: _Segments | No
 def _cudnn_fwd(static: _Static, q, k, v, bias, rng, sink, segments):
     """The forward rule under symbolic_zeros: each array comes as a CustomVJPPrimal (its
     value, and whether it is differentiated)."""
-    unread = _Unread(frozenset(index for index, primal in ((_DBIAS, bias), (_DSINK, sink))
-                               if not primal.perturbed))
-    q, k, v, bias, rng, sink, segments = jax.tree.map(
-        lambda primal: primal.value, (q, k, v, bias, rng, sink, segments),
-        is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
+    unread = Unread.of(((_DBIAS, bias), (_DSINK, sink)))
+    q, k, v, bias, rng, sink, segments = values((q, k, v, bias, rng, sink, segments))
     o, slots, stats = _forward(static, q, k, v, bias, rng, sink, segments)
     return o, (q, k, v, bias, rng, sink, segments, slots, o, stats, unread)
 

@@ -51,8 +51,8 @@ std::string launch_forward(gpuStream_t stream, const FlashArgs& a, ElementType t
                                     : sm90::forward<ElementType::kF16, D>(stream, a);
 }
 
-// With a bias array, d_bias [Bb, Hb, Sq, Skv]: a.bias_terms is zeroed first (pairs of tiles
-// no block visits stay 0) and, unless it is d_bias itself, summed into it last.
+// With a bias array whose gradient is wanted (a.bias_terms not null), d_bias [Bb, Hb, Sq, Skv]:
+// a.bias_terms (clear_bias_terms first) is, unless it is d_bias itself, summed into it last.
 template <ElementType ET, int D>
 std::string backward(gpuStream_t stream, const FlashArgs& a, float* dq_accum, float* d_bias) {
   using T = BackwardTiles<D>;
@@ -76,7 +76,8 @@ std::string backward(gpuStream_t stream, const FlashArgs& a, float* dq_accum, fl
   // A query head that no query tile of a key block reaches leaves that block's slots unwritten.
   if (p.alibi) gpuMemsetAsync(a.slope_partials, 0, sizeof(float) * p.batch * p.heads * a.slope_slots, stream);
   const bool bias = p.bias_type != kBiasNone;
-  if (bias) gpuMemsetAsync(a.bias_terms, 0, sizeof(float) * p.batch * p.heads * p.seqlen_q * p.seqlen_kv, stream);
+  const bool bias_gradient = a.bias_terms != nullptr;  // wanted by the caller
+  if (bias_gradient) clear_bias_terms(stream, a);
   const int64_t blocks = (p.seqlen_kv + T::kN - 1) / T::kN * p.kv_heads * p.batch;
   if (blocks > 0) {
     const auto kernel =
@@ -88,7 +89,7 @@ std::string backward(gpuStream_t stream, const FlashArgs& a, float* dq_accum, fl
     kernel<<<static_cast<unsigned>(blocks), T::kThreads, T::kSharedBytes, stream>>>(args);
   }
   if (p.alibi) flash::launch_slope_gradient(stream, a);  // a.slope_slots: slope_slots(Skv, D)
-  if (bias && !bias_gradient_direct(p)) launch_bias_gradient_sum(stream, a, d_bias);
+  if (bias_gradient && !bias_gradient_direct(p)) launch_bias_gradient_sum(stream, a, d_bias);
   const int64_t convert_blocks = std::min<int64_t>(floats / DqAccumulator<D>::kBlockFloats, 65536);
   if (convert_blocks > 0) {
     dq_convert_kernel<ET, D><<<static_cast<unsigned>(convert_blocks), 256, 0, stream>>>(dq_accum, a.dq, p);
