@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 import jax
 import numpy as np
@@ -107,14 +109,26 @@ def random_normal(key, shape, dtype):
     return jax.random.normal(key, shape, jax.numpy.float32).astype(dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class WithParams:
+    """An attention fn(q, k, v, *params) and its params: arrays it learns (a bias), which the
+    "fwd+bwd" pass of `passes` differentiates as well."""
+    attend: Callable
+    params: tuple
+
+
 def passes(attend) -> dict:
-    """The two timed passes of an attention fn(q, k, v): "fwd" (jitted forward) and "fwd+bwd"
-    (the VJP with cotangent do), both called as fn(q, k, v, do)."""
-    forward = jax.jit(attend)
+    """The two timed passes of an attention fn(q, k, v) (or a WithParams): "fwd" (jitted
+    forward) and "fwd+bwd" (the VJP with cotangent do, with respect to q, k, v and the
+    params), both called as fn(q, k, v, do)."""
+    if not isinstance(attend, WithParams):
+        attend = WithParams(attend, ())
+    fn, params = attend.attend, attend.params
+    forward = jax.jit(lambda q, k, v: fn(q, k, v, *params))
 
     @jax.jit
     def forward_backward(q, k, v, do):
-        out, vjp = jax.vjp(attend, q, k, v)
+        out, vjp = jax.vjp(fn, q, k, v, *params)
         return out, vjp(do)
 
     return {"fwd": lambda q, k, v, do: forward(q, k, v), "fwd+bwd": forward_backward}

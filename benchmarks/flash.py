@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import fusedattn
 from fusedattn.ops import SequenceDescriptor, fused_attn
 
-from common import (H200_MEASURED_MATMUL_FLOPS, interleaved_ms, parse_args, passes, random_normal,
-                    write_results)
+from common import (H200_MEASURED_MATMUL_FLOPS, WithParams, interleaved_ms, parse_args, passes,
+                    random_normal, write_results)
 
 # (b, s, h, h_kv, d): the issue's six shapes, then d=64 and d=256.
 SHAPES = [(4, 2048, 16, 16, 128), (1, 8192, 16, 16, 128), (2, 4096, 32, 8, 128),
@@ -49,8 +49,9 @@ ALIBI_WINDOW = (256, 0)
 
 
 def ours(backend: str, causal: bool, dropout: float = 0.0, alibi: bool = False,
-         window: tuple[int, int] = (-1, -1), bias=None, sequence=None):
-    """fused_attn on `backend`; bias: a post-scale bias array [b|1, h|1, s, s]; sequence: a
+         window: tuple[int, int] = (-1, -1), bias=None, sequence=None, learn_bias: bool = False):
+    """fused_attn on `backend`; bias: a post-scale bias array [b|1, h|1, s, s] (a constant, or
+    with learn_bias a parameter that the fwd+bwd pass differentiates); sequence: a
     SequenceDescriptor (the mask then reads it: padding, causal within segments)."""
     config = fusedattn.configs.attention_config()
     config.backend = backend
@@ -72,10 +73,10 @@ def ours(backend: str, causal: bool, dropout: float = 0.0, alibi: bool = False,
     config.window_size = window
     key = jax.random.key(0)
 
-    def attend(q, k, v):
+    def attend(q, k, v, bias=bias):
         return fused_attn((q, k, v), config=config, bias=bias, sequence=sequence,
                           dropout_rng=key if dropout else None, is_training=dropout > 0)
-    return attend
+    return WithParams(attend, (bias,)) if learn_bias else attend
 
 
 # The packed-bias impls: THD rows of PACKED_SEGMENTS sequences of equal length, a post-scale
@@ -144,6 +145,8 @@ def impls(causal: bool, d: int, dropout: bool, packed=None) -> dict:
     if packed is not None:
         for backend in ("flash", "xla"):
             table[f"{backend}_bias_packed"] = ours(backend, causal, bias=packed[0], sequence=packed[1])
+            table[f"{backend}_bias_grad_packed"] = ours(backend, causal, bias=packed[0], sequence=packed[1],
+                                                        learn_bias=True)
     if d == 128:
         table["fa3"] = fa3(causal)
     return table
@@ -152,9 +155,10 @@ def impls(causal: bool, d: int, dropout: bool, packed=None) -> dict:
 DEFAULT_IMPLS = ("flash", "flash_sm80", "xla", "cudnn", "jax_cudnn", "fa3", "flash_dropout", "cudnn_dropout")
 # Opt-in (--impls): backend "auto" (cudnn or flash: explain says which), the ALiBi impls (the
 # xla ones take 5-18 ms a call at the large shapes) and the packed-bias ones (a float32 bias
-# of h s^2 elements: 4 GB at s = 8192, h = 16).
+# of h s^2 elements: 4 GB at s = 8192, h = 16; "bias_grad": fwd+bwd also differentiates it).
+PACKED_BIAS_IMPLS = ("flash_bias_packed", "xla_bias_packed", "flash_bias_grad_packed", "xla_bias_grad_packed")
 IMPL_NAMES = DEFAULT_IMPLS + ("auto", "flash_alibi", "cudnn_alibi", "xla_alibi", "flash_alibi_window",
-                              "xla_alibi_window", "flash_bias_packed", "xla_bias_packed")
+                              "xla_alibi_window") + PACKED_BIAS_IMPLS
 
 
 def add_arguments(parser):
@@ -205,7 +209,7 @@ def main():
             name = f"b{b}_s{s}_h{h}_{h_kv}_d{d}" + ("_causal" if causal else "")
             shape = {"b": b, "s": s, "h": h, "h_kv": h_kv, "d": d, "causal": causal}
             packed = (packed_bias(b, s, h)
-                      if {"flash_bias_packed", "xla_bias_packed"} & set(chosen) else None)
+                      if set(PACKED_BIAS_IMPLS) & set(chosen) else None)
             table = {n: f for n, f in impls(causal, d, dropout=index == 0, packed=packed).items()
                      if n in chosen}
             for pass_name in ("fwd", "fwd+bwd"):
@@ -261,9 +265,10 @@ def summarize(rows):
         entry["flash_alibi_vs_xla_alibi"] = ratio(alibi["xla_alibi"], alibi["flash_alibi"])
         entry["flash_alibi_window_vs_xla"] = ratio(alibi["xla_alibi_window"], alibi["flash_alibi_window"])
         # A bias under packing (its TF/s count dense work; the ratio is what compares).
-        packed = {n: by_key.get((r["name"], n, r["pass"]), {}).get("ms")
-                  for n in ("flash_bias_packed", "xla_bias_packed")}
+        packed = {n: by_key.get((r["name"], n, r["pass"]), {}).get("ms") for n in PACKED_BIAS_IMPLS}
         entry["flash_bias_packed_vs_xla"] = ratio(packed["xla_bias_packed"], packed["flash_bias_packed"])
+        entry["flash_bias_grad_packed_vs_xla"] = ratio(packed["xla_bias_grad_packed"],
+                                                       packed["flash_bias_grad_packed"])
         out.append(entry)
     return out
 
@@ -292,11 +297,12 @@ def print_table(summary):
               f"{fmt(s['flash_alibi_window_vs_xla'], '{:.3f}'):>14}")
     print("ALiBi: alibi/plain = flash ALiBi's speed as a fraction of plain flash's; vs X = X's time "
           "/ flash ALiBi's (targets: ALiBi+window >= 5x xla)")
-    print(f"\n{'case':<30}{'pass':<8}{'bias packed vs xla':>19}")
+    print(f"\n{'case':<30}{'pass':<8}{'bias packed vs xla':>19}{'learned':>9}")
     for s in summary:
-        print(f"{s['name']:<30}{s['pass']:<8}{fmt(s['flash_bias_packed_vs_xla'], '{:.3f}'):>19}")
+        print(f"{s['name']:<30}{s['pass']:<8}{fmt(s['flash_bias_packed_vs_xla'], '{:.3f}'):>19}"
+              f"{fmt(s['flash_bias_grad_packed_vs_xla'], '{:.3f}'):>9}")
     print(f"a post-scale bias [1, h, s, s] under THD packing ({PACKED_SEGMENTS} sequences a row): xla's time / "
-          "flash's (target >= 5)")
+          "flash's (target >= 5); learned: the bias differentiated too (fwd+bwd)")
 
 
 if __name__ == "__main__":
