@@ -115,6 +115,8 @@ def add_arguments(parser):
     parser.add_argument("--shapes", default="", help="b,s,h,h_kv,d shapes separated by '/'")
     parser.add_argument("--masks", default="no_mask,causal", help="no_mask, causal or both")
     parser.add_argument("--platform", default="cuda", help="the libraries' platform (cpu: host builds)")
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="dropout rate of every flash call (the same Philox key in each build)")
     parser.add_argument("--fa3", action="store_true",
                         help="also time flash_attn3_jax (head dim 128) in the same rounds, as a reference")
 
@@ -150,9 +152,10 @@ def main():
                     random_normal(keys[3], (b, s, h, d), jnp.bfloat16))
         for causal in [mask == "causal" for mask in args.masks.split(",")]:
             case = f"b{b}_s{s}_h{h}_{h_kv}_d{d}" + ("_causal" if causal else "")
-            builds = {"flash": compiled_passes(ours("flash", causal), None, operands)}
+            attend = ours("flash", causal, args.dropout)
+            builds = {"flash": compiled_passes(attend, None, operands)}
             for name in names:
-                builds[f"flash@{name}"] = compiled_passes(ours("flash", causal), name, operands)
+                builds[f"flash@{name}"] = compiled_passes(attend, name, operands)
             peers = {"fa3": compiled_passes(fa3(causal), None, operands, flash=False)} if args.fa3 and d == 128 else {}
             for pass_name in ("fwd", "fwd+bwd"):
                 reference = builds["flash"][pass_name](*operands)
