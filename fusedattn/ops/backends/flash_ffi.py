@@ -28,8 +28,9 @@ here). bias is float32 [b|1, h|1, sq, skv] (config.bias 'pre_scale_bias' or
 'post_scale_bias', cast from its dtype; an unread float32 [1, 1, 0, 0] without one) and
 d_bias float32 of its shape, summed over its dims of extent 1 inside the call (every CUDA
 and ROCm kernel has a bias variant), or float32 [1, 1, 0, 0] where nobody differentiates
-the bias (learnt from symbolic zeros: the kernels then compute no bias gradient). softmax_offset, seed and alibi_slopes reach the kernels with a leading axis of
-rows ([L, h], [L, 2], [L, h]): batch row r reads row r // (B / L). Both calls go through partitioning.py: under
+the bias (learnt from symbolic zeros: the kernels then compute no bias gradient).
+softmax_offset, seed and alibi_slopes reach the kernels with a leading axis of rows
+([L, h], [L, 2], [L, h]): batch row r reads row r // (B / L). Both calls go through partitioning.py: under
 jax.vmap the mapped axis folds into the kernel's batch (never a loop; mapped
 offsets and seeds become rows, so the dropout mask of a mapped example is that
 of the unbatched call), and under a device mesh the calls shard over the batch

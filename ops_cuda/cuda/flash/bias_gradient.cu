@@ -29,9 +29,6 @@ __device__ __forceinline__ void store(float* to, const float (&sum)[4]) {
   *reinterpret_cast<float4*>(to) = make_float4(sum[0], sum[1], sum[2], sum[3]);
 }
 
-// A thread per kVector elements (bb, hb, i, j..j+kVector) of d_bias (kVector = 4 where a plane
-// holds a multiple of 4 elements, so that they share (bb, hb) and are 16-byte aligned): the
-// terms of every (b, h) they stand for, added in order of b, then h.
 // Whether the backward wrote the terms of query i and key j in batch row b: some pair of
 // their spans may be visible (the spans of the row's tokens, as the kernels read them).
 __device__ __forceinline__ bool terms_written(const FlashArgs& a, int64_t b, int64_t i, int64_t j) {
@@ -39,6 +36,9 @@ __device__ __forceinline__ bool terms_written(const FlashArgs& a, int64_t b, int
   return relate(a.p.mask, c.q_spans[i / kSpanTokens], c.kv_spans[j / kSpanTokens]).any;
 }
 
+// A thread per kVector elements (bb, hb, i, j..j+kVector) of d_bias (kVector = 4 where rows
+// hold a multiple of 4 keys, so that a thread's keys share a row and a span and are 16-byte
+// aligned): the terms of every (b, h) they stand for, added in order of b, then h.
 template <int kVector>
 __global__ void __launch_bounds__(kSumThreads) bias_gradient_sum_kernel(const FlashArgs a, float* d_bias) {
   static_assert(kSpanTokens % kVector == 0, "a thread's keys lie in one span");

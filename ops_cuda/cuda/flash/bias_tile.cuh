@@ -8,9 +8,10 @@
 // Masked pairs are then selected out whatever the bias holds there. The backward's dS (the
 // gradient of the scaled score) gives each pair's term bias_gradient(dS); the one writer of
 // each (b, h, i, j) it visits (the sm_80 dq kernel; in the sm_90a backward the block of the
-// pair's key tile) stores them into a.bias_terms (zeroed first:
-// pairs of tiles no query sees stay 0), and bias_gradient.cu sums them over the array's
-// broadcast dims in a fixed order (bitwise repeatable).
+// pair's key tile) stores them into a.bias_terms: d_bias itself for a full array (zeroed
+// first: pairs of tiles no query sees stay 0), else a buffer that bias_gradient.cu sums over
+// the array's broadcast dims in a fixed order (bitwise repeatable), reading only the pairs
+// the kernels write.
 #ifndef FUSEDATTN_FLASH_BIAS_TILE_CUH_
 #define FUSEDATTN_FLASH_BIAS_TILE_CUH_
 

@@ -48,7 +48,8 @@ struct FlashArgs {
   int64_t slope_slots;
   // A bias array (bias_tile.cuh; p.bias_type != kBiasNone, every kernel's bias variant): bias
   // [Bb, Hb, Sq, Skv]; backward: the terms of its gradient of every (b, h, i, j), float32
-  // [B, H, Sq, Skv] zeroed before the kernels (d_bias itself where bias_gradient_direct).
+  // [B, H, Sq, Skv] (d_bias itself, zeroed first, where bias_gradient_direct; null where the
+  // gradient is not wanted).
   const float* bias;
   float* bias_terms;
 };
