@@ -83,24 +83,27 @@ def test_candidate_names_are_checked(tmp_path):
             flash_candidates.parse_candidates(bad)
 
 
-def test_a_run_times_tree_candidate_and_peer_in_one_table(candidate, tmp_path, monkeypatch, capsys):
-    """main() end to end on the CPU: the copy matches the tree exactly and is timed beside it;
-    --fa3's peer (here the xla backend standing in for flash_attn3_jax) joins the rounds."""
-    library = tmp_path / "copy2" / "libfusedattn_host.so"
+@pytest.mark.parametrize("compare", [True, False])
+def test_a_run_times_tree_candidate_and_peer_in_one_table(candidate, tmp_path, monkeypatch, capsys, compare):
+    """main() end to end on the CPU: the copy matches the tree exactly (or, with --no-compare,
+    is marked not compared) and is timed beside it; --fa3's peer (here the xla backend
+    standing in for flash_attn3_jax) joins the rounds."""
+    name = "copy2" if compare else "copy3"  # a name registers once per process
+    library = tmp_path / name / "libfusedattn_host.so"
     library.parent.mkdir()
     shutil.copy(_library.library_path("fusedattn_host"), library)
     monkeypatch.setattr(flash_candidates, "fa3", lambda causal: ours("xla", causal))
     out = tmp_path / "result.json"
     monkeypatch.setattr(sys, "argv", [
-        "flash_candidates.py", "--platform", "cpu", "--candidates", f"copy2={library}", "--fa3",
+        "flash_candidates.py", "--platform", "cpu", "--candidates", f"{name}={library}", "--fa3",
         "--shapes", "1,64,2,2,128", "--masks", "causal", "--repeats", "1", "--iters", "1",
-        "--min-window-ms", "1", "--out", str(out)])
+        "--min-window-ms", "1", "--out", str(out)] + ([] if compare else ["--no-compare"]))
     flash_candidates.main()
     rows = json.loads(out.read_text())["rows"]
     by_impl = {(r["impl"], r["pass"]): r for r in rows}
-    assert set(by_impl) == {(impl, p) for impl in ("flash", "flash@copy2", "fa3") for p in ("fwd", "fwd+bwd")}
+    assert set(by_impl) == {(impl, p) for impl in ("flash", f"flash@{name}", "fa3") for p in ("fwd", "fwd+bwd")}
     for p in ("fwd", "fwd+bwd"):
-        assert by_impl[("flash@copy2", p)]["difference"] == 0.0
-        assert by_impl[("flash@copy2", p)]["ms"] > 0 and by_impl[("fa3", p)]["ms"] > 0
+        assert by_impl[(f"flash@{name}", p)]["difference"] == (0.0 if compare else "not compared (--no-compare)")
+        assert by_impl[(f"flash@{name}", p)]["ms"] > 0 and by_impl[("fa3", p)]["ms"] > 0
         assert by_impl[("flash", p)]["vs_tree"] == 1.0
-    assert "flash@copy2" in capsys.readouterr().out
+    assert f"flash@{name}" in capsys.readouterr().out

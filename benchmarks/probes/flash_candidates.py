@@ -109,6 +109,13 @@ def largest_difference(reference, result) -> float:
     return worst
 
 
+def differences_from_tree(builds: dict, pass_name: str, operands: tuple) -> dict[str, float]:
+    """Each candidate build's largest_difference from the tree's ("flash") result of one pass."""
+    reference = builds["flash"][pass_name](*operands)
+    return {impl: largest_difference(reference, passes[pass_name](*operands))
+            for impl, passes in builds.items() if impl != "flash"}
+
+
 def add_arguments(parser):
     parser.add_argument("--candidates", required=True,
                         help="NAME=PATH[,NAME=PATH...]: op libraries built from other trees")
@@ -117,6 +124,9 @@ def add_arguments(parser):
     parser.add_argument("--platform", default="cuda", help="the libraries' platform (cpu: host builds)")
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="dropout rate of every flash call (the same Philox key in each build)")
+    parser.add_argument("--no-compare", action="store_true",
+                        help="time the builds without comparing their outputs with the tree's (for a candidate "
+                             "that changes a definition, e.g. the dropout mask); each row says so")
     parser.add_argument("--fa3", action="store_true",
                         help="also time flash_attn3_jax (head dim 128) in the same rounds, as a reference")
 
@@ -158,9 +168,7 @@ def main():
                 builds[f"flash@{name}"] = compiled_passes(attend, name, operands)
             peers = {"fa3": compiled_passes(fa3(causal), None, operands, flash=False)} if args.fa3 and d == 128 else {}
             for pass_name in ("fwd", "fwd+bwd"):
-                reference = builds["flash"][pass_name](*operands)
-                differences = {impl: largest_difference(reference, passes[pass_name](*operands))
-                               for impl, passes in builds.items() if impl != "flash"}
+                differences = {} if args.no_compare else differences_from_tree(builds, pass_name, operands)
                 wrong = {impl: x for impl, x in differences.items() if not x <= TOLERANCE}
                 fns = {impl: passes[pass_name] for impl, passes in {**builds, **peers}.items() if impl not in wrong}
                 times, errors = interleaved_ms(fns, operands, args.repeats, args.iters, args.min_window_ms)
@@ -177,6 +185,8 @@ def main():
                         row["error"] = errors[impl]
                     if impl in differences:
                         row["difference"] = differences[impl]
+                    elif args.no_compare and impl != "flash":
+                        row["difference"] = "not compared (--no-compare)"
                     rows.append(row)
                     print(row, flush=True)
     write_results(args.out, rows, candidates={n: str(p) for n, p in candidates.items()},
