@@ -12,6 +12,7 @@ int main() {
   namespace amd = mfma_map;
   std::printf("nv const %d %d %d %d %d\n", nv::kLanes, nv::kWarpRows, nv::kLaneRows, nv::kRowLaneMaskLow,
               nv::kRowLaneMaskHigh);
+  std::printf("nv stride %d\n", nv::kRowLaneStride);
   for (int lane = 0; lane < nv::kLanes; ++lane) {
     for (int e = 0; e < 4; ++e) std::printf("nv c %d %d %d %d\n", lane, e, nv::c_row(lane, e), nv::c_col(lane, e));
     for (int r = 0; r < 4; ++r) {
@@ -27,6 +28,7 @@ int main() {
   }
   std::printf("amd const %d %d %d %d %d %d %d %d\n", amd::kLanes, amd::kWarpRows, amd::kLaneRows,
               amd::kRowLaneMaskLow, amd::kRowLaneMaskHigh, amd::kBlock, amd::kDepth, amd::kItems);
+  std::printf("amd stride %d\n", amd::kRowLaneStride);
   for (int lane = 0; lane < amd::kLanes; ++lane) {
     for (int i = 0; i < 4; ++i) {
       std::printf("amd a %d %d %d %d\n", lane, i, amd::a_row(lane), amd::a_depth(lane, i));

@@ -14,8 +14,9 @@ and checks that
   reads (FragmentCoords), on AMD as on NVIDIA;
 - what the shared text assumes of a fragment holds for both: the lanes that share a row are
   those row_reduce visits, a row's elements are adjacent columns (store_rows), one lane per
-  row holds column 0 (finish_rows), and the Philox groups of four keys fall as
-  dropout_fragment draws them.
+  row holds column 0 (finish_rows), the Philox groups of four keys fall as
+  dropout_fragment draws them, and in the backward's transposed fragments each element
+  gets its own draw from the quad exchange of dropout_kept_transposed.
 
 So the index math that runs on AMD is exercised here, although it has never run on an AMD GPU.
 """
@@ -52,6 +53,9 @@ def maps(tmp_path_factory):
         values = tuple(int(v) for v in values)
         if kind == "const":
             consts[platform] = values
+            continue
+        if kind == "stride":  # kRowLaneStride
+            consts[platform, kind] = values[0]
             continue
         size = key_sizes[kind] - (1 if platform == "amd" and kind in ("a", "b") else 0)
         tables[platform, kind][values[:size]] = values[size:]
@@ -270,3 +274,24 @@ def test_dropout_groups_fall_as_dropout_fragment_draws_them(maps):
     for lane in range(64):
         assert amd[lane, 0][1] % 4 == 0
         assert [amd[lane, e][1] for e in range(4)] == [amd[lane, 0][1] + e for e in range(4)]
+
+
+@pytest.mark.parametrize("platform", ["nv", "amd"])
+def test_transposed_dropout_draws_reach_their_elements(maps, platform):
+    """dropout_kept_transposed (params.cuh) on the backward's transposed fragments (rows: keys,
+    columns: queries), emulated lane by lane: lane L of a quad (k = L // kRowLaneStride % 4)
+    draws the Philox counter (query, key // 4) of its element k; element e takes word k of
+    the counter drawn by lane L ^ ((k ^ e) kRowLaneStride). Every element must get the
+    counter of its own query and key group, and word k must be its key's place in the group
+    (a tile whose first row is a multiple of 4)."""
+    lanes, _, _, _, frag = _fragment(maps, platform)
+    stride = maps[1][platform, "stride"]
+    for lane in range(lanes):
+        k = lane // stride % 4
+        for e in range(4):
+            source = lane ^ ((k ^ e) * stride)
+            assert source // stride % 4 == e
+            source_key, source_query = frag[source, e]
+            key, query = frag[lane, e]
+            assert (source_query, source_key // 4) == (query, key // 4)
+            assert key % 4 == k

@@ -202,9 +202,10 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads) dkdv_kernel(const Flas
     if (p.dropout) {
 #pragma unroll
       for (int n = 0; n < T::kM / 8; ++n) {
+        const uint32_t kept = dropout_kept_transposed(p, c, h, qc, n);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float f = dropout_factor(p, c, h, qc.col(n, e), qc.row(e));
+          const float f = (kept >> e) & 1u ? p.dropout_scale : 0.0f;
           dpt[n][e] = st[n][e] * (f * dpt[n][e] - delta_of[n][e % kRowElems]);
           st[n][e] *= f;
         }

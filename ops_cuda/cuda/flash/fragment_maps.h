@@ -33,6 +33,7 @@ constexpr int kWarpRows = 16;  // rows of a warp's fragment
 constexpr int kLaneRows = 2;   // rows a lane holds in a tile
 // Lanes holding the same fragment row: lane ^ m for m in [kRowLaneMaskLow, kRowLaneMaskHigh] (powers of 2).
 constexpr int kRowLaneMaskLow = 1, kRowLaneMaskHigh = 2;
+constexpr int kRowLaneStride = 4;  // lane + 4 holds the next row (c_row: lane / 4)
 
 // Accumulator C/D (16 x 8): element e (0 .. 3) of lane l.
 FA_HOST_DEVICE constexpr int c_row(int lane, int e) { return lane / 4 + 8 * (e / 2); }
@@ -56,6 +57,7 @@ constexpr int kLanes = 64;
 constexpr int kWarpRows = 32;
 constexpr int kLaneRows = 1;
 constexpr int kRowLaneMaskLow = 32, kRowLaneMaskHigh = 32;
+constexpr int kRowLaneStride = 1;  // lane + 1 holds the next row (frag_row: lane % 32)
 constexpr int kBlock = 32;  // rows and columns of one MFMA
 constexpr int kDepth = 8;   // depth of one MFMA
 constexpr int kItems = 16;  // accumulator floats per lane of one MFMA

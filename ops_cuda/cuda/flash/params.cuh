@@ -181,13 +181,32 @@ __device__ __forceinline__ void dropout_fragment(const AttentionParams& p, const
   for (int e = 0; e < 4; ++e) f[e] = words[e] >= p.dropout_threshold ? p.dropout_scale : 0.0f;
 }
 
-// The dropout factor of element (i, j) of head h.
-__device__ __forceinline__ float dropout_factor(const AttentionParams& p, const HeadContext& c, int64_t h, int64_t i,
-                                                int64_t j) {
-  return dropout_keep(c.seed0, c.seed1, p.dropout_threshold, c.philox_batch, static_cast<uint32_t>(h),
-                      static_cast<uint32_t>(i), static_cast<uint32_t>(j))
-             ? p.dropout_scale
-             : 0.0f;
+// Which elements of a backward's transposed fragment tile are kept (bit e: element e): rows
+// are keys, columns queries (tile n of `at`, whose first row is a multiple of 4). The four
+// keys of a Philox counter (philox.h: (j / 4, i, h, b)) sit in the four lanes of a quad,
+// kRowLaneStride apart, and each of those lanes needs one draw of each of four counters (its
+// elements' queries and key groups): lane k of the quad (k = lane / kRowLaneStride % 4)
+// draws the counter of its element k, whose word k' is the draw for the quad's lane k', and
+// a 4 x 4 transpose over the quad (three shuffles) hands each lane its word of every
+// counter: one Philox call a lane and tile instead of one per element.
+__device__ __forceinline__ uint32_t dropout_kept_transposed(const AttentionParams& p, const HeadContext& c, int64_t h,
+                                                            FragmentCoords at, int n) {
+  const int k = (at.lane / kRowLaneStride) % 4;
+  const Philox4 d = dropout_draws(c.seed0, c.seed1, c.philox_batch, static_cast<uint32_t>(h),
+                                  static_cast<uint32_t>(at.col(n, k)), static_cast<uint32_t>(at.row(k) >> 2));
+  const auto word = [&](int w) { return w == 0 ? d.x[0] : w == 1 ? d.x[1] : w == 2 ? d.x[2] : d.x[3]; };
+  uint32_t from[4];  // from[m]: word k of the counter drawn by lane k ^ m of the quad
+  from[0] = word(k);
+#pragma unroll
+  for (int m = 1; m < 4; ++m) from[m] = warp_shfl_xor(word(k ^ m), m * kRowLaneStride);
+  uint32_t kept = 0;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int m = e ^ k;
+    const uint32_t draw = m == 0 ? from[0] : m == 1 ? from[1] : m == 2 ? from[2] : from[3];
+    kept |= static_cast<uint32_t>(draw >= p.dropout_threshold) << e;
+  }
+  return kept;
 }
 
 constexpr float kLog2e = 1.4426950408889634f;

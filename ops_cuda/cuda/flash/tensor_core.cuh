@@ -36,6 +36,9 @@ constexpr int kWarpRows = fragment_map::kWarpRows;  // rows of a warp's fragment
 constexpr int kLaneRows = fragment_map::kLaneRows;  // rows a lane holds in a tile
 // The lanes that hold the same fragment row: lane ^ m for the powers of two m in [low, high].
 constexpr int kRowLaneMaskLow = fragment_map::kRowLaneMaskLow, kRowLaneMaskHigh = fragment_map::kRowLaneMaskHigh;
+// Lanes between the holders of adjacent fragment rows (rows r .. r + 3, r a multiple of 4,
+// sit in the four lanes lane ^ (m kRowLaneStride), m = 0 .. 3).
+constexpr int kRowLaneStride = fragment_map::kRowLaneStride;
 
 // Zeroes a warp's accumulators (tiles of kWarpRows x 8, four elements a lane).
 template <int kTiles>

@@ -414,9 +414,9 @@ __device__ __forceinline__ void tile_operands(const FlashArgs& a, const Control*
   // st: P^T; then dS^T = P^T o (drop o dP^T - delta) into dpt, and st: (P o drop)^T
   if constexpr (kDropout) {
     const HeadContext c = context();
-    const uint32_t kept = fragment_bits<kCols>([&](int n, int e) {
-      return dropout_factor(p, c, h, qc.col(n, e), qc.row(e)) != 0.0f;
-    });
+    uint32_t kept = 0;
+#pragma unroll
+    for (int n = 0; n < kCols / 8; ++n) kept |= dropout_kept_transposed(p, c, h, qc, n) << (4 * n);
 #pragma unroll
     for (int n = 0; n < kCols / 8; ++n) {
       const float2 row_delta = pair_at(delta + 8 * n);
