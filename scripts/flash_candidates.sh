@@ -29,7 +29,7 @@ for item in "$@"; do
   git apply -R "$patch" || { echo "flash_candidates.sh: $name: $patch does not reverse"; exit 1; }
   if [ "$built" -ne 0 ]; then tail -30 "$LOGS/candidate_build_$name.log"; echo "$name: BUILD FAILED"; exit 1; fi
   mkdir -p "$CANDIDATES/$name"
-  cp "$lib_dir/libfusedattn_cuda.so" "$CANDIDATES/$name/"
+  cp "$lib_dir"/libfusedattn_*.so "$CANDIDATES/$name/"  # all of them: tests may run on a candidate
   specs+=("$name=$CANDIDATES/$name/libfusedattn_cuda.so")
   echo "candidate $name: built"
 done
