@@ -181,6 +181,16 @@ __device__ __forceinline__ void dropout_fragment(const AttentionParams& p, const
   for (int e = 0; e < 4; ++e) f[e] = words[e] >= p.dropout_threshold ? p.dropout_scale : 0.0f;
 }
 
+// Word w (0 .. 3, known at run time: a lane's place in its group) of a counter's draws, by
+// two levels of selects: indexing d.x would put it in local memory, and a compare chain
+// compiles to divergent branches around every shuffle that uses it.
+__device__ __forceinline__ uint32_t draw_word(const Philox4& d, int w) {
+  const bool odd = w & 1;
+  const uint32_t low = odd ? d.x[1] : d.x[0];
+  const uint32_t high = odd ? d.x[3] : d.x[2];
+  return (w & 2) ? high : low;
+}
+
 // Which elements of a backward's transposed fragment tile are kept (bit e: element e): rows
 // are keys, columns queries (tile n of `at`, whose first row is a multiple of 4). The four
 // keys of a Philox counter (philox.h: (j / 4, i, h, b)) sit in the four lanes of a quad,
@@ -194,17 +204,11 @@ __device__ __forceinline__ uint32_t dropout_kept_transposed(const AttentionParam
   const int k = (at.lane / kRowLaneStride) % 4;
   const Philox4 d = dropout_draws(c.seed0, c.seed1, c.philox_batch, static_cast<uint32_t>(h),
                                   static_cast<uint32_t>(at.col(n, k)), static_cast<uint32_t>(at.row(k) >> 2));
-  const auto word = [&](int w) { return w == 0 ? d.x[0] : w == 1 ? d.x[1] : w == 2 ? d.x[2] : d.x[3]; };
-  uint32_t from[4];  // from[m]: word k of the counter drawn by lane k ^ m of the quad
-  from[0] = word(k);
-#pragma unroll
-  for (int m = 1; m < 4; ++m) from[m] = warp_shfl_xor(word(k ^ m), m * kRowLaneStride);
   uint32_t kept = 0;
 #pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const int m = e ^ k;
-    const uint32_t draw = m == 0 ? from[0] : m == 1 ? from[1] : m == 2 ? from[2] : from[3];
-    kept |= static_cast<uint32_t>(draw >= p.dropout_threshold) << e;
+  for (int m = 0; m < 4; ++m) {  // word k of the counter drawn by lane k ^ m: the draw of element k ^ m
+    const uint32_t draw = m == 0 ? draw_word(d, k) : warp_shfl_xor(draw_word(d, k ^ m), m * kRowLaneStride);
+    kept |= static_cast<uint32_t>(draw >= p.dropout_threshold) << (k ^ m);
   }
   return kept;
 }
