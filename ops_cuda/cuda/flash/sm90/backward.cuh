@@ -416,7 +416,8 @@ __device__ __forceinline__ void tile_operands(const FlashArgs& a, const Control*
     const HeadContext c = context();
     uint32_t kept = 0;
 #pragma unroll
-    for (int n = 0; n < kCols / 8; ++n) kept |= dropout_kept_transposed(p, c, h, qc, n) << (4 * n);
+    static_assert(kCols % 16 == 0, "dropout bits come two tiles at a time");
+    for (int n = 0; n < kCols / 8; n += 2) kept |= dropout_kept_transposed(p, c, h, qc, n) << (4 * n);
 #pragma unroll
     for (int n = 0; n < kCols / 8; ++n) {
       const float2 row_delta = pair_at(delta + 8 * n);
