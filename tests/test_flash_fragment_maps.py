@@ -14,9 +14,9 @@ and checks that
   reads (FragmentCoords), on AMD as on NVIDIA;
 - what the shared text assumes of a fragment holds for both: the lanes that share a row are
   those row_reduce visits, a row's elements are adjacent columns (store_rows), one lane per
-  row holds column 0 (finish_rows), the Philox groups of four keys fall as
-  dropout_fragment draws them, and in the backward's transposed fragments each element
-  gets its own draw from the quad exchange of dropout_kept_transposed.
+  row holds column 0 (finish_rows), and each element gets the draw of its own Philox
+  counter (eight keys of a row) from the lane exchanges of dropout_kept_pair and, in the
+  backward's transposed fragments, dropout_kept_transposed.
 
 So the index math that runs on AMD is exercised here, although it has never run on an AMD GPU.
 """
@@ -261,37 +261,56 @@ def test_what_the_shared_text_assumes_of_a_fragment(maps, platform):
     assert sorted(firsts) == list(range(warp_rows))
 
 
-def test_dropout_groups_fall_as_dropout_fragment_draws_them(maps):
-    """NVIDIA: an even lane holds keys 0, 1 and the odd lane beside it keys 2, 3 of one group of
-    four, in both rows; AMD: a lane holds one whole group (col0 a multiple of 4)."""
+def test_dropout_pairs_reach_their_elements(maps):
+    """dropout_kept_pair (params.cuh) on fragments whose rows are queries and columns keys,
+    two tiles n, n + 1 at a time, emulated lane by lane: every element must get the counter of
+    its own row and 8-key block (philox.h: eight 16-bit draws a counter) and the draw of its
+    key's place in the block."""
     _, _, _, _, nv = _fragment(maps, "nv")
-    for lane in range(0, 32, 2):
-        for e in range(4):
-            assert nv[lane, e][1] // 4 == nv[lane + 1, e][1] // 4
-            assert nv[lane, e][1] % 4 == e % 2 and nv[lane + 1, e][1] % 4 == 2 + e % 2
-            assert nv[lane, e][0] == nv[lane + 1, e][0] == nv[lane, 0][0] + 8 * (e // 2)
+    for lane in range(32):
+        q = lane % 4
+        for t in range(2):
+            for e in range(4):
+                k = 2 * (e // 2) + t  # the counter of element e of tile n + t
+                source = lane ^ (k ^ q)
+                drawn_row = nv[source, 2 * (k // 2)][0]
+                drawn_block = (nv[source, 0][1] + 8 * (k % 2)) // 8
+                row, col = nv[lane, e][0], nv[lane, e][1] + 8 * t
+                assert (drawn_row, drawn_block) == (row, col // 8)
+                assert col % 8 == 2 * q + e % 2  # word q, half e % 2
     _, _, _, _, amd = _fragment(maps, "amd")
     for lane in range(64):
-        assert amd[lane, 0][1] % 4 == 0
-        assert [amd[lane, e][1] for e in range(4)] == [amd[lane, 0][1] + e for e in range(4)]
+        half = lane // 32
+        for t in range(2):
+            for e in range(4):
+                source = lane if t == half else lane ^ 32
+                drawn_row = amd[source, 0][0]
+                drawn_block = (amd[source, 0][1] + 8 * (source // 32)) // 8
+                row, col = amd[lane, e][0], amd[lane, e][1] + 8 * t
+                assert (drawn_row, drawn_block) == (row, col // 8)
+                assert col % 8 == 2 * (2 * half + e // 2) + e % 2  # word 2 half + e / 2
 
 
 @pytest.mark.parametrize("platform", ["nv", "amd"])
 def test_transposed_dropout_draws_reach_their_elements(maps, platform):
     """dropout_kept_transposed (params.cuh) on the backward's transposed fragments (rows: keys,
-    columns: queries), emulated lane by lane: lane L of a quad (k = L // kRowLaneStride % 4)
-    draws the Philox counter (query, key // 4) of its element k; element e takes word k of
-    the counter drawn by lane L ^ ((k ^ e) kRowLaneStride). Every element must get the
-    counter of its own query and key group, and word k must be its key's place in the group
-    (a tile whose first row is a multiple of 4)."""
+    columns: queries), two tiles at a time, emulated lane by lane: lane L of a group of eight
+    (r = L // kRowLaneStride % 8) draws counter #r (element r % 4 of tile n + r // 4: its query
+    and 8-key block); element e of tile n + t takes draw r of counter #(4 t + e), drawn by lane
+    L ^ ((r ^ (4 t + e)) kRowLaneStride). Every element must get the counter of its own query
+    and key block, and r must be its key's place in the block (tiles whose first row is a
+    multiple of 8)."""
     lanes, _, _, _, frag = _fragment(maps, platform)
     stride = maps[1][platform, "stride"]
     for lane in range(lanes):
-        k = lane // stride % 4
-        for e in range(4):
-            source = lane ^ ((k ^ e) * stride)
-            assert source // stride % 4 == e
-            source_key, source_query = frag[source, e]
-            key, query = frag[lane, e]
-            assert (source_query, source_key // 4) == (query, key // 4)
-            assert key % 4 == k
+        r = lane // stride % 8
+        for t in range(2):
+            for e in range(4):
+                counter = 4 * t + e
+                source = lane ^ ((r ^ counter) * stride)
+                assert source // stride % 8 == counter
+                source_key, source_query = frag[source, counter % 4]
+                source_query += 8 * (counter // 4)
+                key, query = frag[lane, e]
+                assert (source_query, source_key // 8) == (query + 8 * t, key // 8)
+                assert key % 8 == r

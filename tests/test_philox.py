@@ -95,8 +95,22 @@ def test_host_philox_matches_jnp_on_random_words():
 
 def test_keep_threshold():
     assert philox.keep_threshold(0.0) == 0
-    assert philox.keep_threshold(0.5) == 2**31
-    assert philox.keep_threshold(1.0) == 2**32 - 1
+    assert philox.keep_threshold(0.5) == 2**15
+    assert philox.keep_threshold(0.1) == 6553
+    assert philox.keep_threshold(1.0) == 2**16 - 1
+
+
+def test_keep_mask_reads_sixteen_bit_draws():
+    """Element (b, h, i, j) reads half j % 2 of word (j % 8) // 2 of counter (j // 8, i, h, b)."""
+    seed = jnp.asarray([0x12345678, 0x9ABCDEF0], jnp.uint32)
+    shape = (2, 2, 3, 20)
+    for rate in (0.3, 0.7):
+        got = np.asarray(_jnp_mask(seed, rate, shape))
+        threshold = philox.keep_threshold(rate)
+        for b, h, i, j in np.ndindex(*shape):
+            words = philox.philox4x32((j // 8, i, h, b), (int(seed[0]), int(seed[1])))
+            draw = (int(words[(j % 8) // 2]) >> (16 * (j % 2))) & 0xFFFF
+            assert got[b, h, i, j] == (draw >= threshold), (b, h, i, j)
 
 
 @pytest.mark.parametrize("rate", RATES)

@@ -6,10 +6,11 @@ across the XLA backend, the host build and the device kernels.
 
 Element (b, h, i, j) of the [b, h, sq, skv] attention weights is kept when
 
-    philox4x32_10(counter=(j // 4, i, h, b), key=(seed[0], seed[1]))[j % 4] >= threshold
+    draw(philox4x32_10(counter=(j // 8, i, h, b), key=(seed[0], seed[1])), j % 8) >= threshold
 
-with threshold = min(floor(rate * 2**32), 2**32 - 1); kept weights are scaled
-by 1 / (1 - rate).
+where draw(x, s) = (x[s // 2] >> 16 (s % 2)) & 0xffff (eight 16-bit draws a counter) and
+threshold = min(floor(rate * 2**16), 2**16 - 1); kept weights are scaled by 1 / (1 - rate).
+The rate is thus applied in steps of 2**-16 (the drop probability is threshold / 2**16).
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ def philox4x32(counter: tuple[jax.Array, ...], key: tuple[jax.Array, jax.Array])
 
 
 def keep_threshold(rate: float) -> int:
-    """The uint32 below which a draw drops its element."""
-    return min(int(np.floor(rate * 2.0**32)), 2**32 - 1)
+    """The 16-bit value below which a draw drops its element."""
+    return min(int(np.floor(rate * 2.0**16)), 2**16 - 1)
 
 
 def dropout_keep_mask(seed: jax.Array, rate: float, shape: tuple[int, int, int, int],
@@ -70,9 +71,10 @@ def dropout_keep_mask(seed: jax.Array, rate: float, shape: tuple[int, int, int, 
     hi = jnp.arange(h, dtype=jnp.uint32)[None, :, None, None]
     qi = jnp.asarray(q_index).astype(jnp.uint32)[None, None, :, None]
     kj = jnp.asarray(kv_index).astype(jnp.uint32)[None, None, None, :]
-    words = philox4x32((kj >> 2, qi, hi, bi), (seed[0], seed[1]))
-    lane = kj & np.uint32(3)
-    draw = jnp.select([lane == 0, lane == 1, lane == 2], list(words[:3]), words[3])
+    words = philox4x32((kj >> 3, qi, hi, bi), (seed[0], seed[1]))
+    slot = kj & np.uint32(7)
+    word = jnp.select([slot >> 1 == 0, slot >> 1 == 1, slot >> 1 == 2], list(words[:3]), words[3])
+    draw = (word >> ((slot & np.uint32(1)) * np.uint32(16))) & np.uint32(0xFFFF)
     return draw >= np.uint32(keep_threshold(rate))
 
 

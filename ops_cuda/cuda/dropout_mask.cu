@@ -23,24 +23,26 @@ unsigned grid_stride_blocks(int64_t work) {
   return static_cast<unsigned>(std::min<int64_t>((work + kThreads - 1) / kThreads, 65535));
 }
 
-// One thread per group of four keys (one Philox call) of one row (b, h, i).
+// One thread per counter (kDrawsPerCounter keys, one Philox call) of one row (b, h, i).
 __global__ void dropout_mask_kernel(const uint32_t* seed, bool* keep, int64_t batch, int64_t seed_rows,
                                     int64_t heads, int64_t sq, int64_t skv, uint32_t threshold) {
-  const int64_t quads = (skv + 3) / 4;
-  const int64_t total = batch * heads * sq * quads;
+  const int64_t groups = (skv + kDrawsPerCounter - 1) / kDrawsPerCounter;
+  const int64_t total = batch * heads * sq * groups;
   for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < total;
        t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t quad = t % quads;
-    const int64_t row = t / quads;  // (b * heads + h) * sq + i
+    const int64_t group = t % groups;
+    const int64_t row = t / groups;  // (b * heads + h) * sq + i
     const int64_t i = row % sq;
     const int64_t h = (row / sq) % heads;
     const int64_t b = row / (sq * heads);
     const int64_t sr = broadcast_row(b, batch, seed_rows);
     const uint32_t pb = static_cast<uint32_t>(broadcast_inner(b, batch, seed_rows));
     const Philox4 draws = dropout_draws(seed[2 * sr], seed[2 * sr + 1], pb, static_cast<uint32_t>(h),
-                                        static_cast<uint32_t>(i), static_cast<uint32_t>(quad));
-    bool* dst = keep + row * skv + quad * 4;
-    for (int lane = 0; lane < 4 && quad * 4 + lane < skv; ++lane) dst[lane] = draws.x[lane] >= threshold;
+                                        static_cast<uint32_t>(i), static_cast<uint32_t>(group));
+    bool* dst = keep + row * skv + group * kDrawsPerCounter;
+    for (int slot = 0; slot < kDrawsPerCounter && group * kDrawsPerCounter + slot < skv; ++slot) {
+      dst[slot] = draw16(draws, slot) >= threshold;
+    }
   }
 }
 
@@ -49,7 +51,7 @@ ffi::Error DropoutMaskGpuImpl(gpuStream_t stream, ffi::AnyBuffer seed, ffi::Resu
   constexpr const char* kOp = "fusedattn_dropout_mask (" FA_FFI_PLATFORM ")";
   DropoutMaskShape s;
   if (auto e = parse_dropout_mask_call(kOp, seed, *keep, dropout_rate, &s); e.failure()) return e;
-  const int64_t total = s.batch * s.heads * s.sq * ((s.skv + 3) / 4);
+  const int64_t total = s.batch * s.heads * s.sq * ((s.skv + kDrawsPerCounter - 1) / kDrawsPerCounter);
   if (total == 0) return ffi::Error::Success();
   dropout_mask_kernel<<<grid_stride_blocks(total), kThreads, 0, stream>>>(
       seed.typed_data<uint32_t>(), keep->typed_data<bool>(), s.batch, s.seed_rows, s.heads, s.sq, s.skv,

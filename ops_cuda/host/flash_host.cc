@@ -97,11 +97,11 @@ struct DropoutRow {
   void fill(const AttentionParams& p, const RowContext& c, int64_t h, int64_t i) {
     factor.assign(p.seqlen_kv, 1.0f);
     if (!p.dropout) return;
-    for (int64_t j0 = 0; j0 < p.seqlen_kv; j0 += 4) {
+    for (int64_t j0 = 0; j0 < p.seqlen_kv; j0 += kDrawsPerCounter) {
       const Philox4 draws = dropout_draws(c.seed0, c.seed1, c.philox_batch, static_cast<uint32_t>(h),
-                                          static_cast<uint32_t>(i), static_cast<uint32_t>(j0 >> 2));
-      for (int64_t lane = 0; lane < 4 && j0 + lane < p.seqlen_kv; ++lane) {
-        factor[j0 + lane] = draws.x[lane] >= p.dropout_threshold ? p.dropout_scale : 0.0f;
+                                          static_cast<uint32_t>(i), static_cast<uint32_t>(j0 / kDrawsPerCounter));
+      for (int slot = 0; slot < kDrawsPerCounter && j0 + slot < p.seqlen_kv; ++slot) {
+        factor[j0 + slot] = draw16(draws, slot) >= p.dropout_threshold ? p.dropout_scale : 0.0f;
       }
     }
   }

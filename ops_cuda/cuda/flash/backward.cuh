@@ -106,6 +106,7 @@ struct DkDvTiles {
   static constexpr int kChunks = D / 8;
   static constexpr int kSharedBytes = (2 * kN + 2 * kPipelineStages * kM) * D * 2;  // K, V, then the stages of Q and dO
   static_assert(kN == kThreads / kWarpSize * kWarpRows, "one fragment of rows per warp");
+  static_assert(kM % 16 == 0, "dropout bits come two query tiles at a time");
 };
 
 template <ElementType ET, int D, bool kAlibi, bool kBias = false>
@@ -201,13 +202,14 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads) dkdv_kernel(const Flas
     // st: P^T; then dS^T = P^T o (drop o dP^T - delta) into dpt, and st: (P o drop)^T
     if (p.dropout) {
 #pragma unroll
-      for (int n = 0; n < T::kM / 8; ++n) {
+      for (int n = 0; n < T::kM / 8; n += 2) {
         const uint32_t kept = dropout_kept_transposed(p, c, h, qc, n);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float f = (kept >> e) & 1u ? p.dropout_scale : 0.0f;
-          dpt[n][e] = st[n][e] * (f * dpt[n][e] - delta_of[n][e % kRowElems]);
-          st[n][e] *= f;
+        for (int k = 0; k < 8; ++k) {
+          const int t = n + k / 4, e = k % 4;
+          const float f = (kept >> k) & 1u ? p.dropout_scale : 0.0f;
+          dpt[t][e] = st[t][e] * (f * dpt[t][e] - delta_of[t][e % kRowElems]);
+          st[t][e] *= f;
         }
       }
     } else {
@@ -236,6 +238,7 @@ struct DqTiles {
   static constexpr int kChunks = D / 8;
   static constexpr int kSharedBytes = (2 * kM + 2 * kPipelineStages * kN) * D * 2;  // Q, dO, then the stages of K and V
   static_assert(kM == kThreads / kWarpSize * kWarpRows, "one fragment of rows per warp");
+  static_assert(kN % 16 == 0, "dropout bits come two key tiles at a time");
 };
 
 template <ElementType ET, int D, bool kAlibi, bool kBias = false>
@@ -323,11 +326,14 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads) dq_kernel(const FlashArg
     // sc: P; then dS = P o (drop o dP - delta)
     if (p.dropout) {
 #pragma unroll
-      for (int n = 0; n < T::kN / 8; ++n) {
-        float f[4];
-        dropout_fragment(p, c, h, kv.row(0), kv.col(n, 0), f);
+      for (int n = 0; n < T::kN / 8; n += 2) {
+        const uint32_t kept = dropout_kept_pair(p, c, h, kv, n);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) sc[n][e] *= f[e] * dp[n][e] - delta[e / kRowElems];
+        for (int k = 0; k < 8; ++k) {
+          const int t = n + k / 4, e = k % 4;
+          const float f = (kept >> k) & 1u ? p.dropout_scale : 0.0f;
+          sc[t][e] *= f * dp[t][e] - delta[e / kRowElems];
+        }
       }
     } else {
 #pragma unroll

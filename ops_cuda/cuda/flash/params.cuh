@@ -150,37 +150,6 @@ __device__ __forceinline__ bool key_visible(const MaskParams& m, const HeadConte
   return j < seqlen_kv && visible(m, qt, c.kv_seg[j], c.kv_pos[j]);
 }
 
-// The dropout factors (0 or 1 / (1 - rate)) of a lane's four elements of one accumulator
-// tile whose rows are queries and columns keys: row_a is the lane's first row and col0 its
-// first column (even); f[e] is element e's. One Philox evaluation (a counter group: four
-// keys of one row) per lane and tile:
-//   NVIDIA: the lane holds two keys of a group in each of two rows (row_a, row_a + 8);
-//     lanes l and l ^ 1 need the same groups, so each draws one row and the pair swaps halves.
-//   AMD: the lane holds one whole group of one row.
-__device__ __forceinline__ void dropout_fragment(const AttentionParams& p, const HeadContext& c, int64_t h,
-                                                 int64_t row_a, int64_t col0, float (&f)[4]) {
-  uint32_t words[4];
-  if constexpr (kLaneRows == 2) {
-    const bool odd = threadIdx.x & 1;  // an odd lane holds columns 2 and 3 of the group
-    const Philox4 d = dropout_draws(c.seed0, c.seed1, c.philox_batch, static_cast<uint32_t>(h),
-                                    static_cast<uint32_t>(row_a + (odd ? 8 : 0)), static_cast<uint32_t>(col0 >> 2));
-    const uint32_t got0 = warp_shfl_xor(odd ? d.x[0] : d.x[2], 1);
-    const uint32_t got1 = warp_shfl_xor(odd ? d.x[1] : d.x[3], 1);
-    const uint32_t own0 = odd ? d.x[2] : d.x[0], own1 = odd ? d.x[3] : d.x[1];
-    words[0] = odd ? got0 : own0;
-    words[1] = odd ? got1 : own1;
-    words[2] = odd ? own0 : got0;
-    words[3] = odd ? own1 : got1;
-  } else {
-    const Philox4 d = dropout_draws(c.seed0, c.seed1, c.philox_batch, static_cast<uint32_t>(h),
-                                    static_cast<uint32_t>(row_a), static_cast<uint32_t>(col0 >> 2));
-#pragma unroll
-    for (int e = 0; e < 4; ++e) words[e] = d.x[e];
-  }
-#pragma unroll
-  for (int e = 0; e < 4; ++e) f[e] = words[e] >= p.dropout_threshold ? p.dropout_scale : 0.0f;
-}
-
 // Word w (0 .. 3, known at run time: a lane's place in its group) of a counter's draws, by
 // two levels of selects: indexing d.x would put it in local memory, and a compare chain
 // compiles to divergent branches around every shuffle that uses it.
@@ -191,24 +160,75 @@ __device__ __forceinline__ uint32_t draw_word(const Philox4& d, int w) {
   return (w & 2) ? high : low;
 }
 
-// Which elements of a backward's transposed fragment tile are kept (bit e: element e): rows
-// are keys, columns queries (tile n of `at`, whose first row is a multiple of 4). The four
-// keys of a Philox counter (philox.h: (j / 4, i, h, b)) sit in the four lanes of a quad,
-// kRowLaneStride apart, and each of those lanes needs one draw of each of four counters (its
-// elements' queries and key groups): lane k of the quad (k = lane / kRowLaneStride % 4)
-// draws the counter of its element k, whose word k' is the draw for the quad's lane k', and
-// a 4 x 4 transpose over the quad (three shuffles) hands each lane its word of every
-// counter: one Philox call a lane and tile instead of one per element.
+// The dropout bits (bit 4 t + e: element e of tile n + t kept) of a lane's elements in two
+// adjacent accumulator tiles n, n + 1 of `kv`, whose rows are queries and columns keys. A
+// Philox counter holds the eight 16-bit draws of eight keys of one row (philox.h), the keys
+// of one tile. One counter a lane for the two tiles:
+//   NVIDIA: the four lanes l ^ m (m = 0 .. 3) hold the same two rows (row(0), row(2)), word
+//     l % 4 (keys 2 (l % 4), + 1) of each counter; lane q = l % 4 draws counter #q (row
+//     q / 2, tile n + q % 2) and a 4 x 4 shuffle transpose hands each lane its word of all four.
+//   AMD: lanes l and l ^ 32 hold one row, words 2 h, 2 h + 1 (h = l / 32) of each counter;
+//     lane h draws tile n + h and the pair swaps the other half.
+__device__ __forceinline__ uint32_t dropout_kept_pair(const AttentionParams& p, const HeadContext& c, int64_t h,
+                                                      FragmentCoords kv, int n) {
+  uint32_t kept = 0;
+  if constexpr (kLaneRows == 2) {
+    const int q = kv.lane % 4;
+    const Philox4 d = dropout_draws(c.seed0, c.seed1, c.philox_batch, static_cast<uint32_t>(h),
+                                    static_cast<uint32_t>(kv.row(2 * (q / 2))),
+                                    static_cast<uint32_t>(kv.col(n + q % 2, 0) / kDrawsPerCounter));
+    uint32_t from[4];  // from[m]: word q of counter #(q ^ m)
+    from[0] = draw_word(d, q);
+#pragma unroll
+    for (int m = 1; m < 4; ++m) from[m] = warp_shfl_xor(draw_word(d, q ^ m), m);
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int k = q ^ m;  // counter #k: elements 2 (k / 2), + 1 of tile n + k % 2
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        kept |= static_cast<uint32_t>(draw16(from[m], half) >= p.dropout_threshold) << (4 * (k % 2) + 2 * (k / 2) + half);
+      }
+    }
+  } else {
+    const int half = kv.lane / 32;
+    const Philox4 d = dropout_draws(c.seed0, c.seed1, c.philox_batch, static_cast<uint32_t>(h),
+                                    static_cast<uint32_t>(kv.row(0)),
+                                    static_cast<uint32_t>(kv.col(n + half, 0) / kDrawsPerCounter));
+    const uint32_t own[2] = {half ? d.x[2] : d.x[0], half ? d.x[3] : d.x[1]};
+    const uint32_t got[2] = {warp_shfl_xor(half ? d.x[0] : d.x[2], 32), warp_shfl_xor(half ? d.x[1] : d.x[3], 32)};
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const uint32_t w = t == half ? own[e / 2] : got[e / 2];
+        kept |= static_cast<uint32_t>(draw16(w, e % 2) >= p.dropout_threshold) << (4 * t + e);
+      }
+    }
+  }
+  return kept;
+}
+
+// dropout_kept_pair for a backward's transposed fragments: rows are keys, columns queries
+// (tiles n, n + 1 of `at`, whose first row is a multiple of 8). The eight keys of a counter
+// sit in the eight lanes of a group, kRowLaneStride apart (r = lane / kRowLaneStride % 8:
+// the lane's key is r in its block of eight), and the group's elements need eight counters
+// (#(4 t + e): the query of element e of tile n + t, the key block of its row); lane r draws
+// counter #r and an 8 x 8 shuffle transpose (seven shuffles) hands each lane its draw of
+// all eight: one Philox call a lane per two tiles.
 __device__ __forceinline__ uint32_t dropout_kept_transposed(const AttentionParams& p, const HeadContext& c, int64_t h,
                                                             FragmentCoords at, int n) {
-  const int k = (at.lane / kRowLaneStride) % 4;
+  const int r = (at.lane / kRowLaneStride) % 8;
   const Philox4 d = dropout_draws(c.seed0, c.seed1, c.philox_batch, static_cast<uint32_t>(h),
-                                  static_cast<uint32_t>(at.col(n, k)), static_cast<uint32_t>(at.row(k) >> 2));
+                                  static_cast<uint32_t>(at.col(n + r / 4, r % 4)),
+                                  static_cast<uint32_t>(at.row(r % 4) / kDrawsPerCounter));
+  uint32_t from[8];  // from[m]: the word holding draw r of counter #(r ^ m)
+  from[0] = draw_word(d, r / 2);
+#pragma unroll
+  for (int m = 1; m < 8; ++m) from[m] = warp_shfl_xor(draw_word(d, (r ^ m) / 2), m * kRowLaneStride);
   uint32_t kept = 0;
 #pragma unroll
-  for (int m = 0; m < 4; ++m) {  // word k of the counter drawn by lane k ^ m: the draw of element k ^ m
-    const uint32_t draw = m == 0 ? draw_word(d, k) : warp_shfl_xor(draw_word(d, k ^ m), m * kRowLaneStride);
-    kept |= static_cast<uint32_t>(draw >= p.dropout_threshold) << (k ^ m);
+  for (int m = 0; m < 8; ++m) {  // counter #(r ^ m): element e of tile n + t, r ^ m = 4 t + e
+    kept |= static_cast<uint32_t>(draw16(from[m], r % 2) >= p.dropout_threshold) << (r ^ m);
   }
   return kept;
 }

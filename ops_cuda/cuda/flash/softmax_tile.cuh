@@ -156,13 +156,13 @@ __device__ __forceinline__ void softmax_weights(float (&scores)[kN / 8][4], Soft
   }
 #pragma unroll
   for (int r = 0; r < kLaneRows; ++r) state[r].l += combine_parts(partial[r], [](float x, float y) { return x + y; });
+  static_assert(kN % 16 == 0, "dropout bits come two tiles at a time");
   if (kMayDrop && p.dropout) {
 #pragma unroll
-    for (int n = 0; n < kN / 8; ++n) {
-      float f[4];
-      dropout_fragment(p, c, h, kv.row(0), kv.col(n, 0), f);
+    for (int n = 0; n < kN / 8; n += 2) {
+      const uint32_t kept = dropout_kept_pair(p, c, h, kv, n);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) scores[n][e] *= f[e];
+      for (int k = 0; k < 8; ++k) scores[n + k / 4][k % 4] *= (kept >> k) & 1u ? p.dropout_scale : 0.0f;
     }
   }
 }

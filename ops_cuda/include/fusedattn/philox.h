@@ -2,11 +2,12 @@
 //
 // Element (b, h, i, j) of the [b, h, sq, skv] attention weights is kept iff
 //
-//   philox4x32_10(counter = (j / 4, i, h, b), key = (seed0, seed1))[j % 4] >= threshold
+//   draw(philox4x32_10(counter = (j / 8, i, h, b), key = (seed0, seed1)), j % 8) >= threshold
 //
-// with threshold = min(floor(rate * 2^32), 2^32 - 1); kept weights are scaled
-// by 1 / (1 - rate). Host and device builds share this code, so masks match
-// bit for bit across the XLA backend, the host build and the device kernels.
+// where draw(x, s) = (x[s / 2] >> 16 (s % 2)) & 0xffff (eight 16-bit draws a counter) and
+// threshold = min(floor(rate * 2^16), 2^16 - 1); kept weights are scaled by 1 / (1 - rate).
+// Host and device builds share this code, so masks match bit for bit across the XLA
+// backend, the host build and the device kernels.
 #ifndef FUSEDATTN_PHILOX_H_
 #define FUSEDATTN_PHILOX_H_
 
@@ -63,25 +64,34 @@ FA_HOST_DEVICE FA_INLINE Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_
   return out;
 }
 
-// The uint32 below which a draw drops its element: min(floor(rate * 2^32), 2^32 - 1).
+// The draws of one counter: keys 8 (j / 8) .. 8 (j / 8) + 7 of a row.
+constexpr int kDrawsPerCounter = 8;
+
+// The value below which a draw drops its element: min(floor(rate * 2^16), 2^16 - 1).
 // `rate` is a double so that it equals Python's keep_threshold(rate) exactly.
 FA_HOST_DEVICE FA_INLINE uint32_t dropout_threshold(double rate) {
   if (!(rate > 0.0)) return 0u;
-  const double t = floor(rate * 4294967296.0);
-  return t >= 4294967295.0 ? 0xffffffffu : static_cast<uint32_t>(t);
+  const double t = floor(rate * 65536.0);
+  return t >= 65535.0 ? 0xffffu : static_cast<uint32_t>(t);
 }
 
-// The four draws of one counter: the 4 keys j = 4*(j/4) .. 4*(j/4)+3 of row (b, h, i).
+// The counter of keys 8 (j / 8) .. 8 (j / 8) + 7 of row (b, h, i).
 FA_HOST_DEVICE FA_INLINE Philox4 dropout_draws(uint32_t seed0, uint32_t seed1, uint32_t b, uint32_t h,
-                                               uint32_t i, uint32_t j_div_4) {
-  return philox4x32_10(j_div_4, i, h, b, seed0, seed1);
+                                               uint32_t i, uint32_t j_div_8) {
+  return philox4x32_10(j_div_8, i, h, b, seed0, seed1);
+}
+
+// Draw `slot` (0 .. 7: key 8 (j / 8) + slot) of a counter: the 16-bit halves of its words.
+FA_HOST_DEVICE FA_INLINE uint32_t draw16(uint32_t word, int half) { return (word >> (16 * half)) & 0xffffu; }
+FA_HOST_DEVICE FA_INLINE uint32_t draw16(const Philox4& draws, int slot) {
+  return draw16(draws.x[slot / 2], slot % 2);
 }
 
 // Whether element (b, h, i, j) is kept.
 FA_HOST_DEVICE FA_INLINE bool dropout_keep(uint32_t seed0, uint32_t seed1, uint32_t threshold,
                                            uint32_t b, uint32_t h, uint32_t i, uint32_t j) {
-  const Philox4 draws = dropout_draws(seed0, seed1, b, h, i, j >> 2);
-  return draws.x[j & 3u] >= threshold;
+  const Philox4 draws = dropout_draws(seed0, seed1, b, h, i, j >> 3);
+  return draw16(draws, static_cast<int>(j & 7u)) >= threshold;
 }
 
 }  // namespace fusedattn

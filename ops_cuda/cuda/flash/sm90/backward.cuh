@@ -415,8 +415,9 @@ __device__ __forceinline__ void tile_operands(const FlashArgs& a, const Control*
   if constexpr (kDropout) {
     const HeadContext c = context();
     uint32_t kept = 0;
+    static_assert(kCols % 16 == 0, "dropout bits come two tiles at a time");
 #pragma unroll
-    for (int n = 0; n < kCols / 8; ++n) kept |= dropout_kept_transposed(p, c, h, qc, n) << (4 * n);
+    for (int n = 0; n < kCols / 8; n += 2) kept |= dropout_kept_transposed(p, c, h, qc, n) << (4 * n);
 #pragma unroll
     for (int n = 0; n < kCols / 8; ++n) {
       const float2 row_delta = pair_at(delta + 8 * n);
