@@ -53,7 +53,7 @@ DESCRIPTIONS: dict[str, tuple[str | None, str]] = {
     "softmax": (None, '"off_by_one" adds 1 to the denominator, "learnable" adds exp(offset[h]) '
                       "(`softmax_offset`, float32 [h])"),
     "dropout_rate": ("[0, 1)", "dropout on the attention probabilities when training (one Philox "
-                               "stream: equal masks on every backend)"),
+                               "stream: equal masks on every backend; applied in steps of 2^-16)"),
     "scale": ("float or None", "None = 1/sqrt(head_dim)"),
     "window_size": ("(left, right) inclusive, -1 unbounded",
                     "sliding window, measured from the mask's diagonal"),
