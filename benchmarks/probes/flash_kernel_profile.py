@@ -2,7 +2,8 @@
 each, after a warm-up call, at one shape, for a kernel profiler to attach to (e.g. `ncu
 --kernel-name regex:flash -c 4 python benchmarks/probes/flash_kernel_profile.py`). bf16,
 random normal inputs. `--impl fa3` runs FlashAttention-3 (flash_attn3_jax), so that its
-kernels are profiled the same way (scripts/flash_profile.sh with PEER=fa3).
+kernels are profiled the same way (scripts/flash_profile.sh with PEER=fa3); `--impl
+flash_dropout` runs the flash backend with dropout 0.1.
 
     python benchmarks/probes/flash_kernel_profile.py --shape 4,2048,16,16,128 --causal
 """
@@ -25,7 +26,7 @@ def main():
     parser.add_argument("--impl", default="flash", help="an impl of benchmarks/flash.py (flash, cudnn, fa3, ...)")
     args = parser.parse_args()
     b, s, h, h_kv, d = (int(x) for x in args.shape.split(","))
-    table = impls(args.causal, d, dropout=False)
+    table = impls(args.causal, d, dropout=True)  # flash_dropout and cudnn_dropout too
     if args.impl not in table:
         raise SystemExit(f"--impl: {args.impl!r} is not an impl of benchmarks/flash.py at head dim {d}; "
                          f"choose from {sorted(table)}")
