@@ -51,6 +51,7 @@ def test_phases_of_a_regular_run():
         "q_load": CONSUMER[1] - PRODUCER[3],
         "first_tile": CONSUMER[2] - CONSUMER[1],
         "producer_setup": PRODUCER[1] - PRODUCER[0],
+        "k_lead": CONSUMER[1] - PRODUCER[1],
     }
 
 

@@ -51,6 +51,9 @@ PHASES = {
                    lambda P, C0, C1, p, c0, c1: C0[2] - C0[1]),
     "producer_setup": ("producer: item taken -> first K issued",
                        lambda P, C0, C1, p, c0, c1: P[1] - P[0]),
+    "k_lead": ("producer's first K issued -> warpgroup 0's Q landed (negative: the consumers reach "
+               "the item before its first K is on its way, and wait for it)",
+               lambda P, C0, C1, p, c0, c1: C0[1] - P[1]),
 }
 
 
