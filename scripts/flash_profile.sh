@@ -9,7 +9,8 @@
 # scheduler 0 with one warp of each consumer warpgroup).
 # PEER=fa3 profiles FlashAttention-3's kernels (flash_attn3_jax) at the same shapes instead
 # (its forward and main backward kernel; the reports are then ncu_fa3_<shape>.txt).
-#   usage: [KERNELS=forward|backward] [PEER=fa3] bash scripts/flash_profile.sh ["b,s,h,h_kv,d[,causal]" ...]
+# IMPL names another impl of benchmarks/probes/flash_kernel_profile.py (e.g. flash_dropout).
+#   usage: [KERNELS=forward|backward] [PEER=fa3] [IMPL=flash_dropout] bash scripts/flash_profile.sh ["b,s,h,h_kv,d[,causal]" ...]
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"
 lib=$(find build -name libfusedattn_cuda.so | head -1)
@@ -40,7 +41,7 @@ for shape in "${shapes[@]}"; do
     backward) kernels=backward; fa3=Bwd; skip=1; count=1 ;;
     *) kernels="(forward|backward)"; fa3="(Fwd|Bwd)"; skip=4; count=2 ;;
   esac
-  regex="sm90::${kernels}_kernel" impl=flash
+  regex="sm90::${kernels}_kernel" impl=${IMPL:-flash}
   [ "${PEER:-}" = fa3 ] && regex="FlashAttn${fa3}Sm90" impl=fa3
   timeout 300 ncu --clock-control none --kernel-name-base demangled --kernel-name regex:"$regex" \
     --launch-skip $skip -c $count \

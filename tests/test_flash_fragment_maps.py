@@ -291,6 +291,39 @@ def test_dropout_pairs_reach_their_elements(maps):
                 assert col % 8 == 2 * (2 * half + e // 2) + e % 2  # word 2 half + e / 2
 
 
+def test_packed_dropout_flags_reach_their_elements(maps):
+    """dropout_flags_pair and drop_packed (params.cuh, the sm90 forward) emulated bit by bit:
+    lane q = l % 4 of a quad puts the flag of draw 2 w + half of its counter #q at bit
+    16 half + 15 - w - 4 q, the quad ORs its lanes' words, and drop_packed shifts the word left
+    by q + 4 k (k = 2 (j % 2) + j / 2: the counter of packed register j) and reads bits 15 and
+    31 for the register's low and high element. Each (register, half) must read the flag of
+    its own element: the counter of its row and 8-key block, the draw of its key's place."""
+    _, _, _, _, nv = _fragment(maps, "nv")
+    for lane in range(32):
+        quad = [lane - lane % 4 + q for q in range(4)]
+        # word: bit -> (source lane, draw slot) of the flag the quad's OR puts there
+        word = {}
+        for source in quad:
+            q = source % 4
+            for w in range(4):
+                for half in range(2):
+                    bit = 16 * half + 15 - w - 4 * q
+                    assert 0 <= bit < 32 and bit not in word
+                    word[bit] = (source, 2 * w + half)
+        for j in range(4):
+            t, elements = j // 2, (2 * (j % 2), 2 * (j % 2) + 1)  # pack order: tile n + j / 2
+            k = 2 * (j % 2) + j // 2
+            shift = lane % 4 + 4 * k
+            for half, e in enumerate(elements):
+                source, slot = word[15 + 16 * half - shift]
+                sq = source % 4  # the counter that source draws: row 2 (sq / 2), tile n + sq % 2
+                drawn_row = nv[source, 2 * (sq // 2)][0]
+                drawn_block = (nv[source, 0][1] + 8 * (sq % 2)) // 8
+                row, col = nv[lane, e][0], nv[lane, e][1] + 8 * t
+                assert (drawn_row, drawn_block) == (row, col // 8)
+                assert slot == col % 8
+
+
 @pytest.mark.parametrize("platform", ["nv", "amd"])
 def test_transposed_dropout_draws_reach_their_elements(maps, platform):
     """dropout_kept_transposed (params.cuh) on the backward's transposed fragments (rows: keys,

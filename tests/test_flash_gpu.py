@@ -132,15 +132,17 @@ def test_grouped_query_attention(rng, h, h_kv):
     check(rng, make_spec("padding_causal"), args)
 
 
+@pytest.mark.parametrize("rate", [0.3, 0.7])
 @pytest.mark.parametrize("d", HEAD_DIMS)
 @pytest.mark.parametrize("kind,window", [("causal", (-1, -1)), ("packed", (-1, -1)),
                                          ("no_mask", (40, 7))])
-def test_dropout_masks_match_the_shared_philox(rng, d, kind, window):
-    """The reference draws its mask with the jnp Philox; a single differing key fails."""
+def test_dropout_masks_match_the_shared_philox(rng, d, kind, window, rate):
+    """The reference draws its mask with the jnp Philox; a single differing key fails. A rate
+    above 0.5 puts the 16-bit threshold's top bit on (kept_top_bits' other case)."""
     args = make_args(rng, b=2, sq=97, skv=133, h=4, h_kv=2, d=d, dtype=jnp.bfloat16, kind=kind,
                      seed=rng.integers(0, 2**32, 2, dtype=np.uint64).astype(np.uint32),
                      softmax="learnable")
-    check(rng, make_spec(kind, "learnable", window, dropout_rate=0.3), args)
+    check(rng, make_spec(kind, "learnable", window, dropout_rate=rate), args)
 
 
 def test_backward_is_bitwise_deterministic_on_request(rng):

@@ -11,6 +11,10 @@ Both are compared with the jnp definition in fusedattn/ops/philox.py.
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,6 +95,23 @@ def test_host_philox_matches_jnp_on_random_words():
     want = np.stack([np.asarray(w) for w in philox.philox4x32(
         tuple(counters.T), tuple(keys.T))], axis=-1)
     np.testing.assert_array_equal(got, want)
+
+
+def test_kept_top_bits_match_draw_comparisons(tmp_path):
+    """kept_top_bits (philox.h), the sm90 forward's compare of a word's two draws at once,
+    equals draw16(word, half) >= threshold for every draw value in both halves, at thresholds
+    around the top-bit boundary (0x7fff, 0x8000), the extremes and pseudo-random ones."""
+    root = Path(__file__).resolve().parents[1]
+    compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        pytest.fail("no host C++ compiler (c++, g++ or clang++) on the PATH to build the check")
+    binary = tmp_path / "kept_bits"
+    subprocess.run([compiler, "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", f"-I{root / 'ops_cuda/include'}",
+                    str(root / "tests" / "philox_kept_bits.cc"), "-o", str(binary)], check=True)
+    checked, mismatches = map(int, subprocess.run([str(binary)], check=True, capture_output=True,
+                                                   text=True).stdout.split())
+    assert checked == 96 * 65536 * 2
+    assert mismatches == 0
 
 
 def test_keep_threshold():

@@ -208,6 +208,47 @@ __device__ __forceinline__ uint32_t dropout_kept_pair(const AttentionParams& p, 
   return kept;
 }
 
+#if !defined(__HIPCC__)
+// Dropout for weights packed two to a register, as the A operand of O += P V (mma.cuh's
+// pack order: register j of the tile pair n, n + 1 holds elements 2 (j % 2), + 1 of tile
+// n + j / 2, the draws 2 (l % 4), + 1 of counter #(2 (j % 2) + j / 2) below, low half
+// first). NVIDIA fragments only (the sm90 forward).
+//
+// The flags of a lane's elements in tiles n, n + 1 of `kv` (rows: queries, columns: keys),
+// one word: lane q = l % 4 of a quad draws counter #q (row 2 (q / 2) of the lane's rows, tile
+// n + q % 2, as dropout_kept_pair), compares its eight draws at once (kept_top_bits) and
+// puts draw 2 w + half of counter #k at bit 16 half + 15 - w - 4 k; three shuffles give the
+// quad's lanes each other's flags.
+__device__ __forceinline__ uint32_t dropout_flags_pair(const AttentionParams& p, const HeadContext& c, int64_t h,
+                                                       FragmentCoords kv, int n) {
+  const int q = kv.lane % 4;
+  // kv.col0 is a multiple of 8 and the lane's columns of a tile are within its 8: the
+  // counter's key block in 32 bits.
+  const Philox4 d = dropout_draws(c.seed0, c.seed1, c.philox_batch, static_cast<uint32_t>(h),
+                                  static_cast<uint32_t>(kv.row(2 * (q / 2))),
+                                  static_cast<uint32_t>(kv.col0) / kDrawsPerCounter + n + q % 2);
+  uint32_t own = 0;
+#pragma unroll
+  for (int w = 0; w < 4; ++w) own |= (kept_top_bits(d.x[w], p.dropout_threshold) & 0x80008000u) >> w;
+  own >>= 4 * q;
+  uint32_t flags = own;
+#pragma unroll
+  for (int m = 1; m < 4; ++m) flags |= warp_shfl_xor(own, m);
+  return flags;
+}
+
+// Register j of a tile pair's packed weights with its dropped elements zeroed (flags:
+// dropout_flags_pair's; the kept ones keep their value, the scale 1 / (1 - rate) is the
+// caller's).
+__device__ __forceinline__ uint32_t drop_packed(uint32_t weights, uint32_t flags, int lane, int j) {
+  // The lane's two flags to bits 15 and 31, each then spread over its half.
+  const uint32_t tops = flags << (lane % 4 + 4 * (2 * (j % 2) + j / 2));
+  uint32_t halves;
+  asm("prmt.b32 %0, %1, 0, 0xbb99;" : "=r"(halves) : "r"(tops));  // bytes 0-1: bit 15's sign, 2-3: bit 31's
+  return weights & halves;
+}
+#endif  // !__HIPCC__
+
 // dropout_kept_pair for a backward's transposed fragments: rows are keys, columns queries
 // (tiles n, n + 1 of `at`, whose first row is a multiple of 8). The eight keys of a counter
 // sit in the eight lanes of a group, kRowLaneStride apart (r = lane / kRowLaneStride % 8:

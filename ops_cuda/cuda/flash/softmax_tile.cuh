@@ -90,8 +90,8 @@ __device__ __forceinline__ bool move_stale_maxima(SoftmaxState (&state)[kLaneRow
 // after_max(moved) runs once the maxima and factors are known, before the weights are
 // computed (the sm90 forward waits there for the product that still reads the previous
 // weights, so that the rescale of O and the packing of the weights can interleave with the
-// exponentials). kMayDrop = false: a kernel instance for calls without dropout (no branch
-// after the exponentials).
+// exponentials). kMayDrop = false: no dropout here (a kernel instance for calls without
+// it, or the sm90 forward, which drops its packed weights by dropout_flags_pair's flags).
 struct NoStep {
   __device__ __forceinline__ void operator()(bool) const {}
 };

@@ -87,6 +87,18 @@ FA_HOST_DEVICE FA_INLINE uint32_t draw16(const Philox4& draws, int slot) {
   return draw16(draws.x[slot / 2], slot % 2);
 }
 
+// The keep flags of a word's two draws, SIMD within the word: bit 15 is set iff the low
+// draw (draw16(word, 0)) >= threshold, bit 31 iff the high one is; the other bits are
+// garbage. Both draws' low 15 bits are compared by one addition (x + 2^15 - t has bit 15
+// set iff x >= t; no carry crosses into the high draw), their top bits by the majority of
+// (draw, that sum, the complement of the threshold's top bit).
+FA_HOST_DEVICE FA_INLINE uint32_t kept_top_bits(uint32_t word, uint32_t threshold) {
+  constexpr uint32_t kTops = 0x80008000u;
+  const uint32_t sum = (word & ~kTops) + (0x8000u - (threshold & 0x7fffu)) * 0x10001u;
+  const uint32_t below = threshold & 0x8000u ? 0u : kTops;  // the threshold's top bit clear
+  return (word & sum) | ((word | sum) & below);
+}
+
 // Whether element (b, h, i, j) is kept.
 FA_HOST_DEVICE FA_INLINE bool dropout_keep(uint32_t seed0, uint32_t seed1, uint32_t threshold,
                                            uint32_t b, uint32_t h, uint32_t i, uint32_t j) {
