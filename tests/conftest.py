@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
 import zlib
+from pathlib import Path
 
 # On a GPU: XLA's scatter-adds (embedding gradients) use atomics unless asked for
 # determinism, and the trainer's resume test compares losses bitwise. Set before JAX
@@ -86,6 +89,18 @@ def poison_like(*arrays, copies: int = 4) -> None:
     jax.block_until_ready(poison)
     for x in poison:
         x.delete()
+
+
+def run_host_program(source: Path, build_dir: Path, include_dirs) -> str:
+    """Builds the C++17 program `source` (-Wall -Wextra -Werror, -O2) with the host C++
+    compiler into build_dir, runs it and returns its standard output."""
+    compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        pytest.fail(f"no host C++ compiler (c++, g++ or clang++) on the PATH to build {source.name}")
+    binary = build_dir / source.stem
+    subprocess.run([compiler, "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror",
+                    *(f"-I{d}" for d in include_dirs), str(source), "-o", str(binary)], check=True)
+    return subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout
 
 
 def make_config(**overrides):

@@ -23,13 +23,12 @@ So the index math that runs on AMD is exercised here, although it has never run 
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_host_program
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "tests" / "flash_fragment_maps.cc"
@@ -38,13 +37,8 @@ SOURCE = ROOT / "tests" / "flash_fragment_maps.cc"
 @pytest.fixture(scope="module")
 def maps(tmp_path_factory):
     """{(platform, kind): {key tuple: value tuple}} and {platform: constants} of the host program."""
-    compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    if compiler is None:
-        pytest.fail("no host C++ compiler (c++, g++ or clang++) on the PATH to build the map dump")
-    binary = tmp_path_factory.mktemp("fragment_maps") / "dump"
-    subprocess.run([compiler, "-std=c++17", "-Wall", "-Wextra", "-Werror", f"-I{ROOT / 'ops_cuda/include'}",
-                    f"-I{ROOT / 'ops_cuda/cuda/flash'}", str(SOURCE), "-o", str(binary)], check=True)
-    out = subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout
+    out = run_host_program(SOURCE, tmp_path_factory.mktemp("fragment_maps"),
+                           [ROOT / "ops_cuda/include", ROOT / "ops_cuda/cuda/flash"])
     tables: dict = defaultdict(dict)
     consts = {}
     key_sizes = {"c": 2, "a": 3, "b": 3, "frag": 2, "item": 2}

@@ -11,8 +11,6 @@ Both are compared with the jnp definition in fusedattn/ops/philox.py.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
 import jax
@@ -20,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import run_host_program
 from fusedattn.ops import _library, philox
 
 # Random123's kat_vectors for philox4x32 with 10 rounds: (counter, key, expected).
@@ -102,14 +101,8 @@ def test_kept_top_bits_match_draw_comparisons(tmp_path):
     equals draw16(word, half) >= threshold for every draw value in both halves, at thresholds
     around the top-bit boundary (0x7fff, 0x8000), the extremes and pseudo-random ones."""
     root = Path(__file__).resolve().parents[1]
-    compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    if compiler is None:
-        pytest.fail("no host C++ compiler (c++, g++ or clang++) on the PATH to build the check")
-    binary = tmp_path / "kept_bits"
-    subprocess.run([compiler, "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", f"-I{root / 'ops_cuda/include'}",
-                    str(root / "tests" / "philox_kept_bits.cc"), "-o", str(binary)], check=True)
-    checked, mismatches = map(int, subprocess.run([str(binary)], check=True, capture_output=True,
-                                                   text=True).stdout.split())
+    out = run_host_program(root / "tests" / "philox_kept_bits.cc", tmp_path, [root / "ops_cuda/include"])
+    checked, mismatches = map(int, out.split())
     assert checked == 96 * 65536 * 2
     assert mismatches == 0
 

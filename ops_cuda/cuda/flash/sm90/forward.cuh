@@ -384,7 +384,7 @@ __device__ __forceinline__ void consume_item(const FlashArgs& a, const CUtensorM
   // rescaled after `retire` has waited for the product in flight. With dropout the packed
   // weights are dropped by dropout_flags_pair's flags (the scale 1 / (1 - rate) is the
   // denominators'). Drawn here, after the exponentials: drawn before the wait for S instead,
-  // the forward took 1.13-1.16x longer (session 23).
+  // the forward took 1.13-1.25x longer (session 23).
   const auto soften = [&](int s, int t, bool full, float (&scores)[T::kN / 8][4], auto retire) {
     fence_accumulators(scores);
     const FragmentCoords kv{at.row0, static_cast<int64_t>(t) * T::kN, at.lane};
