@@ -99,12 +99,17 @@ def test_host_philox_matches_jnp_on_random_words():
 def test_kept_top_bits_match_draw_comparisons(tmp_path):
     """kept_top_bits (philox.h), the sm90 forward's compare of a word's two draws at once,
     equals draw16(word, half) >= threshold for every draw value in both halves, at thresholds
-    around the top-bit boundary (0x7fff, 0x8000), the extremes and pseudo-random ones."""
+    around the top-bit boundary (0x7fff, 0x8000), the extremes and pseudo-random ones; so do
+    kept_byte's gathered flags, and transpose_step transposes eight lanes' flag bytes."""
     root = Path(__file__).resolve().parents[1]
     out = run_host_program(root / "tests" / "philox_kept_bits.cc", tmp_path, [root / "ops_cuda/include"])
-    checked, mismatches = map(int, out.split())
+    lines = out.splitlines()
+    checked, mismatches = map(int, lines[0].split())
     assert checked == 96 * 65536 * 2
     assert mismatches == 0
+    # kept_byte and transpose_step (the sm90 backward's dropout flags): none differs.
+    assert lines[1].split() == ["byte", str(20000 * 8), "0"], out
+    assert lines[2].split() == ["transpose", "20000", "0"], out
 
 
 def test_keep_threshold():

@@ -254,7 +254,8 @@ __device__ __forceinline__ uint32_t drop_packed(uint32_t weights, uint32_t flags
 // sit in the eight lanes of a group, kRowLaneStride apart (r = lane / kRowLaneStride % 8:
 // the lane's key is r in its block of eight), and the group's elements need eight counters
 // (#(4 t + e): the query of element e of tile n + t, the key block of its row); lane r draws
-// counter #r and an 8 x 8 shuffle transpose (seven shuffles) hands each lane its draw of
+// counter #r, compares its eight draws at once (kept_byte: row r of the group's 8 x 8 flags)
+// and three shuffles transpose the flags (transpose_step), so that lane r holds draw r of
 // all eight: one Philox call a lane per two tiles.
 __device__ __forceinline__ uint32_t dropout_kept_transposed(const AttentionParams& p, const HeadContext& c, int64_t h,
                                                             FragmentCoords at, int n) {
@@ -262,16 +263,12 @@ __device__ __forceinline__ uint32_t dropout_kept_transposed(const AttentionParam
   const Philox4 d = dropout_draws(c.seed0, c.seed1, c.philox_batch, static_cast<uint32_t>(h),
                                   static_cast<uint32_t>(at.col(n + r / 4, r % 4)),
                                   static_cast<uint32_t>(at.row(r % 4) / kDrawsPerCounter));
-  uint32_t from[8];  // from[m]: the word holding draw r of counter #(r ^ m)
-  from[0] = draw_word(d, r / 2);
+  uint32_t kept = kept_byte(d, p.dropout_threshold);
 #pragma unroll
-  for (int m = 1; m < 8; ++m) from[m] = warp_shfl_xor(draw_word(d, (r ^ m) / 2), m * kRowLaneStride);
-  uint32_t kept = 0;
-#pragma unroll
-  for (int m = 0; m < 8; ++m) {  // counter #(r ^ m): element e of tile n + t, r ^ m = 4 t + e
-    kept |= static_cast<uint32_t>(draw16(from[m], r % 2) >= p.dropout_threshold) << (r ^ m);
+  for (int span = 4; span > 0; span /= 2) {
+    kept = transpose_step(kept, warp_shfl_xor(kept, span * kRowLaneStride), r, span);
   }
-  return kept;
+  return kept;  // bit 4 t + e: element e of tile n + t
 }
 
 constexpr float kLog2e = 1.4426950408889634f;

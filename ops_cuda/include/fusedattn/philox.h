@@ -99,6 +99,27 @@ FA_HOST_DEVICE FA_INLINE uint32_t kept_top_bits(uint32_t word, uint32_t threshol
   return (word & sum) | ((word | sum) & below);
 }
 
+// The keep flags of a counter's eight draws as one byte: bit j set iff draw16(draws, j) >=
+// threshold (kept_top_bits' flags, gathered).
+FA_HOST_DEVICE FA_INLINE uint32_t kept_byte(const Philox4& draws, uint32_t threshold) {
+  uint32_t byte = 0;
+  for (int w = 0; w < 4; ++w) {
+    const uint32_t tops = kept_top_bits(draws.x[w], threshold);
+    byte |= (((tops >> 15) & 1u) << (2 * w)) | ((tops >> 31) << (2 * w + 1));
+  }
+  return byte;
+}
+
+// One step of the transpose of an 8 x 8 bit matrix held a row (a byte) per lane by eight
+// lanes r = 0 .. 7: lane r, given the row of lane r ^ span as `other`, swaps the off-diagonal
+// span x span blocks (its bits j with (j & span) != (r & span) become the partner's bits
+// j ^ span). Steps with span 4, 2 and 1 leave column r in lane r.
+FA_HOST_DEVICE FA_INLINE uint32_t transpose_step(uint32_t row, uint32_t other, int r, int span) {
+  const uint32_t same = span == 4 ? 0x0fu : span == 2 ? 0x33u : 0x55u;  // columns j with (j & span) == 0
+  const uint32_t high = ~same & 0xffu;
+  return (r & span) ? (row & high) | ((other & high) >> span) : (row & same) | ((other & same) << span);
+}
+
 // Whether element (b, h, i, j) is kept.
 FA_HOST_DEVICE FA_INLINE bool dropout_keep(uint32_t seed0, uint32_t seed1, uint32_t threshold,
                                            uint32_t b, uint32_t h, uint32_t i, uint32_t j) {
